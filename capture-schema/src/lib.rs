@@ -1,0 +1,34 @@
+//! tokentap's wire formats as data: the capture record written for every model call, the
+//! canonical chat request it contains, NDJSON framing, and JSON Schema export for consumers
+//! outside Rust. No I/O, no async.
+
+pub mod chat;
+pub mod ndjson;
+pub mod record;
+
+pub use chat::*;
+pub use record::*;
+
+/// The JSON Schema (draft 07) of [`CaptureRecord`], for consumers outside Rust.
+pub fn capture_record_json_schema() -> serde_json::Value {
+    let schema = schemars::schema_for!(CaptureRecord);
+    serde_json::to_value(schema).expect("a schema always serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The committed schema file must match the types; regenerate with
+    /// `tokentap schema > capture-schema/capture-record.schema.json`.
+    #[test]
+    fn committed_json_schema_is_current() {
+        let committed: serde_json::Value =
+            serde_json::from_str(include_str!("../capture-record.schema.json")).unwrap();
+        assert_eq!(
+            committed,
+            capture_record_json_schema(),
+            "capture-record.schema.json is stale: run `tokentap schema > capture-schema/capture-record.schema.json`"
+        );
+    }
+}

@@ -1,0 +1,648 @@
+//! The capture service: a Pingora HTTP application that answers harnesses itself.
+//!
+//! A model call's life, top to bottom in [`CaptureService::handle_call`]: identify the session,
+//! read the body, parse the provider request, prepare the backend request, generate, answer in
+//! the provider's shape (streamed or whole), and record what happened — on every path,
+//! including failures, so nothing already captured is lost.
+
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use futures::StreamExt;
+use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
+use pingora::http::ResponseHeader;
+use pingora::protocols::http::ServerSession;
+use pingora::server::ShutdownWatch;
+use serde_json::json;
+use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, WireApi};
+
+use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
+use crate::canonical::{GenerationAccumulator, GenerationEvent};
+use crate::capture::{CallCapture, RecordSink};
+use crate::metrics::Metrics;
+use crate::redact;
+use crate::session::{self, SessionCounters, SessionHints, SESSION_HEADER};
+use crate::wire::{chat_completions::ChatCompletions, CallError, ResponseMeta, WireCodec};
+
+/// Proxy behaviour that is policy, not mechanism.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Largest accepted request body.
+    pub max_body_bytes: usize,
+    /// Call the backend non-streaming and play its answer back as a stream.
+    pub synthetic_stream: bool,
+    /// Model name sent to the backend instead of the harness's (engines serve one name).
+    pub backend_model: Option<String>,
+    /// Policy (weights) version recorded with each call.
+    pub policy_version: Option<String>,
+}
+
+impl Default for ProxyConfig {
+    fn default() -> Self {
+        ProxyConfig {
+            max_body_bytes: 32 << 20,
+            synthetic_stream: false,
+            backend_model: None,
+            policy_version: None,
+        }
+    }
+}
+
+/// What a request path leads to.
+enum Route {
+    Call(&'static dyn WireCodec),
+    Models,
+    Health,
+    Metrics,
+    NotFound,
+}
+
+static CHAT_COMPLETIONS: ChatCompletions = ChatCompletions;
+
+/// Splits an optional `/s/{session}` prefix off `path` and picks the route.
+fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
+    let (session, rest) = match path.strip_prefix("/s/") {
+        Some(after) => match after.split_once('/') {
+            Some((s, rest)) => (Some(s), &after[s.len()..][..rest.len() + 1]),
+            None => (Some(after), ""),
+        },
+        None => (None, path),
+    };
+    let rest = rest.trim_end_matches('/');
+    let r = match (method, rest) {
+        ("POST", "/v1/chat/completions" | "/chat/completions") => Route::Call(&CHAT_COMPLETIONS),
+        ("GET", "/v1/models" | "/models") => Route::Models,
+        ("GET" | "HEAD", "/health" | "/healthz") => Route::Health,
+        ("GET", "/metrics") => Route::Metrics,
+        _ => Route::NotFound,
+    };
+    (r, session)
+}
+
+pub struct CaptureService {
+    config: ProxyConfig,
+    backend: Arc<dyn Backend>,
+    sink: RecordSink,
+    metrics: Arc<Metrics>,
+    sessions: SessionCounters,
+}
+
+#[async_trait]
+impl HttpServerApp for CaptureService {
+    async fn process_new_http(
+        self: &Arc<Self>,
+        mut http: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        match http.read_request().await {
+            Ok(true) => {}
+            Ok(false) => return None,
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a request head failed");
+                return None;
+            }
+        }
+        http.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        if !self.serve(&mut http).await {
+            return None;
+        }
+        let settings = HttpPersistentSettings::for_session(&http);
+        match http.finish().await {
+            Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),
+            Err(_) => None,
+        }
+    }
+}
+
+impl CaptureService {
+    pub fn new(
+        config: ProxyConfig,
+        backend: Arc<dyn Backend>,
+        sink: RecordSink,
+        metrics: Arc<Metrics>,
+    ) -> Self {
+        CaptureService {
+            config,
+            backend,
+            sink,
+            metrics,
+            sessions: SessionCounters::default(),
+        }
+    }
+
+    /// Answers one request; returns whether the connection may be reused.
+    async fn serve(&self, http: &mut ServerSession) -> bool {
+        let method = http.req_header().method.as_str().to_owned();
+        let path = http.req_header().uri.path().to_owned();
+        let (route, path_session) = route(&method, &path);
+        match route {
+            Route::Call(codec) => {
+                self.handle_call(http, codec, path_session.map(str::to_owned))
+                    .await
+            }
+            Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
+            Route::Metrics => {
+                write_body(
+                    http,
+                    200,
+                    "text/plain; version=0.0.4",
+                    self.metrics.render(),
+                )
+                .await
+            }
+            Route::Models => match self.backend.models().await {
+                Ok(models) => write_json(http, 200, &models).await,
+                Err(e) => {
+                    self.write_error(http, &CHAT_COMPLETIONS, &CallError::from(&e))
+                        .await
+                }
+            },
+            Route::NotFound => {
+                let _ = http.drain_request_body().await;
+                self.write_error(
+                    http,
+                    &CHAT_COMPLETIONS,
+                    &CallError::not_found(&method, &path),
+                )
+                .await
+            }
+        }
+    }
+
+    /// One model call, from arrival to record.
+    async fn handle_call(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        path_session: Option<String>,
+    ) -> bool {
+        let mut call = self.begin_call(http, codec.api());
+        self.metrics.inflight.inc();
+        let reusable = self.run_call(http, codec, path_session, &mut call).await;
+        self.metrics.inflight.dec();
+        self.end_call(call).await;
+        reusable
+    }
+
+    fn begin_call(&self, http: &ServerSession, wire_api: WireApi) -> CallCapture {
+        let head = http.req_header();
+        let request = HarnessRequest {
+            method: head.method.as_str().to_owned(),
+            path: head.uri.path().to_owned(),
+            query: head.uri.query().map(redact::query),
+            headers: redact::headers(head.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))),
+            body_bytes: 0,
+            body: None,
+            body_text: None,
+        };
+        CallCapture {
+            record_id: uuid::Uuid::now_v7().to_string(),
+            arrived: Instant::now(),
+            started_at: SystemTime::now(),
+            wire_api,
+            session: None,
+            request,
+            backend_request: None,
+            normalizations: Vec::new(),
+            backend: BackendInfo {
+                kind: self.backend.kind(),
+                url: self.backend.url().to_owned(),
+                model: String::new(),
+                policy_version: self.config.policy_version.clone(),
+                synthetic_stream: self.config.synthetic_stream,
+            },
+            generation: GenerationAccumulator::default(),
+            backend_time: Default::default(),
+            first_content_at: None,
+            response_status: 0,
+            error: None,
+        }
+    }
+
+    async fn run_call(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        path_session: Option<String>,
+        call: &mut CallCapture,
+    ) -> bool {
+        // Identify the session.
+        let head = http.req_header();
+        let header_session = head
+            .headers
+            .get(SESSION_HEADER)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let query_session = head.uri.query().and_then(query_param_session);
+        let api_key = api_key(head);
+        let hints = SessionHints {
+            header: header_session.as_deref(),
+            path_prefix: path_session.as_deref(),
+            query: query_session.as_deref(),
+            api_key: api_key.as_deref(),
+        };
+        let session = match session::attribute(&hints, || format!("call-{}", call.record_id)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = http.drain_request_body().await;
+                return self.fail(http, codec, call, e.into()).await;
+            }
+        };
+        let seq = self.sessions.next_seq(&session);
+        call.session = Some((session, seq));
+
+        // Read the body, within the limit.
+        let body = match read_body(http, self.config.max_body_bytes).await {
+            Ok(b) => b,
+            Err(BodyError::TooLarge) => {
+                let err = CallError::body_too_large(self.config.max_body_bytes);
+                self.fail(http, codec, call, err).await;
+                return false; // the rest of the body is unread: the connection cannot be reused
+            }
+            Err(BodyError::Io(e)) => {
+                call.error = Some(CallError::new(
+                    ErrorKind::ClientDisconnected,
+                    499,
+                    format!("reading the request body: {e}"),
+                ));
+                call.response_status = 499;
+                return false;
+            }
+        };
+        call.request.body_bytes = body.len() as u64;
+        match serde_json::from_slice::<serde_json::Value>(&body) {
+            Ok(v) => call.request.body = Some(redact::body(v)),
+            Err(_) => {
+                let shown = &body[..body.len().min(64 << 10)];
+                call.request.body_text = Some(String::from_utf8_lossy(shown).into_owned());
+            }
+        }
+
+        // Parse the provider request into the canonical one.
+        let parsed = match codec.parse(&body) {
+            Ok(p) => p,
+            Err(e) => return self.fail(http, codec, call, e.into()).await,
+        };
+        let meta = ResponseMeta {
+            id: format!("{}{}", codec.id_prefix(), call.record_id.replace('-', "")),
+            created: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            model: parsed.request.model.clone(),
+        };
+        call.normalizations = parsed.normalizations;
+
+        // Prepare the backend request.
+        let mut request = parsed.request;
+        if let Some(model) = &self.config.backend_model {
+            if &request.model != model {
+                call.normalizations.push(Normalization {
+                    kind: "model_override".into(),
+                    detail: format!("model '{}' sent to the backend as '{model}'", request.model),
+                });
+                request.model = model.clone();
+            }
+        }
+        call.backend.model = request.model.clone();
+        let stream_to_harness = request.stream;
+        let mode = if stream_to_harness && !self.config.synthetic_stream {
+            CallMode::Streaming
+        } else {
+            CallMode::Whole
+        };
+        call.backend_request = Some(request);
+
+        // Generate.
+        let t = Instant::now();
+        let started = self
+            .backend
+            .generate(call.backend_request.as_ref().expect("set above"), mode)
+            .await;
+        call.backend_time += t.elapsed();
+        let events = match started {
+            Ok(events) => events,
+            Err(e) => return self.fail(http, codec, call, CallError::from(&e)).await,
+        };
+
+        // Answer in the provider's shape.
+        match (stream_to_harness, mode) {
+            (true, CallMode::Streaming) => {
+                self.respond_stream(http, codec, meta, parsed.include_usage, events, call)
+                    .await
+            }
+            (true, CallMode::Whole) => {
+                let replay = collect_events(events, call).await;
+                self.respond_stream(
+                    http,
+                    codec,
+                    meta,
+                    parsed.include_usage,
+                    Box::pin(futures::stream::iter(replay)),
+                    call,
+                )
+                .await
+            }
+            (false, _) => self.respond_whole(http, codec, &meta, events, call).await,
+        }
+    }
+
+    async fn respond_whole(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        meta: &ResponseMeta,
+        events: GenerationStream,
+        call: &mut CallCapture,
+    ) -> bool {
+        for event in collect_events(events, call).await {
+            match event {
+                Ok(e) => call.generation.push(&e),
+                Err(e) => return self.fail(http, codec, call, CallError::from(&e)).await,
+            }
+        }
+        let body = codec.render_whole(meta, &call.generation);
+        call.first_content_at = Some(Instant::now());
+        call.response_status = 200;
+        let ok = write_body(http, 200, "application/json", body).await;
+        if !ok {
+            call.error = Some(CallError::new(
+                ErrorKind::ClientDisconnected,
+                499,
+                "the harness went away before the answer was written",
+            ));
+        }
+        ok
+    }
+
+    async fn respond_stream(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        meta: ResponseMeta,
+        include_usage: bool,
+        mut events: GenerationStream,
+        call: &mut CallCapture,
+    ) -> bool {
+        let mut renderer = codec.stream_renderer(meta, include_usage);
+        let mut head = ResponseHeader::build(200, Some(4)).expect("valid status");
+        let _ = head.insert_header("content-type", "text/event-stream");
+        let _ = head.insert_header("cache-control", "no-cache");
+        let _ = head.insert_header("transfer-encoding", "chunked");
+        call.response_status = 200;
+        let mut out = Vec::with_capacity(512);
+        renderer.start(&mut out);
+        if http.write_response_header(Box::new(head)).await.is_err() {
+            return self.client_gone(call);
+        }
+        let mut finished = false;
+        loop {
+            let t = Instant::now();
+            let next = events.next().await;
+            call.backend_time += t.elapsed();
+            let Some(event) = next else { break };
+            match event {
+                Ok(event) => {
+                    call.generation.push(&event);
+                    match &event {
+                        GenerationEvent::Delta(d) if !d.is_empty() => {
+                            renderer.delta(d, &mut out);
+                            call.first_content_at.get_or_insert_with(Instant::now);
+                        }
+                        GenerationEvent::Finished {
+                            finish_reason,
+                            usage,
+                        } => {
+                            renderer.finish(*finish_reason, *usage, &mut out);
+                            finished = true;
+                        }
+                        _ => {}
+                    }
+                }
+                Err(e) => {
+                    let err = CallError::from(&e);
+                    if !finished {
+                        renderer.error(&err, &mut out);
+                    }
+                    call.error = Some(err);
+                    break;
+                }
+            }
+            if !out.is_empty()
+                && http
+                    .write_response_body(Bytes::from(std::mem::take(&mut out)), false)
+                    .await
+                    .is_err()
+            {
+                return self.client_gone(call);
+            }
+        }
+        if http
+            .write_response_body(Bytes::from(out), true)
+            .await
+            .is_err()
+        {
+            return self.client_gone(call);
+        }
+        call.error.is_none()
+    }
+
+    fn client_gone(&self, call: &mut CallCapture) -> bool {
+        call.error = Some(CallError::new(
+            ErrorKind::ClientDisconnected,
+            499,
+            "the harness closed the connection before the answer was complete; generation was cancelled",
+        ));
+        false
+    }
+
+    /// Answers with an error in the provider's shape and notes it on the record.
+    async fn fail(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        call: &mut CallCapture,
+        err: CallError,
+    ) -> bool {
+        call.response_status = err.status;
+        let ok = self.write_error(http, codec, &err).await;
+        call.error = Some(err);
+        ok
+    }
+
+    async fn write_error(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        err: &CallError,
+    ) -> bool {
+        let (status, body) = codec.render_error(err);
+        write_body(http, status, "application/json", body).await
+    }
+
+    async fn end_call(&self, call: CallCapture) {
+        let record = call.into_record();
+        let api = record.wire_api.as_str();
+        let m = &self.metrics;
+        m.calls
+            .with_label_values(&[api, &record.response_status.to_string()])
+            .inc();
+        if let Some(u) = record.usage {
+            m.prompt_tokens
+                .with_label_values(&[api])
+                .inc_by(u.prompt_tokens);
+            m.completion_tokens
+                .with_label_values(&[api])
+                .inc_by(u.completion_tokens);
+        }
+        let t = &record.timings;
+        m.call_seconds
+            .with_label_values(&[api])
+            .observe(t.total_ms / 1000.0);
+        m.backend_seconds
+            .with_label_values(&[api])
+            .observe(t.backend_ms / 1000.0);
+        m.proxy_overhead_seconds
+            .with_label_values(&[api])
+            .observe(t.proxy_overhead_ms / 1000.0);
+        if let Some(ttft) = t.time_to_first_token_ms {
+            m.ttft_seconds
+                .with_label_values(&[api])
+                .observe(ttft / 1000.0);
+        }
+        self.sink.send(record, m).await;
+    }
+}
+
+/// Pulls every event of a generation, timing the wait; an error ends the list.
+async fn collect_events(
+    mut events: GenerationStream,
+    call: &mut CallCapture,
+) -> Vec<Result<GenerationEvent, BackendError>> {
+    let mut all = Vec::new();
+    loop {
+        let t = Instant::now();
+        let next = events.next().await;
+        call.backend_time += t.elapsed();
+        match next {
+            None => break,
+            Some(e) => {
+                let failed = e.is_err();
+                all.push(e);
+                if failed {
+                    break;
+                }
+            }
+        }
+    }
+    all
+}
+
+enum BodyError {
+    TooLarge,
+    Io(String),
+}
+
+async fn read_body(http: &mut ServerSession, limit: usize) -> Result<Vec<u8>, BodyError> {
+    let declared = http
+        .req_header()
+        .headers
+        .get("content-length")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        return Err(BodyError::TooLarge);
+    }
+    let mut body = Vec::with_capacity(declared.unwrap_or(0) as usize);
+    loop {
+        match http.read_request_body().await {
+            Ok(Some(chunk)) => {
+                if body.len() + chunk.len() > limit {
+                    return Err(BodyError::TooLarge);
+                }
+                body.extend_from_slice(&chunk);
+            }
+            Ok(None) => return Ok(body),
+            Err(e) => return Err(BodyError::Io(e.to_string())),
+        }
+    }
+}
+
+fn query_param_session(q: &str) -> Option<String> {
+    q.split('&')
+        .find_map(|pair| pair.strip_prefix("session=").map(str::to_owned))
+}
+
+fn api_key(head: &pingora::http::RequestHeader) -> Option<String> {
+    let h = |n: &str| head.headers.get(n).and_then(|v| v.to_str().ok());
+    h("authorization")
+        .map(|v| {
+            v.strip_prefix("Bearer ")
+                .or_else(|| v.strip_prefix("bearer "))
+                .unwrap_or(v)
+                .trim()
+                .to_owned()
+        })
+        .or_else(|| h("x-api-key").map(str::to_owned))
+}
+
+async fn write_json(http: &mut ServerSession, status: u16, v: &serde_json::Value) -> bool {
+    write_body(
+        http,
+        status,
+        "application/json",
+        serde_json::to_vec(v).expect("JSON values always serialize"),
+    )
+    .await
+}
+
+async fn write_body(
+    http: &mut ServerSession,
+    status: u16,
+    content_type: &str,
+    body: Vec<u8>,
+) -> bool {
+    let mut head = ResponseHeader::build(status, Some(3)).expect("valid status");
+    let _ = head.insert_header("content-type", content_type);
+    let _ = head.insert_header("content-length", body.len().to_string());
+    if http.write_response_header(Box::new(head)).await.is_err() {
+        return false;
+    }
+    http.write_response_body(Bytes::from(body), true)
+        .await
+        .is_ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn routes_strip_a_session_prefix() {
+        let (r, s) = route("POST", "/s/run-7/v1/chat/completions");
+        assert!(matches!(r, Route::Call(_)));
+        assert_eq!(s, Some("run-7"));
+        let (r, s) = route("POST", "/v1/chat/completions");
+        assert!(matches!(r, Route::Call(_)) && s.is_none());
+        assert!(matches!(route("GET", "/v1/models").0, Route::Models));
+        assert!(matches!(route("GET", "/health").0, Route::Health));
+        assert!(matches!(route("GET", "/metrics").0, Route::Metrics));
+        assert!(matches!(
+            route("GET", "/v1/chat/completions").0,
+            Route::NotFound
+        ));
+        assert!(matches!(route("POST", "/v2/whatever").0, Route::NotFound));
+        assert!(matches!(route("POST", "/s/x").0, Route::NotFound));
+    }
+
+    #[test]
+    fn query_session_and_api_key_are_found() {
+        assert_eq!(
+            query_param_session("beta=true&session=abc"),
+            Some("abc".into())
+        );
+        assert_eq!(query_param_session("beta=true"), None);
+    }
+}

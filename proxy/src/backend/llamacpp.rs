@@ -1,0 +1,187 @@
+//! llama.cpp's `llama-server`.
+//!
+//! Sampled ids come with the chat completion itself: `logprobs.content[].id` (asking for
+//! `top_logprobs: 1`, since 0 makes it send no logprobs at all). The chat answer carries no
+//! prompt ids, so the adapter asks the same server, concurrently, to render the same request
+//! with its own chat template (`/apply-template`) and tokenize it with its own tokenizer
+//! (`/tokenize`), and keeps those ids only when their count matches the prompt size the engine
+//! reported for the call; otherwise the record carries a gap, never a guess.
+
+use async_stream::stream;
+use async_trait::async_trait;
+use futures::StreamExt;
+use serde_json::{json, Map, Value};
+
+use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
+use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
+use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap, TokenSource};
+
+pub struct LlamaCppBackend {
+    client: EngineClient,
+}
+
+impl LlamaCppBackend {
+    pub(crate) fn new(client: EngineClient) -> Self {
+        LlamaCppBackend { client }
+    }
+}
+
+struct LlamaCppDialect;
+
+impl TokenDialect for LlamaCppDialect {
+    fn request_token_data(&self, body: &mut Map<String, Value>) {
+        body.insert("logprobs".into(), json!(true));
+        body.insert("top_logprobs".into(), json!(1));
+    }
+
+    fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
+        let content = choice.get("logprobs")?.get("content")?.as_array()?;
+        let ids = content
+            .iter()
+            .map(|e| e.get("id").and_then(Value::as_u64).map(|n| n as u32))
+            .collect::<Option<Vec<u32>>>()?;
+        Some((ids, content_logprobs(choice)?))
+    }
+
+    fn prompt_tokens(&self, _response: &Value, _choice: Option<&Value>) -> Option<Vec<u32>> {
+        None
+    }
+
+    fn reports_prompt_ids(&self) -> bool {
+        false
+    }
+}
+
+/// Renders and tokenizes the request with the server's own template and tokenizer.
+async fn template_prompt_ids(client: EngineClient, body: Value) -> Result<Vec<u32>, BackendError> {
+    let rendered = client.post_json("/apply-template", &body).await?;
+    let prompt = rendered
+        .get("prompt")
+        .and_then(Value::as_str)
+        .ok_or_else(|| {
+            BackendError::Protocol("/apply-template answered without `prompt`".into())
+        })?;
+    let tokens = client
+        .post_json(
+            "/tokenize",
+            &json!({"content": prompt, "add_special": true, "parse_special": true}),
+        )
+        .await?;
+    openai_compat::id_array(tokens.get("tokens"))
+        .ok_or_else(|| BackendError::Protocol("/tokenize answered without integer `tokens`".into()))
+}
+
+#[async_trait]
+impl Backend for LlamaCppBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Llamacpp
+    }
+
+    fn url(&self) -> &str {
+        self.client.base()
+    }
+
+    async fn generate(
+        &self,
+        request: &ChatRequest,
+        mode: CallMode,
+    ) -> Result<GenerationStream, BackendError> {
+        let template_body = Value::Object(openai_compat::chat_body(request, CallMode::Whole));
+        let prompt_ids = tokio::spawn(template_prompt_ids(self.client.clone(), template_body));
+        let mut inner =
+            openai_compat::generate(&self.client, LlamaCppDialect, request, mode).await?;
+        Ok(Box::pin(stream! {
+            let mut reported_prompt = None;
+            while let Some(event) = inner.next().await {
+                if let Ok(GenerationEvent::Finished { usage, .. }) = &event {
+                    reported_prompt = usage.map(|u| u.prompt_tokens);
+                }
+                let failed = event.is_err();
+                yield event;
+                if failed {
+                    return;
+                }
+            }
+            let outcome = prompt_ids.await.map_err(|e| BackendError::Protocol(e.to_string())).and_then(|r| r);
+            yield Ok(verified_prompt(outcome, reported_prompt));
+        }))
+    }
+
+    async fn models(&self) -> Result<Value, BackendError> {
+        self.client.get_json("/v1/models").await
+    }
+}
+
+/// Keeps template ids only when they match the engine's own count for this call.
+fn verified_prompt(ids: Result<Vec<u32>, BackendError>, reported: Option<u64>) -> GenerationEvent {
+    let gap = |reason: String| {
+        GenerationEvent::Gap(TokenGap {
+            field: TokenField::PromptTokenIds,
+            reason,
+        })
+    };
+    match (ids, reported) {
+        (Err(e), _) => gap(format!("could not render the prompt with the engine's template: {e}")),
+        (Ok(_), None) => gap("the engine reported no prompt size to verify the template ids against".into()),
+        (Ok(ids), Some(n)) if ids.len() as u64 == n => {
+            GenerationEvent::PromptTokens { ids, source: TokenSource::EngineTemplate }
+        }
+        (Ok(ids), Some(n)) => gap(format!(
+            "the engine's template rendered {} prompt ids but the engine reported {n} prompt tokens",
+            ids.len()
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sampled_ids_and_logprobs_come_from_chat_logprobs() {
+        let choice = json!({"logprobs": {"content": [
+            {"id": 28, "token": "a", "logprob": -0.5, "top_logprobs": []},
+            {"id": 2, "token": "", "logprob": -1.25, "top_logprobs": []}
+        ]}});
+        let (ids, lps) = LlamaCppDialect.sampled_tokens(&choice).unwrap();
+        assert_eq!(ids, vec![28, 2]);
+        assert_eq!(lps, vec![Some(-0.5), Some(-1.25)]);
+    }
+
+    #[test]
+    fn a_logprob_entry_without_an_id_gives_no_ids_rather_than_a_guess() {
+        let choice = json!({"logprobs": {"content": [{"token": "a", "logprob": -0.5}]}});
+        assert!(LlamaCppDialect.sampled_tokens(&choice).is_none());
+    }
+
+    #[test]
+    fn template_ids_are_kept_only_when_the_count_matches() {
+        let ok = verified_prompt(Ok(vec![1, 2, 3]), Some(3));
+        assert_eq!(
+            ok,
+            GenerationEvent::PromptTokens {
+                ids: vec![1, 2, 3],
+                source: TokenSource::EngineTemplate
+            }
+        );
+        match verified_prompt(Ok(vec![1, 2, 3]), Some(4)) {
+            GenerationEvent::Gap(g) => {
+                assert_eq!(g.field, TokenField::PromptTokenIds);
+                assert!(
+                    g.reason.contains("3 prompt ids") && g.reason.contains("4 prompt tokens"),
+                    "{}",
+                    g.reason
+                );
+            }
+            other => panic!("expected a gap, got {other:?}"),
+        }
+        assert!(matches!(
+            verified_prompt(Ok(vec![1]), None),
+            GenerationEvent::Gap(_)
+        ));
+        assert!(matches!(
+            verified_prompt(Err(BackendError::Timeout("x".into())), Some(1)),
+            GenerationEvent::Gap(_)
+        ));
+    }
+}

@@ -1,0 +1,80 @@
+//! Inference backends behind one trait. Each adapter knows one engine's protocol and how to
+//! get token-level data out of it; none sees a provider wire shape.
+//!
+//! All three engines speak OpenAI Chat Completions; `openai_compat` holds what they share
+//! (request body, SSE decoding, delta parsing) and each engine module adds its token-data
+//! dialect.
+
+mod error;
+mod llamacpp;
+mod openai_compat;
+mod sglang;
+mod vllm;
+
+use std::time::Duration;
+
+use async_trait::async_trait;
+use futures::stream::BoxStream;
+
+pub use error::BackendError;
+pub use llamacpp::LlamaCppBackend;
+pub use sglang::SglangBackend;
+pub use tokentap_schema::BackendKind;
+pub use vllm::VllmBackend;
+
+use crate::canonical::{ChatRequest, GenerationEvent};
+
+/// A stream of generation events; an `Err` ends it.
+pub type GenerationStream = BoxStream<'static, Result<GenerationEvent, BackendError>>;
+
+/// How to call the engine.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CallMode {
+    /// Ask the engine to stream; events arrive as tokens are sampled.
+    Streaming,
+    /// One non-streaming call; all events arrive when it completes.
+    Whole,
+}
+
+/// An inference engine that can generate with token-level data.
+#[async_trait]
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+
+    /// Base URL of the engine, without credentials.
+    fn url(&self) -> &str;
+
+    /// Starts a generation. Errors before the first event (connection refused, an error status)
+    /// come back as `Err` here so the harness gets a proper error status.
+    async fn generate(
+        &self,
+        request: &ChatRequest,
+        mode: CallMode,
+    ) -> Result<GenerationStream, BackendError>;
+
+    /// The engine's `GET /v1/models` answer, as JSON.
+    async fn models(&self) -> Result<serde_json::Value, BackendError>;
+}
+
+/// Connection settings shared by all adapters.
+#[derive(Debug, Clone)]
+pub struct BackendConfig {
+    pub kind: BackendKind,
+    /// Base URL, e.g. `http://127.0.0.1:8080` (a trailing `/v1` is accepted and removed).
+    pub url: String,
+    /// Bearer token for the engine, if it wants one. Never recorded.
+    pub api_key: Option<String>,
+    pub connect_timeout: Duration,
+    /// Longest wait for the first byte and between two chunks of a stream.
+    pub idle_timeout: Duration,
+}
+
+/// Builds the adapter for `config.kind`.
+pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
+    let client = openai_compat::EngineClient::new(&config)?;
+    Ok(match config.kind {
+        BackendKind::Vllm => Box::new(VllmBackend::new(client)),
+        BackendKind::Sglang => Box::new(SglangBackend::new(client)),
+        BackendKind::Llamacpp => Box::new(LlamaCppBackend::new(client)),
+    })
+}

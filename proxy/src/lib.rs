@@ -1,0 +1,14 @@
+//! tokentap's capture proxy: a Pingora service that speaks the provider APIs harnesses use,
+//! forwards each call to an inference engine asking for token-level data, answers the harness
+//! in exactly the shape it expects, and emits one capture record per call.
+
+pub mod app;
+pub mod backend;
+pub mod canonical;
+pub mod capture;
+pub mod metrics;
+pub mod redact;
+pub mod session;
+pub mod wire;
+
+pub use app::{CaptureService, ProxyConfig};

@@ -1,0 +1,130 @@
+//! Prometheus metrics of the capture proxy, served at `GET /metrics`.
+
+use prometheus::{
+    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
+    TextEncoder,
+};
+
+/// Latency buckets from 50 µs to 10 min: proxy overhead lives at the bottom, whole agent
+/// calls at the top.
+const LATENCY_BUCKETS: &[f64] = &[
+    0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0,
+    2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
+];
+
+pub struct Metrics {
+    registry: Registry,
+    pub calls: IntCounterVec,
+    pub prompt_tokens: IntCounterVec,
+    pub completion_tokens: IntCounterVec,
+    pub call_seconds: HistogramVec,
+    pub backend_seconds: HistogramVec,
+    pub proxy_overhead_seconds: HistogramVec,
+    pub ttft_seconds: HistogramVec,
+    pub inflight: IntGauge,
+    pub spool_bytes: IntGauge,
+    pub records_written: IntCounter,
+    pub records_lost: IntCounter,
+    pub spool_write_errors: IntCounter,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let registry = Registry::new();
+        let latency = |name: &str, help: &str| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+                &["wire_api"],
+            )
+            .expect("valid histogram");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid counter");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid gauge");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        Metrics {
+            calls: counter_vec(
+                "tokentap_calls_total",
+                "Model calls by wire API and HTTP status",
+                &["wire_api", "status"],
+            ),
+            prompt_tokens: counter_vec(
+                "tokentap_prompt_tokens_total",
+                "Prompt tokens reported by the engine",
+                &["wire_api"],
+            ),
+            completion_tokens: counter_vec(
+                "tokentap_completion_tokens_total",
+                "Completion tokens reported by the engine",
+                &["wire_api"],
+            ),
+            call_seconds: latency(
+                "tokentap_call_duration_seconds",
+                "Whole call, request arrival to end of answer",
+            ),
+            backend_seconds: latency(
+                "tokentap_backend_duration_seconds",
+                "Time spent waiting on the backend",
+            ),
+            proxy_overhead_seconds: latency(
+                "tokentap_proxy_overhead_seconds",
+                "Call time not spent waiting on the backend",
+            ),
+            ttft_seconds: latency(
+                "tokentap_time_to_first_token_seconds",
+                "Request arrival to first content sent to the harness",
+            ),
+            inflight: gauge("tokentap_inflight_calls", "Model calls in progress"),
+            spool_bytes: gauge("tokentap_spool_bytes", "Bytes in the spool's segment files"),
+            records_written: counter(
+                "tokentap_records_written_total",
+                "Capture records appended to the spool",
+            ),
+            records_lost: counter(
+                "tokentap_records_lost_total",
+                "Capture records that could not be written (see logs)",
+            ),
+            spool_write_errors: counter(
+                "tokentap_spool_write_errors_total",
+                "Failed spool appends",
+            ),
+            registry,
+        }
+    }
+
+    /// The text exposition format.
+    pub fn render(&self) -> Vec<u8> {
+        let mut buf = Vec::new();
+        TextEncoder::new()
+            .encode(&self.registry.gather(), &mut buf)
+            .expect("encoding metrics to memory");
+        buf
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

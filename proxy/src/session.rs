@@ -1,0 +1,229 @@
+//! Which session a call belongs to, and its position in it.
+//!
+//! Precedence: the `x-tokentap-session` header, a `/s/{session}/v1/...` path prefix, a
+//! `?session=` query parameter, the API key (hashed: the key itself never reaches a record),
+//! else a fresh id for this call alone.
+
+use std::collections::HashMap;
+use std::sync::Mutex;
+
+use sha2::{Digest, Sha256};
+use tokentap_schema::SessionSource;
+
+use crate::wire::WireError;
+
+pub const SESSION_HEADER: &str = "x-tokentap-session";
+
+/// A call's session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Session {
+    pub id: String,
+    pub source: SessionSource,
+}
+
+/// Where a session name can come from, as found on one request.
+#[derive(Debug, Default)]
+pub struct SessionHints<'a> {
+    pub header: Option<&'a str>,
+    pub path_prefix: Option<&'a str>,
+    pub query: Option<&'a str>,
+    pub api_key: Option<&'a str>,
+}
+
+/// Picks the session by precedence; a named session must be a sane identifier.
+pub fn attribute(
+    hints: &SessionHints<'_>,
+    fresh_id: impl FnOnce() -> String,
+) -> Result<Session, WireError> {
+    let named = [
+        (hints.header, SessionSource::Header, SESSION_HEADER),
+        (
+            hints.path_prefix,
+            SessionSource::PathPrefix,
+            "/s/{session} path prefix",
+        ),
+        (
+            hints.query,
+            SessionSource::Query,
+            "?session= query parameter",
+        ),
+    ];
+    for (value, source, origin) in named {
+        if let Some(v) = value {
+            validate(v, origin)?;
+            return Ok(Session {
+                id: v.to_owned(),
+                source,
+            });
+        }
+    }
+    if let Some(key) = hints.api_key.filter(|k| !k.is_empty()) {
+        let digest = Sha256::digest(key.as_bytes());
+        let hex: String = digest[..8].iter().map(|b| format!("{b:02x}")).collect();
+        return Ok(Session {
+            id: format!("key-{hex}"),
+            source: SessionSource::ApiKey,
+        });
+    }
+    Ok(Session {
+        id: fresh_id(),
+        source: SessionSource::Generated,
+    })
+}
+
+fn validate(id: &str, origin: &str) -> Result<(), WireError> {
+    let ok = !id.is_empty()
+        && id.len() <= 128
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"-_.:".contains(&b));
+    if ok {
+        Ok(())
+    } else {
+        Err(WireError::new(format!(
+            "Invalid session id from the {origin}: use 1-128 characters from A-Z a-z 0-9 - _ . :"
+        )))
+    }
+}
+
+/// Hands out per-session sequence numbers (from 0, in arrival order).
+#[derive(Default)]
+pub struct SessionCounters {
+    next: Mutex<HashMap<String, u64>>,
+}
+
+impl SessionCounters {
+    pub fn next_seq(&self, session: &Session) -> u64 {
+        if session.source == SessionSource::Generated {
+            return 0; // a generated session holds exactly one call
+        }
+        let mut map = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        let n = map.entry(session.id.clone()).or_insert(0);
+        let seq = *n;
+        *n += 1;
+        seq
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fresh() -> String {
+        "gen-1".into()
+    }
+
+    #[test]
+    fn precedence_is_header_path_query_key_fresh() {
+        let all = SessionHints {
+            header: Some("h"),
+            path_prefix: Some("p"),
+            query: Some("q"),
+            api_key: Some("k"),
+        };
+        assert_eq!(
+            attribute(&all, fresh).unwrap(),
+            Session {
+                id: "h".into(),
+                source: SessionSource::Header
+            }
+        );
+        let no_header = SessionHints {
+            header: None,
+            ..all
+        };
+        assert_eq!(
+            attribute(&no_header, fresh).unwrap().source,
+            SessionSource::PathPrefix
+        );
+        let only_query_key = SessionHints {
+            query: Some("q"),
+            api_key: Some("k"),
+            ..Default::default()
+        };
+        assert_eq!(attribute(&only_query_key, fresh).unwrap().id, "q");
+        let only_key = SessionHints {
+            api_key: Some("sk-secret"),
+            ..Default::default()
+        };
+        let s = attribute(&only_key, fresh).unwrap();
+        assert_eq!(s.source, SessionSource::ApiKey);
+        assert!(s.id.starts_with("key-") && !s.id.contains("secret"));
+        assert_eq!(
+            attribute(&Default::default(), fresh).unwrap(),
+            Session {
+                id: "gen-1".into(),
+                source: SessionSource::Generated
+            }
+        );
+    }
+
+    #[test]
+    fn the_same_key_always_names_the_same_session() {
+        let a = attribute(
+            &SessionHints {
+                api_key: Some("k1"),
+                ..Default::default()
+            },
+            fresh,
+        )
+        .unwrap();
+        let b = attribute(
+            &SessionHints {
+                api_key: Some("k1"),
+                ..Default::default()
+            },
+            fresh,
+        )
+        .unwrap();
+        let c = attribute(
+            &SessionHints {
+                api_key: Some("k2"),
+                ..Default::default()
+            },
+            fresh,
+        )
+        .unwrap();
+        assert_eq!(a, b);
+        assert_ne!(a.id, c.id);
+    }
+
+    #[test]
+    fn bad_session_names_are_rejected() {
+        for bad in ["", "a b", "x/y", &"z".repeat(129)] {
+            assert!(
+                attribute(
+                    &SessionHints {
+                        header: Some(bad),
+                        ..Default::default()
+                    },
+                    fresh
+                )
+                .is_err(),
+                "{bad:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn sequence_numbers_count_per_session() {
+        let c = SessionCounters::default();
+        let a = Session {
+            id: "a".into(),
+            source: SessionSource::Header,
+        };
+        let b = Session {
+            id: "b".into(),
+            source: SessionSource::Header,
+        };
+        assert_eq!(
+            (
+                c.next_seq(&a),
+                c.next_seq(&a),
+                c.next_seq(&b),
+                c.next_seq(&a)
+            ),
+            (0, 1, 0, 2)
+        );
+    }
+}

@@ -1,0 +1,69 @@
+//! Provider wire APIs. Each module knows one provider's JSON and SSE shapes: it parses a
+//! harness request into the canonical [`ChatRequest`] and renders generation events back in
+//! exactly the shape that provider's clients expect. None talks to a backend.
+
+pub mod chat_completions;
+mod error;
+
+pub use error::{CallError, WireError};
+
+use tokentap_schema::{Normalization, WireApi};
+
+use crate::canonical::{ChatRequest, Delta, FinishReason, GenerationAccumulator, Usage};
+
+/// A harness request after parsing.
+#[derive(Debug, Clone)]
+pub struct ParsedCall {
+    pub request: ChatRequest,
+    /// Whether a streamed answer should end with a usage report.
+    pub include_usage: bool,
+    /// What parsing changed on the way to the canonical request.
+    pub normalizations: Vec<Normalization>,
+}
+
+/// Identity of one answer as the harness sees it.
+#[derive(Debug, Clone)]
+pub struct ResponseMeta {
+    /// Provider-style response id (e.g. `chatcmpl-…`).
+    pub id: String,
+    /// Unix seconds.
+    pub created: u64,
+    /// The model name the harness asked for, echoed back.
+    pub model: String,
+}
+
+/// One provider API: parse requests, render answers and errors.
+pub trait WireCodec: Send + Sync {
+    fn api(&self) -> WireApi;
+
+    /// Response id prefix, e.g. `chatcmpl-`.
+    fn id_prefix(&self) -> &'static str;
+
+    fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError>;
+
+    /// The whole (non-streamed) answer body.
+    fn render_whole(&self, meta: &ResponseMeta, generation: &GenerationAccumulator) -> Vec<u8>;
+
+    /// A renderer for a streamed answer.
+    fn stream_renderer(&self, meta: ResponseMeta, include_usage: bool) -> Box<dyn StreamRenderer>;
+
+    /// An error answer: HTTP status and body.
+    fn render_error(&self, error: &CallError) -> (u16, Vec<u8>);
+}
+
+/// Renders one streamed answer event by event (SSE frames appended to `out`).
+pub trait StreamRenderer: Send {
+    /// Frames sent before any content (e.g. the role chunk).
+    fn start(&mut self, out: &mut Vec<u8>);
+    fn delta(&mut self, delta: &Delta, out: &mut Vec<u8>);
+    fn finish(&mut self, finish_reason: FinishReason, usage: Option<Usage>, out: &mut Vec<u8>);
+    /// An error after the stream began: the provider's in-stream error frame.
+    fn error(&mut self, error: &CallError, out: &mut Vec<u8>);
+}
+
+/// Appends one SSE `data:` frame.
+pub(crate) fn sse_data(out: &mut Vec<u8>, json: &serde_json::Value) {
+    out.extend_from_slice(b"data: ");
+    serde_json::to_writer(&mut *out, json).expect("JSON values always serialize");
+    out.extend_from_slice(b"\n\n");
+}

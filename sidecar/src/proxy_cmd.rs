@@ -1,0 +1,198 @@
+//! `tokentap proxy`: wires the backend adapter, the spool and the capture service into a
+//! Pingora server.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::{Args, ValueEnum};
+use pingora::server::configuration::ServerConf;
+use pingora::server::{RunArgs, Server};
+use pingora::services::listening::Service;
+use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
+use tokentap_proxy::capture::RecordSink;
+use tokentap_proxy::metrics::Metrics;
+use tokentap_proxy::{CaptureService, ProxyConfig};
+use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolWriter};
+
+#[derive(Clone, Copy, ValueEnum)]
+pub enum KindArg {
+    Vllm,
+    Sglang,
+    Llamacpp,
+}
+
+impl From<KindArg> for BackendKind {
+    fn from(k: KindArg) -> Self {
+        match k {
+            KindArg::Vllm => BackendKind::Vllm,
+            KindArg::Sglang => BackendKind::Sglang,
+            KindArg::Llamacpp => BackendKind::Llamacpp,
+        }
+    }
+}
+
+#[derive(Args)]
+#[command(after_help = "Examples:
+  # vLLM on a GPU node; harnesses use http://127.0.0.1:8800/v1 as their OpenAI base URL
+  tokentap proxy --listen 127.0.0.1:8800 --backend http://gpu-node:8000 --backend-kind vllm --spool ./spool
+
+  # llama.cpp's llama-server on this machine, one session per run via a path prefix
+  tokentap proxy --backend http://127.0.0.1:8080 --backend-kind llamacpp --spool ./spool
+  OPENAI_BASE_URL=http://127.0.0.1:8800/s/run-42/v1 my-harness ...
+
+  # inspect what was captured
+  tokentap records tail --spool ./spool -n 5")]
+pub struct ProxyArgs {
+    /// Address to listen on for harness traffic (also serves /health and /metrics).
+    #[arg(long, default_value = "127.0.0.1:8800")]
+    listen: String,
+    /// Base URL of the inference engine.
+    #[arg(long)]
+    backend: String,
+    /// Which engine it is (decides how token ids and logprobs are obtained).
+    #[arg(long, value_enum)]
+    backend_kind: KindArg,
+    /// Model name to send to the engine; by default the engine's only served model
+    /// (asked at start-up), else the harness's own model name.
+    #[arg(long)]
+    backend_model: Option<String>,
+    /// Bearer token for the engine (never recorded).
+    #[arg(long, env = "TOKENTAP_BACKEND_API_KEY", hide_env_values = true)]
+    backend_api_key: Option<String>,
+    /// Seconds to wait for the engine's first byte and between streamed chunks.
+    #[arg(long, default_value_t = 600)]
+    backend_timeout: u64,
+    /// Directory of the capture spool.
+    #[arg(long, default_value = "tokentap-spool")]
+    spool: PathBuf,
+    /// When to fsync the spool: `always` (every record), `never` (leave it to the OS) or an
+    /// interval such as `100ms`.
+    #[arg(long, default_value = "100ms")]
+    fsync: FsyncPolicy,
+    /// Start a new spool segment past this many bytes.
+    #[arg(long, default_value_t = 64 << 20)]
+    segment_bytes: u64,
+    /// Do not write capture records (for measuring the proxy itself).
+    #[arg(long)]
+    no_capture: bool,
+    /// Call the engine non-streaming and play its answer back as a stream.
+    #[arg(long)]
+    synthetic_stream: bool,
+    /// Largest accepted request body in bytes.
+    #[arg(long, default_value_t = 32 << 20)]
+    max_body_bytes: usize,
+    /// Policy (weights) version to record with each call.
+    #[arg(long)]
+    policy_version: Option<String>,
+    /// Worker threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    let backend_config = BackendConfig {
+        kind: args.backend_kind.into(),
+        url: args.backend.clone(),
+        api_key: args.backend_api_key.clone(),
+        connect_timeout: Duration::from_secs(5),
+        idle_timeout: Duration::from_secs(args.backend_timeout),
+    };
+    let backend: Arc<dyn backend::Backend> =
+        Arc::from(backend::build(backend_config).context("configuring the backend")?);
+    let backend_model = match args.backend_model.clone() {
+        Some(m) => Some(m),
+        None => discover_model(backend.as_ref()),
+    };
+    let metrics = Arc::new(Metrics::new());
+    let (sink, spool_thread) = if args.no_capture {
+        (RecordSink::Discard, None)
+    } else {
+        let writer = SpoolWriter::open(
+            &args.spool,
+            SpoolConfig {
+                segment_max_bytes: args.segment_bytes,
+                fsync: args.fsync,
+            },
+        )
+        .with_context(|| format!("opening the spool at {}", args.spool.display()))?;
+        let (sink, handle) = RecordSink::spool(writer, metrics.clone());
+        (sink, Some(handle))
+    };
+    let config = ProxyConfig {
+        max_body_bytes: args.max_body_bytes,
+        synthetic_stream: args.synthetic_stream,
+        backend_model,
+        policy_version: args.policy_version.clone(),
+    };
+    let service = CaptureService::new(config, backend, sink, metrics);
+
+    let conf = ServerConf {
+        threads: args.threads.max(1),
+        grace_period_seconds: Some(0),
+        graceful_shutdown_timeout_seconds: Some(5),
+        ..ServerConf::default()
+    };
+    let mut server = Server::new_with_opt_and_conf(None, conf);
+    server.bootstrap();
+    let mut listener = Service::new("tokentap capture proxy".into(), service);
+    listener.add_tcp(&args.listen);
+    server.add_service(listener);
+    tracing::info!(
+        listen = %args.listen,
+        backend = %args.backend,
+        spool = %args.spool.display(),
+        capture = !args.no_capture,
+        "tokentap proxy ready; point harnesses at http://{}/v1",
+        args.listen
+    );
+    server.run(RunArgs::default());
+    // The server is down: every sender of the sink is gone, so the writer drains and syncs.
+    if let Some(handle) = spool_thread {
+        let _ = handle.join();
+    }
+    tracing::info!("tokentap proxy stopped");
+    Ok(())
+}
+
+/// Asks the engine which model it serves; uses it when there is exactly one.
+fn discover_model(backend: &dyn backend::Backend) -> Option<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    let models =
+        rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), backend.models()).await });
+    match models {
+        Ok(Ok(v)) => {
+            let ids: Vec<String> = v
+                .get("data")
+                .and_then(|d| d.as_array())
+                .map(|d| {
+                    d.iter()
+                        .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
+            match ids.as_slice() {
+                [one] => {
+                    tracing::info!(model = %one, "using the engine's only served model");
+                    Some(one.clone())
+                }
+                _ => {
+                    tracing::info!(models = ?ids, "engine serves several models; passing the harness's model name through");
+                    None
+                }
+            }
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not ask the engine for its models; passing the harness's model name through");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("the engine did not list its models in time; passing the harness's model name through");
+            None
+        }
+    }
+}

@@ -1,0 +1,41 @@
+//! The one-writer rule: an advisory `flock` on `DIR/spool.lock`.
+//!
+//! Two writers appending to one segment would interleave and tear each other's lines, so the
+//! writer takes an exclusive lock for its lifetime. Readers never lock: they only ever trust
+//! complete lines. The lock is advisory (it does not stop `echo >> segment`) and, being
+//! `flock`, may not work across machines on network filesystems.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::path::{Path, PathBuf};
+
+use crate::SpoolError;
+
+/// Name of the lock file inside a spool directory.
+pub const LOCK_FILE_NAME: &str = "spool.lock";
+
+/// Held for the lifetime of a writer; the OS releases the lock when the file is closed,
+/// including when the process dies, so a crash never leaves a stale lock behind.
+#[derive(Debug)]
+pub(crate) struct SpoolLock {
+    _file: File,
+}
+
+impl SpoolLock {
+    pub(crate) fn acquire(dir: &Path) -> Result<SpoolLock, SpoolError> {
+        let path: PathBuf = dir.join(LOCK_FILE_NAME);
+        let file = OpenOptions::new()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(SpoolError::io("open lock file", &path))?;
+        match file.try_lock() {
+            Ok(()) => Ok(SpoolLock { _file: file }),
+            Err(TryLockError::WouldBlock) => Err(SpoolError::Locked {
+                dir: dir.to_owned(),
+                lock: path,
+            }),
+            Err(TryLockError::Error(e)) => Err(SpoolError::io("lock", path)(e)),
+        }
+    }
+}
