@@ -16,6 +16,9 @@ output is biased on purpose:
     (column 0 * H0): ~20 common English word tokens near 0, the end-of-turn
     token `<|im_end|>` at EOS_LOGIT (about a 10% chance per step at
     temperature 0.8-1.0), everything else at OTHER_LOGIT (never sampled);
+  * the newline token (which ends the generation prompt) has a large
+    dimension-1 component that the EOS row weighs negatively, so a reply is
+    never empty (EOS cannot be the first generated token);
   * the word tokens' other columns are small random numbers, so the small
     per-token components of the hidden state add a little noise and the text
     varies from step to step and from token to token.
@@ -32,7 +35,9 @@ EMB_CONST = 1.0     # dimension-0 component of every token embedding
 EMB_NOISE = 0.05    # std of the other 63 dimensions of the embeddings
 W_STD = 0.02        # std of the layer weights (small: layers barely move the residual)
 WORD_NOISE = 0.25   # std of output.weight[word, 1:] -> ~0.7-1 logit of noise
-EOS_LOGIT = 1.3     # vs. 20 words at ~0 +- noise: ~10% EOS per sampled step
+EOS_LOGIT = 1.0     # vs. 22 words at ~0 +- noise: ~10% EOS per sampled step
+NL_MARK = 2.0       # dimension-1 component of the newline token's embedding ...
+NL_EOS = -1.0       # ... times this weight keeps EOS off the first generated token
 OTHER_LOGIT = -25.0
 
 # Common words the tiny model babbles (GPT-2 style byte-level pieces, "Ġ" = space).
@@ -40,6 +45,7 @@ WORDS = ["Ġthe", "Ġand", "Ġcode", "Ġfile", "Ġhello", "Ġis", "Ġto", "Ġof"
          "Ġin", "Ġit", "Ġthis", "Ġwe", "Ġwill", "Ġrun", "Ġtest", "Ġdata",
          "Ġwith", "Ġyou", "Ġcan", ".", ","]
 EOS_PIECE = "<|im_end|>"
+NL_PIECE = "Ċ"      # "\n": the chat template's generation prompt ends "<|im_start|>assistant\n"
 
 
 def copy_tokenizer(reader: gguf.GGUFReader, writer: gguf.GGUFWriter) -> list[str]:
@@ -78,6 +84,13 @@ def main(src: str, dst: str) -> None:
     # Embeddings: constant dim 0 + small per-token noise elsewhere.
     emb = rand(n_vocab, N_EMBD, std=EMB_NOISE)
     emb[:, 0] = EMB_CONST
+    # The model never emits "\n" itself, so "\n" as the current token means
+    # "first step of a reply": mark it so the output layer can veto an empty reply.
+    index = {piece: i for i, piece in enumerate(vocab)}
+    missing = [p for p in WORDS + [EOS_PIECE, NL_PIECE] if p not in index]
+    if missing:
+        raise SystemExit(f"tokens not in vocab: {missing}")
+    emb[index[NL_PIECE], 1] = NL_MARK
     w.add_tensor("token_embd.weight", emb.astype(np.float16))
 
     for i in range(N_LAYER):
@@ -95,15 +108,12 @@ def main(src: str, dst: str) -> None:
     h0 = EMB_CONST / np.sqrt((EMB_CONST**2 + (N_EMBD - 1) * EMB_NOISE**2) / N_EMBD)
     out = np.zeros((n_vocab, N_EMBD), np.float32)
     out[:, 0] = OTHER_LOGIT / h0
-    index = {piece: i for i, piece in enumerate(vocab)}
-    missing = [p for p in WORDS + [EOS_PIECE] if p not in index]
-    if missing:
-        raise SystemExit(f"tokens not in vocab: {missing}")
     for piece in WORDS:
         t = index[piece]
         out[t, 0] = 0.0
         out[t, 1:] = rng.standard_normal(N_EMBD - 1) * WORD_NOISE
     out[index[EOS_PIECE], 0] = EOS_LOGIT / h0
+    out[index[EOS_PIECE], 1] = NL_EOS
     w.add_tensor("output.weight", out.astype(np.float16))
 
     w.write_header_to_file()

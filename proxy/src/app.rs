@@ -436,6 +436,10 @@ impl CaptureService {
                     .await
                     .is_err()
             {
+                if finished {
+                    // The answer is complete; keep the bookkeeping that follows (prompt ids).
+                    drain_into(events, call).await;
+                }
                 return self.client_gone(call);
             }
         }
@@ -538,6 +542,13 @@ async fn collect_events(
         }
     }
     all
+}
+
+/// Folds the rest of a generation into the call without answering anyone.
+async fn drain_into(events: GenerationStream, call: &mut CallCapture) {
+    for event in collect_events(events, call).await.into_iter().flatten() {
+        call.generation.push(&event);
+    }
 }
 
 enum BodyError {

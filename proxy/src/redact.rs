@@ -17,22 +17,19 @@ const SECRET_HEADERS: &[&str] = &[
     "set-cookie",
 ];
 
-/// Whether a header, query parameter or body field name looks like it carries a credential.
+/// Whether a header, query parameter or body field name looks like it carries a credential:
+/// a known header, or a name with a word such as `key` or `token` (`x-api-key`,
+/// `access_token`), matched by word so `x-tokentap-session` and `max_tokens` are not.
 fn is_secret_name(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
     SECRET_HEADERS.contains(&n.as_str())
-        || [
-            "key",
-            "token",
-            "secret",
-            "password",
-            "passwd",
-            "credential",
-            "signature",
-            "auth",
-        ]
-        .iter()
-        .any(|w| n.contains(w))
+        || n.split(['-', '_', '.']).any(|w| {
+            matches!(
+                w,
+                "key" | "apikey" | "token" | "secret" | "password" | "passwd" | "credential"
+                    | "credentials" | "signature" | "sig" | "auth" | "authorization" | "cookie"
+            )
+        })
 }
 
 /// Headers with lower-case names and credentials redacted.

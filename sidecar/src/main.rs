@@ -1,5 +1,6 @@
 //! `tokentap`: the command line. Parses flags and composes the crates; no domain logic here.
 
+mod bench;
 mod proxy_cmd;
 mod records_cmd;
 
@@ -28,6 +29,9 @@ enum Command {
     Records(records_cmd::RecordsCmd),
     /// Print the JSON Schema of capture records.
     Schema,
+    /// Measure the proxy (prints figures; never asserts).
+    #[command(subcommand)]
+    Bench(bench::BenchCmd),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -41,6 +45,7 @@ fn main() -> anyhow::Result<()> {
     match Cli::parse().command {
         Command::Proxy(args) => proxy_cmd::run(args),
         Command::Records(cmd) => records_cmd::run(cmd),
+        Command::Bench(cmd) => bench::run(cmd),
         Command::Schema => {
             println!(
                 "{}",

@@ -41,6 +41,9 @@ pub struct SpoolEntry {
 
 /// One thing found while reading a spool.
 #[derive(Debug, Clone, PartialEq)]
+// `Record` is nearly every item: boxing it to shrink the rare variants would add an allocation
+// per record and save nothing.
+#[allow(clippy::large_enum_variant)]
 pub enum SpoolItem {
     /// A complete line holding a valid record.
     Record(SpoolEntry),
@@ -112,9 +115,10 @@ impl SpoolReader {
         Ok(SpoolReader::new(dir, None, 0, known))
     }
 
-    /// Reads `dir` from `position`, which must be a line start in an existing segment (as
-    /// returned by [`Self::position`] or [`SpoolItem::position`]), or offset 0 of a segment
-    /// that does not exist (yet, or any more), meaning "from the first segment at or after it".
+    /// Reads `dir` from `position`, which must be a line start (as returned by
+    /// [`Self::position`] or [`SpoolItem::position`]). If that segment does not exist, reading
+    /// starts at the next one that does: at or after it for offset 0, after it otherwise (it
+    /// was deleted, e.g. by a shipper done with it, so nothing after that offset remains).
     pub fn open_at(dir: &Path, position: SpoolPosition) -> Result<SpoolReader, SpoolError> {
         let SpoolPosition { segment, offset } = position;
         let seqs = list_segments(dir)?;
@@ -125,11 +129,9 @@ impl SpoolReader {
             reason,
         };
         if !seqs.contains(&segment) {
-            if offset != 0 {
-                return Err(invalid("no such segment"));
-            }
-            let known = seqs.into_iter().filter(|&s| s >= segment).collect();
-            return Ok(SpoolReader::new(dir, None, segment, known));
+            let next_min = if offset == 0 { segment } else { segment + 1 };
+            let known = seqs.into_iter().filter(|&s| s >= next_min).collect();
+            return Ok(SpoolReader::new(dir, None, next_min, known));
         }
         let path = segment_path(dir, segment);
         if let Some(reason) = not_a_line_start(&path, offset)? {

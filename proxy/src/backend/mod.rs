@@ -5,6 +5,8 @@
 //! (request body, SSE decoding, delta parsing) and each engine module adds its token-data
 //! dialect.
 
+#[cfg(test)]
+mod contract_tests;
 mod error;
 mod llamacpp;
 mod openai_compat;

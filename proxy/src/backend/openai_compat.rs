@@ -255,7 +255,7 @@ fn whole_events<D: TokenDialect>(resp: reqwest::Response, dialect: D) -> Generat
             finish_reason: finish.unwrap_or(FinishReason::Stop),
             usage: parse_usage(&v),
         };
-        for gap in tracker.gaps(dialect.reports_prompt_ids()) {
+        for gap in tracker.gaps(dialect.reports_prompt_ids(), parse_usage(&v)) {
             yield GenerationEvent::Gap(gap);
         }
     })
@@ -324,7 +324,7 @@ fn stream_events<D: TokenDialect>(
             unreachable!()
         };
         yield GenerationEvent::Finished { finish_reason, usage };
-        for gap in tracker.gaps(dialect.reports_prompt_ids()) {
+        for gap in tracker.gaps(dialect.reports_prompt_ids(), usage) {
             yield GenerationEvent::Gap(gap);
         }
     })
@@ -349,7 +349,7 @@ impl TokenTracker {
         }
     }
 
-    fn gaps(&self, expect_prompt: bool) -> Vec<TokenGap> {
+    fn gaps(&self, expect_prompt: bool, usage: Option<Usage>) -> Vec<TokenGap> {
         let mut gaps = Vec::new();
         if expect_prompt && !self.prompt_seen {
             gaps.push(TokenGap {
@@ -365,6 +365,19 @@ impl TokenTracker {
                     self.untokened_deltas, self.sampled
                 ),
             });
+        }
+        // The engine's own count is the check that no sampled token went unreported (llama.cpp,
+        // for one, does not stream the end-of-turn token's id).
+        if let Some(u) = usage {
+            if self.sampled > 0 && u.completion_tokens != self.sampled as u64 {
+                gaps.push(TokenGap {
+                    field: TokenField::CompletionTokenIds,
+                    reason: format!(
+                        "the engine reported {} completion tokens but sent ids for {}",
+                        u.completion_tokens, self.sampled
+                    ),
+                });
+            }
         }
         gaps
     }

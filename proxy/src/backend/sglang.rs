@@ -1,6 +1,14 @@
-//! SGLang's OpenAI-compatible server: `return_prompt_token_ids` and `return_meta_info` make it
-//! report prompt ids and, in `meta_info.output_token_logprobs`, `[logprob, token_id, text]`
-//! for each sampled token. Talk to workers directly: its router may drop token metadata.
+//! SGLang's OpenAI-compatible server (`sglang/srt/entrypoints/openai/{protocol,serving_chat}.py`).
+//!
+//! Whole answers: `return_prompt_token_ids` puts `prompt_token_ids` on the choice and
+//! `return_meta_info` puts the request's `meta_info` there, whose `output_token_logprobs` lists
+//! `[logprob, token_id, text]` for each sampled token (with `logprobs: true`).
+//! Streams: SGLang refuses those flags (and `return_token_ids`) with HTTP 400, and its chunks
+//! carry logprobs without ids. Since sglang#34488, `return_input_ids_in_sglext` sends the prompt ids
+//! once, in a trailing `choices: []` chunk's `sglext.input_ids`; the sampled ids can follow
+//! there too (`sglext.output_ids`), but a choice-less chunk is out of the dialect's reach, so
+//! they are not asked for and the shared code records the gap.
+//! Talk to workers directly: SGLang's router may drop token metadata.
 
 use async_trait::async_trait;
 use serde_json::{json, Map, Value};
@@ -25,8 +33,12 @@ impl TokenDialect for SglangDialect {
     fn request_token_data(&self, body: &mut Map<String, Value>) {
         body.insert("logprobs".into(), json!(true));
         body.insert("top_logprobs".into(), json!(0));
-        body.insert("return_prompt_token_ids".into(), json!(true));
-        body.insert("return_meta_info".into(), json!(true));
+        if body.get("stream") == Some(&Value::Bool(true)) {
+            body.insert("return_input_ids_in_sglext".into(), json!(true));
+        } else {
+            body.insert("return_prompt_token_ids".into(), json!(true));
+            body.insert("return_meta_info".into(), json!(true));
+        }
     }
 
     fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
@@ -37,15 +49,15 @@ impl TokenDialect for SglangDialect {
         let mut ids = Vec::with_capacity(entries.len());
         let mut logprobs = Vec::with_capacity(entries.len());
         for e in entries {
-            ids.push(e.get(1)?.as_u64()? as u32);
+            ids.push(u32::try_from(e.get(1)?.as_u64()?).ok()?);
             logprobs.push(e.get(0).and_then(Value::as_f64).map(|x| x as f32));
         }
         Some((ids, logprobs))
     }
 
     fn prompt_tokens(&self, response: &Value, choice: Option<&Value>) -> Option<Vec<u32>> {
-        id_array(response.get("prompt_token_ids"))
-            .or_else(|| id_array(choice?.get("prompt_token_ids")))
+        id_array(choice.and_then(|c| c.get("prompt_token_ids")))
+            .or_else(|| id_array(response.get("sglext")?.get("input_ids")))
     }
 }
 

@@ -1,13 +1,19 @@
-//! vLLM's OpenAI-compatible server: `return_token_ids` puts `prompt_token_ids` on the answer
-//! (the first chunk when streaming) and `token_ids` on each choice; `logprobs` with
-//! `top_logprobs: 0` gives the sampled token's logprob without alternatives.
+//! vLLM's OpenAI-compatible server (`vllm/entrypoints/openai/chat_completion/{protocol,serving}.py`).
+//!
+//! `return_token_ids` puts `prompt_token_ids` at the top level of the answer (of the first chunk
+//! only, when streaming) and `token_ids` on each choice (the chunk's own ids, when streaming).
+//! `logprobs` with `top_logprobs: 0` gives `logprobs.content[].logprob` for the sampled token
+//! only. `return_tokens_as_token_ids` also spells each logprob token as `token_id:<id>`, the
+//! only id source on servers older than `return_token_ids` (v0.10.2).
 
+use async_stream::stream;
 use async_trait::async_trait;
+use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
-use super::openai_compat::{self, content_logprobs, id_array, EngineClient, TokenDialect};
+use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
 use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
-use crate::canonical::ChatRequest;
+use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap};
 
 pub struct VllmBackend {
     client: EngineClient,
@@ -21,22 +27,91 @@ impl VllmBackend {
 
 pub(crate) struct VllmDialect;
 
+/// vLLM writes this when it has no logprob for the sampled token, and clamps lower values to it.
+const NO_LOGPROB: f64 = -9999.0;
+
 impl TokenDialect for VllmDialect {
     fn request_token_data(&self, body: &mut Map<String, Value>) {
         body.insert("logprobs".into(), json!(true));
         body.insert("top_logprobs".into(), json!(0));
         body.insert("return_token_ids".into(), json!(true));
+        body.insert("return_tokens_as_token_ids".into(), json!(true));
     }
 
     fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
-        let ids = id_array(choice.get("token_ids"))?;
-        let logprobs = content_logprobs(choice).unwrap_or_else(|| vec![None; ids.len()]);
+        let entries = choice
+            .get("logprobs")
+            .and_then(|l| l.get("content"))
+            .and_then(Value::as_array);
+        let ids = id_array(choice.get("token_ids"))
+            .or_else(|| entries.and_then(|e| placeholder_ids(e)))?;
+        let logprobs = match entries {
+            // Both come from the same output in vLLM; pair them only when they line up.
+            Some(e) if e.len() == ids.len() => e.iter().map(entry_logprob).collect(),
+            _ => vec![None; ids.len()],
+        };
         Some((ids, logprobs))
     }
 
     fn prompt_tokens(&self, response: &Value, _choice: Option<&Value>) -> Option<Vec<u32>> {
         id_array(response.get("prompt_token_ids"))
     }
+}
+
+/// Ids spelled `token_id:<id>` by `return_tokens_as_token_ids`; `None` unless every entry is.
+fn placeholder_ids(entries: &[Value]) -> Option<Vec<u32>> {
+    entries
+        .iter()
+        .map(|e| {
+            e.get("token")?
+                .as_str()?
+                .strip_prefix("token_id:")?
+                .parse()
+                .ok()
+        })
+        .collect()
+}
+
+fn entry_logprob(entry: &Value) -> Option<f32> {
+    let lp = entry.get("logprob")?.as_f64()?;
+    (lp > NO_LOGPROB).then_some(lp as f32)
+}
+
+/// Compares the ids received with the engine's own completion token count: some vLLM
+/// versions silently drop the ids of chunks a tool parser buffered (vllm#27482).
+fn check_completion_count(mut inner: GenerationStream) -> GenerationStream {
+    Box::pin(stream! {
+        let mut received = 0u64;
+        let mut reported = None;
+        let mut gap_reported = false;
+        while let Some(event) = inner.next().await {
+            match &event {
+                Ok(GenerationEvent::SampledTokens { ids, .. }) => received += ids.len() as u64,
+                Ok(GenerationEvent::Finished { usage, .. }) => {
+                    reported = usage.map(|u| u.completion_tokens)
+                }
+                Ok(GenerationEvent::Gap(g)) if g.field == TokenField::CompletionTokenIds => {
+                    gap_reported = true
+                }
+                _ => {}
+            }
+            let failed = event.is_err();
+            yield event;
+            if failed {
+                return;
+            }
+        }
+        if let Some(n) = reported {
+            if !gap_reported && received != n {
+                yield Ok(GenerationEvent::Gap(TokenGap {
+                    field: TokenField::CompletionTokenIds,
+                    reason: format!(
+                        "the engine reported {n} completion tokens but sent {received} token ids"
+                    ),
+                }));
+            }
+        }
+    })
 }
 
 #[async_trait]
@@ -54,7 +129,8 @@ impl Backend for VllmBackend {
         request: &ChatRequest,
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError> {
-        openai_compat::generate(&self.client, VllmDialect, request, mode).await
+        let inner = openai_compat::generate(&self.client, VllmDialect, request, mode).await?;
+        Ok(check_completion_count(inner))
     }
 
     async fn models(&self) -> Result<Value, BackendError> {
