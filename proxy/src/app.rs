@@ -308,11 +308,19 @@ impl CaptureService {
         }
         call.backend.model = request.model.clone();
         let stream_to_harness = request.stream;
-        let mode = if stream_to_harness && !self.config.synthetic_stream {
+        let wanted = if stream_to_harness && !self.config.synthetic_stream {
             CallMode::Streaming
         } else {
             CallMode::Whole
         };
+        let (mode, why_whole) = self.backend.call_mode(&request, wanted);
+        if let Some(reason) = why_whole {
+            call.normalizations.push(Normalization {
+                kind: "synthetic_stream".into(),
+                detail: format!("called the backend non-streaming and replayed the answer as a stream: {reason}"),
+            });
+        }
+        call.backend.synthetic_stream = stream_to_harness && mode == CallMode::Whole;
         call.backend_request = Some(request);
 
         // Generate.

@@ -26,8 +26,19 @@ fn is_secret_name(name: &str) -> bool {
         || n.split(['-', '_', '.']).any(|w| {
             matches!(
                 w,
-                "key" | "apikey" | "token" | "secret" | "password" | "passwd" | "credential"
-                    | "credentials" | "signature" | "sig" | "auth" | "authorization" | "cookie"
+                "key"
+                    | "apikey"
+                    | "token"
+                    | "secret"
+                    | "password"
+                    | "passwd"
+                    | "credential"
+                    | "credentials"
+                    | "signature"
+                    | "sig"
+                    | "auth"
+                    | "authorization"
+                    | "cookie"
             )
         })
 }

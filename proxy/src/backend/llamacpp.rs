@@ -81,6 +81,22 @@ impl Backend for LlamaCppBackend {
         self.client.base()
     }
 
+    fn call_mode(
+        &self,
+        request: &ChatRequest,
+        wanted: CallMode,
+    ) -> (CallMode, Option<&'static str>) {
+        if wanted == CallMode::Streaming && !request.tools.is_empty() {
+            // llama-server rejects `logprobs` with tools + stream; a whole answer keeps the ids.
+            (
+                CallMode::Whole,
+                Some("llama.cpp returns no logprobs for streamed calls with tools"),
+            )
+        } else {
+            (wanted, None)
+        }
+    }
+
     async fn generate(
         &self,
         request: &ChatRequest,

@@ -46,6 +46,17 @@ pub trait Backend: Send + Sync {
     /// Base URL of the engine, without credentials.
     fn url(&self) -> &str;
 
+    /// How this engine can serve a call the harness wants answered in `wanted` mode. An engine
+    /// that cannot return token data when streaming some request answers `Whole` with the
+    /// reason, and the proxy plays the whole answer back as a stream.
+    fn call_mode(
+        &self,
+        _request: &ChatRequest,
+        wanted: CallMode,
+    ) -> (CallMode, Option<&'static str>) {
+        (wanted, None)
+    }
+
     /// Starts a generation. Errors before the first event (connection refused, an error status)
     /// come back as `Err` here so the harness gets a proper error status.
     async fn generate(

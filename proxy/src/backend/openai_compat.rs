@@ -275,7 +275,13 @@ fn stream_events<D: TokenDialect>(
             let next = tokio::time::timeout(idle, events.next()).await
                 .map_err(|_| BackendError::Timeout(format!("no data from the backend for {idle:?}")))?;
             let Some(event) = next else { break };
-            let event = event.map_err(|e| BackendError::Protocol(format!("reading the event stream: {e}")))?;
+            let event = event.map_err(|e| match e {
+                // The client's read timeout fired mid-stream: the engine went quiet.
+                eventsource_stream::EventStreamError::Transport(t) if t.is_timeout() => {
+                    BackendError::Timeout(format!("no data from the backend for {idle:?}: {t}"))
+                }
+                e => BackendError::Protocol(format!("reading the event stream: {e}")),
+            })?;
             let data = event.data.trim();
             if data.is_empty() {
                 continue;

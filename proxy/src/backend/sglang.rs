@@ -4,10 +4,10 @@
 //! `return_meta_info` puts the request's `meta_info` there, whose `output_token_logprobs` lists
 //! `[logprob, token_id, text]` for each sampled token (with `logprobs: true`).
 //! Streams: SGLang refuses those flags (and `return_token_ids`) with HTTP 400, and its chunks
-//! carry logprobs without ids. Since sglang#34488, `return_input_ids_in_sglext` sends the prompt ids
-//! once, in a trailing `choices: []` chunk's `sglext.input_ids`; the sampled ids can follow
-//! there too (`sglext.output_ids`), but a choice-less chunk is out of the dialect's reach, so
-//! they are not asked for and the shared code records the gap.
+//! carry logprobs without ids. Since sglang#34488, `return_input_ids_in_sglext` sends the
+//! prompt ids once, in a trailing `choices: []` chunk's `sglext.input_ids`; the sampled ids can
+//! follow there too (`sglext.output_ids`), but a choice-less chunk is out of the dialect's
+//! reach, so they are not asked for and the shared code records the gap.
 //! Talk to workers directly: SGLang's router may drop token metadata.
 
 use async_trait::async_trait;

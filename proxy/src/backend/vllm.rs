@@ -1,4 +1,5 @@
-//! vLLM's OpenAI-compatible server (`vllm/entrypoints/openai/chat_completion/{protocol,serving}.py`).
+//! vLLM's OpenAI-compatible server
+//! (`vllm/entrypoints/openai/chat_completion/{protocol,serving}.py`).
 //!
 //! `return_token_ids` puts `prompt_token_ids` at the top level of the answer (of the first chunk
 //! only, when streaming) and `token_ids` on each choice (the chunk's own ids, when streaming).
@@ -6,14 +7,12 @@
 //! only. `return_tokens_as_token_ids` also spells each logprob token as `token_id:<id>`, the
 //! only id source on servers older than `return_token_ids` (v0.10.2).
 
-use async_stream::stream;
 use async_trait::async_trait;
-use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
 use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
 use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
-use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap};
+use crate::canonical::ChatRequest;
 
 pub struct VllmBackend {
     client: EngineClient,
@@ -58,8 +57,12 @@ impl TokenDialect for VllmDialect {
     }
 }
 
-/// Ids spelled `token_id:<id>` by `return_tokens_as_token_ids`; `None` unless every entry is.
+/// Ids spelled `token_id:<id>` by `return_tokens_as_token_ids`; `None` unless every entry is
+/// (an empty list proves nothing either).
 fn placeholder_ids(entries: &[Value]) -> Option<Vec<u32>> {
+    if entries.is_empty() {
+        return None;
+    }
     entries
         .iter()
         .map(|e| {
@@ -77,43 +80,6 @@ fn entry_logprob(entry: &Value) -> Option<f32> {
     (lp > NO_LOGPROB).then_some(lp as f32)
 }
 
-/// Compares the ids received with the engine's own completion token count: some vLLM
-/// versions silently drop the ids of chunks a tool parser buffered (vllm#27482).
-fn check_completion_count(mut inner: GenerationStream) -> GenerationStream {
-    Box::pin(stream! {
-        let mut received = 0u64;
-        let mut reported = None;
-        let mut gap_reported = false;
-        while let Some(event) = inner.next().await {
-            match &event {
-                Ok(GenerationEvent::SampledTokens { ids, .. }) => received += ids.len() as u64,
-                Ok(GenerationEvent::Finished { usage, .. }) => {
-                    reported = usage.map(|u| u.completion_tokens)
-                }
-                Ok(GenerationEvent::Gap(g)) if g.field == TokenField::CompletionTokenIds => {
-                    gap_reported = true
-                }
-                _ => {}
-            }
-            let failed = event.is_err();
-            yield event;
-            if failed {
-                return;
-            }
-        }
-        if let Some(n) = reported {
-            if !gap_reported && received != n {
-                yield Ok(GenerationEvent::Gap(TokenGap {
-                    field: TokenField::CompletionTokenIds,
-                    reason: format!(
-                        "the engine reported {n} completion tokens but sent {received} token ids"
-                    ),
-                }));
-            }
-        }
-    })
-}
-
 #[async_trait]
 impl Backend for VllmBackend {
     fn kind(&self) -> BackendKind {
@@ -129,8 +95,7 @@ impl Backend for VllmBackend {
         request: &ChatRequest,
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError> {
-        let inner = openai_compat::generate(&self.client, VllmDialect, request, mode).await?;
-        Ok(check_completion_count(inner))
+        openai_compat::generate(&self.client, VllmDialect, request, mode).await
     }
 
     async fn models(&self) -> Result<Value, BackendError> {
