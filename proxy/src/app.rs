@@ -259,7 +259,11 @@ impl CaptureService {
             Err(BodyError::TooLarge) => {
                 let err = CallError::body_too_large(self.config.max_body_bytes);
                 self.fail(http, codec, call, err).await;
-                return false; // the rest of the body is unread: the connection cannot be reused
+                // Discard what the harness is still sending (bounded): closing with unread
+                // data resets the connection, and the harness would lose the 413 it was sent.
+                let drain = std::time::Duration::from_secs(5);
+                let _ = tokio::time::timeout(drain, http.drain_request_body()).await;
+                return false; // the connection is not reused after an oversized body
             }
             Err(BodyError::Io(e)) => {
                 call.error = Some(CallError::new(

@@ -7,7 +7,11 @@ use tokentap_proxy::wire::chat_completions::ChatCompletions;
 use tokentap_proxy::wire::{ResponseMeta, WireCodec};
 
 fn fixture(name: &str) -> String {
-    std::fs::read_to_string(format!("{}/testdata/harness-wire/{name}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    std::fs::read_to_string(format!(
+        "{}/testdata/harness-wire/{name}",
+        env!("CARGO_MANIFEST_DIR")
+    ))
+    .unwrap()
 }
 
 fn harness_body(name: &str) -> Vec<u8> {
@@ -22,7 +26,9 @@ fn frames(sse: &str) -> Vec<Value> {
         .map(str::trim)
         .filter(|f| !f.is_empty())
         .map(|f| {
-            let data = f.strip_prefix("data: ").unwrap_or_else(|| panic!("not a data frame: {f}"));
+            let data = f
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data frame: {f}"));
             if data == "[DONE]" {
                 return Value::String("[DONE]".into());
             }
@@ -42,28 +48,54 @@ fn frames(sse: &str) -> Vec<Value> {
 
 #[test]
 fn streamed_answer_matches_the_sequence_harnesses_accepted() {
-    let meta = ResponseMeta { id: "chatcmpl-1".into(), created: 1, model: "m".into() };
+    let meta = ResponseMeta {
+        id: "chatcmpl-1".into(),
+        created: 1,
+        model: "m".into(),
+    };
     let mut r = ChatCompletions.stream_renderer(meta, true);
     let mut out = Vec::new();
     r.start(&mut out);
     for piece in ["Hello ", "from ", "mock. "] {
-        r.delta(&Delta { content: Some(piece.into()), ..Default::default() }, &mut out);
+        r.delta(
+            &Delta {
+                content: Some(piece.into()),
+                ..Default::default()
+            },
+            &mut out,
+        );
     }
-    r.finish(FinishReason::Stop, Some(Usage { prompt_tokens: 10, completion_tokens: 5, total_tokens: 15 }), &mut out);
-    assert_eq!(frames(&String::from_utf8(out).unwrap()), frames(&fixture("chat-completions-full.sse")));
+    r.finish(
+        FinishReason::Stop,
+        Some(Usage {
+            prompt_tokens: 10,
+            completion_tokens: 5,
+            total_tokens: 15,
+        }),
+        &mut out,
+    );
+    assert_eq!(
+        frames(&String::from_utf8(out).unwrap()),
+        frames(&fixture("chat-completions-full.sse"))
+    );
 }
 
 #[test]
 fn real_pi_and_qwen_requests_parse() {
     for name in ["pi.json", "pi-turn2.json", "qwen.json", "qwen-turn2.json"] {
-        let parsed = ChatCompletions.parse(&harness_body(name)).unwrap_or_else(|e| panic!("{name}: {e}"));
+        let parsed = ChatCompletions
+            .parse(&harness_body(name))
+            .unwrap_or_else(|e| panic!("{name}: {e}"));
         let r = &parsed.request;
         assert!(r.stream && parsed.include_usage, "{name}");
         assert!(!r.tools.is_empty(), "{name}");
         assert_eq!(r.messages[0].role, Role::System, "{name}");
         assert!(r.sampling.max_tokens.is_some(), "{name}");
     }
-    let turn2 = ChatCompletions.parse(&harness_body("qwen-turn2.json")).unwrap().request;
+    let turn2 = ChatCompletions
+        .parse(&harness_body("qwen-turn2.json"))
+        .unwrap()
+        .request;
     let call = &turn2.messages[2].tool_calls[0];
     let result = &turn2.messages[3];
     assert_eq!(result.role, Role::Tool);

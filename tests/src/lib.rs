@@ -1,1 +1,19 @@
+//! Support for tokentap's end-to-end tests: the real `tokentap` binary, a real llama-server,
+//! real agent harnesses, and two test-side servers (the [`tee::TeeProxy`] pass-through and the
+//! [`scripted::ScriptedBackend`] test double).
+//!
+//! Tests whose names start with `heavy_` spawn llama-server or a harness and run one at a time
+//! (`.config/nextest.toml`); the others are light and run in parallel.
 
+pub mod artefacts;
+pub mod checks;
+pub mod fixtures;
+pub mod harness;
+pub mod llama;
+pub mod procs;
+pub mod scripted;
+pub mod sse;
+pub mod tee;
+pub mod tokentap;
+
+pub use tokentap_schema::{CaptureRecord, ErrorKind, SessionSource, TokenSource};

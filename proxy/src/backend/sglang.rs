@@ -71,6 +71,19 @@ impl Backend for SglangBackend {
         self.client.base()
     }
 
+    fn call_mode(
+        &self,
+        _request: &ChatRequest,
+        _wanted: CallMode,
+    ) -> (CallMode, Option<&'static str>) {
+        // SGLang's streamed chat chunks carry no sampled token ids (and drop the logprob of
+        // steps without new text); a whole answer has them all in meta_info.
+        (
+            CallMode::Whole,
+            Some("SGLang streams carry no sampled token ids"),
+        )
+    }
+
     async fn generate(
         &self,
         request: &ChatRequest,

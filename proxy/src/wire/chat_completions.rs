@@ -382,7 +382,7 @@ fn usage_json(u: Usage) -> Value {
 }
 
 /// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
-fn error_json(e: &CallError) -> Value {
+pub(crate) fn error_json(e: &CallError) -> Value {
     let (kind, code) = match e.kind {
         ErrorKind::ContextLengthExceeded => {
             ("invalid_request_error", Some("context_length_exceeded"))

@@ -4,6 +4,8 @@
 
 pub mod chat_completions;
 mod error;
+pub mod messages;
+pub mod responses;
 
 pub use error::{CallError, WireError};
 

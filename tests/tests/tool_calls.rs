@@ -1,0 +1,287 @@
+//! Tool-call round trips through tokentap (`--backend-kind vllm`) and the ScriptedBackend test
+//! double (a tiny random model never emits a tool call on its own): the harness really runs
+//! the scripted tool, sends its result back, and both turns are recorded in one session with
+//! turn 2's prompt extending turn 1's.
+
+use serde_json::{json, Value};
+use tokentap_e2e::checks::assert_complete_token_data;
+use tokentap_e2e::fixtures::{post_chat, post_stream, scripted_tokentap};
+use tokentap_e2e::harness::{run_pi, run_qwen, HarnessDirs, HarnessRun};
+use tokentap_e2e::llama::{LlamaServer, END_OF_TURN};
+use tokentap_e2e::scripted::{
+    always, tool_call_text, tool_round_trip, Reply, ScriptedBackend, Tokens,
+};
+use tokentap_e2e::sse::parse_chat_stream;
+use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::{CaptureRecord, SessionSource};
+
+const MARKER_FILE: &str = "tokentap_tool_ran.txt";
+const FINAL_TEXT: &str = "Done: the file is written.";
+
+fn command() -> Value {
+    json!({"command": format!("echo hi > {MARKER_FILE}")})
+}
+
+/// Runs a harness against tokentap in front of a scripted tool round trip and checks what
+/// every harness must get right; returns the records of the tool call and of its follow-up.
+async fn round_trip(
+    tool: &str,
+    run: impl AsyncFnOnce(&HarnessDirs, &str) -> HarnessRun,
+) -> (
+    ScriptedBackend,
+    Tokentap,
+    HarnessDirs,
+    HarnessRun,
+    CaptureRecord,
+    CaptureRecord,
+) {
+    let llama = LlamaServer::shared().await;
+    let tok = llama.tokenizer();
+    let backend = ScriptedBackend::start(
+        Tokens::Llama(tok.clone()),
+        tool_round_trip(tool, command(), FINAL_TEXT, "ok"),
+    )
+    .await;
+    let tokentap = Tokentap::start(TokentapConfig::new(backend.url.clone(), "vllm")).await;
+    let dirs = HarnessDirs::new();
+    let out = run(&dirs, &tokentap.base_url()).await;
+    out.assert_success(tool);
+
+    // The harness really ran the tool, in its working directory.
+    let marker = dirs.work().join(MARKER_FILE);
+    assert_eq!(
+        std::fs::read_to_string(&marker).ok().as_deref(),
+        Some("hi\n"),
+        "the scripted tool call did not run ({})",
+        marker.display()
+    );
+
+    let requests = backend.requests();
+    let records = tokentap.wait_records(requests.len()).await;
+    assert_eq!(records.len(), requests.len(), "one record per engine call");
+    // Records are found by content, not position: calls may end in another order than they
+    // began (and a harness may overlap side calls).
+    let with_call: Vec<&CaptureRecord> = records
+        .iter()
+        .filter(|r| r.message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()))
+        .collect();
+    assert_eq!(
+        with_call.len(),
+        1,
+        "exactly one record holds the scripted tool call"
+    );
+    let call = with_call[0].clone();
+
+    // Turn 1: the scripted call, as the engine sampled it.
+    let m = call.message.as_ref().unwrap();
+    assert_eq!(m.tool_calls.len(), 1);
+    let tc = &m.tool_calls[0];
+    assert_eq!(tc.name, tool);
+    assert_eq!(
+        serde_json::from_str::<Value>(&tc.arguments).unwrap(),
+        command()
+    );
+    // The scripted backend names each call after the engine request it answered.
+    let k: usize = tc
+        .id
+        .strip_prefix("call_scripted_")
+        .and_then(|n| n.parse().ok())
+        .unwrap_or_else(|| panic!("tool call id {:?} is not the engine's", tc.id));
+    assert!(requests[k]["tools"].is_array());
+    assert_eq!(
+        call.finish_reason.map(|f| f.as_openai()),
+        Some("tool_calls")
+    );
+    let mut sampled = tok
+        .tokenize_with_pieces(&tool_call_text(tool, &command()), false)
+        .await
+        .into_iter()
+        .map(|(id, _)| id)
+        .collect::<Vec<_>>();
+    sampled.push(END_OF_TURN);
+    assert_eq!(call.completion_token_ids.as_ref(), Some(&sampled));
+
+    // Turn 2: the harness sent the tool result back to the engine for the call it got,
+    // after echoing the call itself.
+    let carries_result = |msgs: &Value| {
+        msgs.as_array()
+            .unwrap()
+            .iter()
+            .any(|m| m["role"] == "tool" && m["tool_call_id"] == tc.id.as_str())
+    };
+    let j = requests
+        .iter()
+        .position(|r| carries_result(&r["messages"]))
+        .expect("an engine request carrying the tool result");
+    assert!(j > k, "the result came back after the call");
+    let sent = requests[j]["messages"].as_array().unwrap();
+    let echoed = sent
+        .iter()
+        .find(|m| m["role"] == "assistant" && m["tool_calls"].is_array())
+        .expect("the assistant tool call is echoed back");
+    assert_eq!(echoed["tool_calls"][0]["id"], tc.id.as_str());
+    assert_eq!(echoed["tool_calls"][0]["function"]["name"], tool);
+    // Its record: the first call of the session whose backend request carries the result.
+    let follow = records
+        .iter()
+        .filter(|r| {
+            r.session_id == call.session_id
+                && r.backend_request.as_ref().is_some_and(|b| {
+                    b.messages
+                        .iter()
+                        .any(|m| m.tool_call_id.as_deref() == Some(tc.id.as_str()))
+                })
+        })
+        .min_by_key(|r| r.seq)
+        .expect("a record of the follow-up call")
+        .clone();
+    assert_eq!(
+        follow.message.as_ref().and_then(|m| m.content.as_deref()),
+        Some(FINAL_TEXT)
+    );
+
+    for r in [&call, &follow] {
+        assert_complete_token_data(r);
+        assert_eq!(
+            r.token_provenance.prompt,
+            tokentap_e2e::TokenSource::EngineResponse
+        );
+    }
+    // Turn 2's prompt extends turn 1's: the same conversation, token for token.
+    let (p1, p2) = (
+        call.prompt_token_ids.as_ref().unwrap(),
+        follow.prompt_token_ids.as_ref().unwrap(),
+    );
+    assert!(
+        p2.len() > p1.len() && p2[..p1.len()] == p1[..],
+        "turn 2's prompt ids do not start with turn 1's"
+    );
+    assert_eq!(call.session_source, SessionSource::ApiKey);
+    assert!(follow.seq > call.seq);
+    (backend, tokentap, dirs, out, call, follow)
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_pi_runs_a_scripted_bash_call_and_sends_the_result_back() {
+    let (backend, tokentap, _dirs, out, call, follow) = round_trip("bash", async |dirs, base| {
+        run_pi(
+            dirs,
+            base,
+            "sk-tokentap-e2e-pi-tools",
+            "m",
+            "Write hi to a file",
+        )
+        .await
+    })
+    .await;
+    // Pi makes exactly these two calls, in one session.
+    assert_eq!(backend.requests().len(), 2);
+    assert_eq!((call.seq, follow.seq), (0, 1));
+    assert_eq!(call.session_id, follow.session_id);
+    assert_eq!(tokentap.records().len(), 2);
+    assert!(
+        out.stdout.contains(FINAL_TEXT),
+        "Pi prints the final answer: {}",
+        out.stdout
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_runs_a_scripted_shell_call_and_sends_the_result_back() {
+    let (_backend, _tokentap, _dirs, out, _call, _follow) =
+        round_trip("run_shell_command", async |dirs, base| {
+            run_qwen(
+                dirs,
+                base,
+                "sk-tokentap-e2e-qwen-tools",
+                "m",
+                "Write hi to a file",
+                true,
+            )
+            .await
+        })
+        .await;
+    assert!(
+        out.stdout.contains(FINAL_TEXT),
+        "Qwen Code prints the final answer: {}",
+        out.stdout
+    );
+}
+
+fn tool_request(stream: bool) -> Value {
+    json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": "Write hi to a file"}],
+        "tools": [{"type": "function", "function": {"name": "bash", "description": "Run a command",
+            "parameters": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}}}],
+        "stream": stream,
+        "stream_options": {"include_usage": true}
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn a_streamed_tool_call_reaches_the_harness_as_openai_tool_call_deltas() {
+    let (backend, tokentap) =
+        scripted_tokentap(always(Reply::tool_call("bash", command())), &[]).await;
+    let (status, sse) = post_stream(&tokentap.chat_url(), &[], &tool_request(true)).await;
+    assert_eq!(status, 200, "{sse}");
+    let s = parse_chat_stream(&sse);
+    assert!(s.done && s.errors.is_empty(), "{sse}");
+    assert_eq!(s.finish_reason.as_deref(), Some("tool_calls"));
+    assert_eq!(s.content, "");
+    assert_eq!(
+        s.tool_calls,
+        vec![(
+            "call_scripted_0".to_owned(),
+            "bash".to_owned(),
+            command().to_string()
+        )]
+    );
+    // The first tool-call delta opens the call: index, id, type, name.
+    let first = s
+        .chunks
+        .iter()
+        .find_map(|c| c["choices"][0]["delta"]["tool_calls"].as_array().cloned())
+        .expect("a tool_calls delta");
+    assert_eq!(first[0]["index"], 0);
+    assert_eq!(first[0]["id"], "call_scripted_0");
+    assert_eq!(first[0]["type"], "function");
+    assert_eq!(first[0]["function"]["name"], "bash");
+
+    let r = tokentap.wait_record(1).await;
+    assert_complete_token_data(&r);
+    let m = r.message.as_ref().unwrap();
+    assert_eq!(m.tool_calls.len(), 1);
+    assert_eq!(
+        (m.tool_calls[0].id.as_str(), m.tool_calls[0].name.as_str()),
+        ("call_scripted_0", "bash")
+    );
+    assert_eq!(m.tool_calls[0].arguments, command().to_string());
+    let mut expect: Vec<u32> = tool_call_text("bash", &command())
+        .chars()
+        .map(|c| c as u32 + 3)
+        .collect();
+    expect.push(END_OF_TURN);
+    assert_eq!(
+        r.completion_token_ids,
+        Some(expect),
+        "the ids of both tool-call chunks and the end of turn"
+    );
+    // The tools reached the engine.
+    assert_eq!(
+        backend.requests()[0]["tools"][0]["function"]["name"],
+        "bash"
+    );
+
+    // The whole (non-streamed) form of the same answer.
+    let (status, v) = post_chat(&tokentap, &[], &tool_request(false)).await;
+    assert_eq!(status, 200, "{v}");
+    let msg = &v["choices"][0]["message"];
+    assert_eq!(msg["content"], Value::Null);
+    assert_eq!(
+        msg["tool_calls"][0]["function"]["arguments"],
+        command().to_string()
+    );
+    assert_eq!(msg["tool_calls"][0]["type"], "function");
+    assert_eq!(v["choices"][0]["finish_reason"], "tool_calls");
+}
