@@ -51,7 +51,7 @@ use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, WireApi};
 
 use super::chat_completions::parse_json_body;
-use super::{CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
+use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
@@ -1000,15 +1000,6 @@ fn numbers(s: &str) -> Vec<(usize, usize, u64)> {
         }
     }
     out
-}
-
-/// Appends one SSE frame `event: <type>\ndata: <json>\n\n`.
-fn sse_event(out: &mut Vec<u8>, event: &str, data: &Value) {
-    out.extend_from_slice(b"event: ");
-    out.extend_from_slice(event.as_bytes());
-    out.extend_from_slice(b"\ndata: ");
-    serde_json::to_writer(&mut *out, data).expect("JSON values always serialize");
-    out.extend_from_slice(b"\n\n");
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -69,3 +69,11 @@ pub(crate) fn sse_data(out: &mut Vec<u8>, json: &serde_json::Value) {
     serde_json::to_writer(&mut *out, json).expect("JSON values always serialize");
     out.extend_from_slice(b"\n\n");
 }
+
+/// Appends one SSE frame with an event name: `event: <type>\ndata: <json>\n\n`.
+pub(crate) fn sse_event(out: &mut Vec<u8>, event: &str, data: &serde_json::Value) {
+    out.extend_from_slice(b"event: ");
+    out.extend_from_slice(event.as_bytes());
+    out.push(b'\n');
+    sse_data(out, data);
+}

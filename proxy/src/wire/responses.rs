@@ -18,7 +18,7 @@ use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, WireApi};
 
 use super::chat_completions::{error_json, parse_json_body};
-use super::{CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
+use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
@@ -1111,12 +1111,7 @@ impl EventRenderer {
             payload.extend(fields);
         }
         self.sequence += 1;
-        out.extend_from_slice(b"event: ");
-        out.extend_from_slice(kind.as_bytes());
-        out.extend_from_slice(b"\ndata: ");
-        serde_json::to_writer(&mut *out, &Value::Object(payload))
-            .expect("JSON values always serialize");
-        out.extend_from_slice(b"\n\n");
+        sse_event(out, kind, &Value::Object(payload));
     }
 
     fn index(&self) -> usize {
