@@ -22,9 +22,15 @@ use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
 use crate::canonical::{GenerationAccumulator, GenerationEvent};
 use crate::capture::{CallCapture, RecordSink};
 use crate::metrics::Metrics;
+use crate::normalize::{
+    drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
+};
 use crate::redact;
 use crate::session::{self, SessionCounters, SessionHints, SESSION_HEADER};
-use crate::wire::{chat_completions::ChatCompletions, CallError, ResponseMeta, WireCodec};
+use crate::wire::chat_completions::ChatCompletions;
+use crate::wire::messages::Messages;
+use crate::wire::responses::Responses;
+use crate::wire::{CallError, ResponseMeta, WireCodec};
 
 /// Proxy behaviour that is policy, not mechanism.
 #[derive(Debug, Clone)]
@@ -37,6 +43,8 @@ pub struct ProxyConfig {
     pub backend_model: Option<String>,
     /// Policy (weights) version recorded with each call.
     pub policy_version: Option<String>,
+    /// How system and developer messages reach the engine's chat template.
+    pub system_layout: SystemLayout,
 }
 
 impl Default for ProxyConfig {
@@ -46,6 +54,7 @@ impl Default for ProxyConfig {
             synthetic_stream: false,
             backend_model: None,
             policy_version: None,
+            system_layout: SystemLayout::Auto,
         }
     }
 }
@@ -53,13 +62,22 @@ impl Default for ProxyConfig {
 /// What a request path leads to.
 enum Route {
     Call(&'static dyn WireCodec),
+    /// Anthropic `POST /v1/messages/count_tokens`.
+    CountTokens,
     Models,
     Health,
+    /// Claude Code's connectivity probe, `HEAD /api/hello`.
+    Hello,
     Metrics,
+    /// Codex's WebSocket attempt on `GET /v1/responses`: answered 426 so it falls back to SSE
+    /// at once instead of retrying.
+    WebSocketRefused,
     NotFound,
 }
 
 static CHAT_COMPLETIONS: ChatCompletions = ChatCompletions;
+static RESPONSES: Responses = Responses;
+static MESSAGES: Messages = Messages;
 
 /// Splits an optional `/s/{session}` prefix off `path` and picks the route.
 fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
@@ -73,8 +91,13 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
     let rest = rest.trim_end_matches('/');
     let r = match (method, rest) {
         ("POST", "/v1/chat/completions" | "/chat/completions") => Route::Call(&CHAT_COMPLETIONS),
+        ("POST", "/v1/responses" | "/responses") => Route::Call(&RESPONSES),
+        ("GET", "/v1/responses" | "/responses") => Route::WebSocketRefused,
+        ("POST", "/v1/messages" | "/messages") => Route::Call(&MESSAGES),
+        ("POST", "/v1/messages/count_tokens" | "/messages/count_tokens") => Route::CountTokens,
         ("GET", "/v1/models" | "/models") => Route::Models,
         ("GET" | "HEAD", "/health" | "/healthz") => Route::Health,
+        ("GET" | "HEAD", "/api/hello") => Route::Hello,
         ("GET", "/metrics") => Route::Metrics,
         _ => Route::NotFound,
     };
@@ -87,6 +110,8 @@ pub struct CaptureService {
     sink: RecordSink,
     metrics: Arc<Metrics>,
     sessions: SessionCounters,
+    /// The layout `Auto` resolved to, once the engine answered the probe.
+    resolved_layout: std::sync::OnceLock<SystemLayout>,
 }
 
 #[async_trait]
@@ -129,6 +154,25 @@ impl CaptureService {
             sink,
             metrics,
             sessions: SessionCounters::default(),
+            resolved_layout: std::sync::OnceLock::new(),
+        }
+    }
+
+    /// The system-message layout for this engine; `Auto` asks the engine's template once.
+    async fn system_layout(&self, model: &str) -> SystemLayout {
+        if self.config.system_layout != SystemLayout::Auto {
+            return self.config.system_layout;
+        }
+        if let Some(l) = self.resolved_layout.get() {
+            return *l;
+        }
+        let outcome = self.backend.probe_template(&layout_probe(model)).await;
+        match layout_from_probe(&outcome) {
+            Some(l) => {
+                tracing::info!(?outcome, layout = ?l, "system-message layout chosen from the engine's chat template");
+                *self.resolved_layout.get_or_init(|| l)
+            }
+            None => SystemLayout::AsSent,
         }
     }
 
@@ -142,7 +186,17 @@ impl CaptureService {
                 self.handle_call(http, codec, path_session.map(str::to_owned))
                     .await
             }
+            Route::CountTokens => self.count_tokens(http).await,
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
+            Route::Hello => write_body(http, 200, "application/json", Vec::new()).await,
+            Route::WebSocketRefused => {
+                let err = CallError::new(
+                    ErrorKind::InvalidRequest,
+                    426,
+                    "tokentap answers the Responses API over HTTP (SSE), not WebSocket; POST /v1/responses instead.",
+                );
+                self.write_error(http, &RESPONSES, &err).await
+            }
             Route::Metrics => {
                 write_body(
                     http,
@@ -161,12 +215,43 @@ impl CaptureService {
             },
             Route::NotFound => {
                 let _ = http.drain_request_body().await;
-                self.write_error(
-                    http,
-                    &CHAT_COMPLETIONS,
-                    &CallError::not_found(&method, &path),
-                )
-                .await
+                // Answer in the shape the caller speaks: Anthropic clients send a version header.
+                let codec: &dyn WireCodec =
+                    if http.req_header().headers.contains_key("anthropic-version") {
+                        &MESSAGES
+                    } else {
+                        &CHAT_COMPLETIONS
+                    };
+                self.write_error(http, codec, &CallError::not_found(&method, &path))
+                    .await
+            }
+        }
+    }
+
+    /// Anthropic token counting: the engine's own count of the prompt it would see. Not a model
+    /// call, so no record; errors come back in the Messages shape.
+    async fn count_tokens(&self, http: &mut ServerSession) -> bool {
+        let body = match read_body(http, self.config.max_body_bytes).await {
+            Ok(b) => b,
+            Err(BodyError::TooLarge) => {
+                let err = CallError::body_too_large(self.config.max_body_bytes);
+                let _ = self.write_error(http, &MESSAGES, &err).await;
+                return false;
+            }
+            Err(BodyError::Io(_)) => return false,
+        };
+        let mut request = match MESSAGES.parse_count_tokens(&body) {
+            Ok(p) => p.request,
+            Err(e) => return self.write_error(http, &MESSAGES, &e.into()).await,
+        };
+        if let Some(model) = &self.config.backend_model {
+            request.model = model.clone();
+        }
+        match self.backend.count_prompt_tokens(&request).await {
+            Ok(n) => write_json(http, 200, &json!({"input_tokens": n})).await,
+            Err(e) => {
+                self.write_error(http, &MESSAGES, &CallError::from(&e))
+                    .await
             }
         }
     }
@@ -309,6 +394,12 @@ impl CaptureService {
                 });
                 request.model = model.clone();
             }
+        }
+        call.normalizations
+            .extend(drop_orphan_tool_choice(&mut request));
+        if self.system_layout(&request.model).await == SystemLayout::Single {
+            call.normalizations
+                .extend(fold_system_messages(&mut request));
         }
         call.backend.model = request.model.clone();
         let stream_to_harness = request.stream;
@@ -658,6 +749,25 @@ mod tests {
         ));
         assert!(matches!(route("POST", "/v2/whatever").0, Route::NotFound));
         assert!(matches!(route("POST", "/s/x").0, Route::NotFound));
+        let api = |m, p| match route(m, p).0 {
+            Route::Call(c) => Some(c.api()),
+            _ => None,
+        };
+        assert_eq!(api("POST", "/v1/responses"), Some(WireApi::Responses));
+        assert_eq!(api("POST", "/s/a/v1/messages"), Some(WireApi::Messages));
+        assert_eq!(
+            api("POST", "/v1/chat/completions/"),
+            Some(WireApi::ChatCompletions)
+        );
+        assert!(matches!(
+            route("GET", "/v1/responses").0,
+            Route::WebSocketRefused
+        ));
+        assert!(matches!(
+            route("POST", "/v1/messages/count_tokens").0,
+            Route::CountTokens
+        ));
+        assert!(matches!(route("HEAD", "/api/hello").0, Route::Hello));
     }
 
     #[test]

@@ -7,6 +7,7 @@ pub mod backend;
 pub mod canonical;
 pub mod capture;
 pub mod metrics;
+pub mod normalize;
 pub mod redact;
 pub mod session;
 pub mod wire;

@@ -13,6 +13,7 @@ use pingora::services::listening::Service;
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
 use tokentap_proxy::capture::RecordSink;
 use tokentap_proxy::metrics::Metrics;
+use tokentap_proxy::normalize::SystemLayout;
 use tokentap_proxy::{CaptureService, ProxyConfig};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolWriter};
 
@@ -86,6 +87,12 @@ pub struct ProxyArgs {
     /// Policy (weights) version to record with each call.
     #[arg(long)]
     policy_version: Option<String>,
+    /// How system and developer messages reach the engine: `single` folds them into one
+    /// leading system message (what most chat templates take), `as-sent` keeps them where the
+    /// harness put them, `auto` asks the engine's template once (llama.cpp, vLLM) and folds
+    /// when it rejects or drops a second system message or does not know `developer`.
+    #[arg(long, default_value = "auto")]
+    system_layout: SystemLayout,
     /// Worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -125,6 +132,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         synthetic_stream: args.synthetic_stream,
         backend_model,
         policy_version: args.policy_version.clone(),
+        system_layout: args.system_layout,
     };
     let service = CaptureService::new(config, backend, sink, metrics);
 

@@ -77,6 +77,9 @@ fn tail(s: &str, n: usize) -> &str {
     &s[start..]
 }
 
+/// A loopback port nothing listens on (discard).
+const DEAD_PROXY: &str = "http://127.0.0.1:9";
+
 /// A clean environment: HOME, PATH (setup's node 22 and harness bins first), locale.
 fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
     let mut cmd = Command::new(exe);
@@ -86,7 +89,14 @@ fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
         .env("LANG", "C.UTF-8")
         .env("TERM", "dumb")
         .env("NO_COLOR", "1")
+        // Anything a harness tries to reach beyond loopback fails at a dead local proxy
+        // (the network rule), instead of leaving the machine.
         .env("NO_PROXY", "127.0.0.1,localhost")
+        .env("no_proxy", "127.0.0.1,localhost")
+        .env("HTTPS_PROXY", DEAD_PROXY)
+        .env("HTTP_PROXY", DEAD_PROXY)
+        .env("https_proxy", DEAD_PROXY)
+        .env("http_proxy", DEAD_PROXY)
         .env("TMPDIR", dirs.dir.path())
         .current_dir(dirs.work());
     cmd
@@ -107,20 +117,45 @@ async fn run(cmd: Command, dirs: &HarnessDirs, what: &str) -> HarnessRun {
     }
 }
 
+/// The provider API a harness is set to speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Wire {
+    ChatCompletions,
+    Responses,
+    Messages,
+}
+
+impl Wire {
+    /// The path tokentap sees for a model call in this API.
+    pub fn path(self) -> &'static str {
+        match self {
+            Wire::ChatCompletions => "/v1/chat/completions",
+            Wire::Responses => "/v1/responses",
+            Wire::Messages => "/v1/messages",
+        }
+    }
+}
+
 /// Pi (`@mariozechner/pi-coding-agent`): `~/.pi/agent/models.json` names provider `x` at
-/// `base_url` speaking Chat Completions with `api_key`; runs `pi -p --provider x --model
-/// MODEL PROMPT`.
+/// `server` speaking `wire` with `api_key`; runs `pi -p --provider x --model MODEL PROMPT`.
 pub async fn run_pi(
     dirs: &HarnessDirs,
-    base_url: &str,
+    server: &str,
+    wire: Wire,
     api_key: &str,
     model: &str,
     prompt: &str,
 ) -> HarnessRun {
     let (a, exe) = Artefacts::require_harness("pi");
+    // The Anthropic SDK appends `/v1/messages` itself; the OpenAI ones want the `/v1` base.
+    let (api, base_url) = match wire {
+        Wire::ChatCompletions => ("openai-completions", format!("{server}/v1")),
+        Wire::Responses => ("openai-responses", format!("{server}/v1")),
+        Wire::Messages => ("anthropic-messages", server.to_owned()),
+    };
     let models = json!({"providers": {"x": {
         "baseUrl": base_url,
-        "api": "openai-completions",
+        "api": api,
         "apiKey": api_key,
         "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
         "models": [{"id": model, "contextWindow": 32768, "maxTokens": 4096}]
@@ -131,11 +166,13 @@ pub async fn run_pi(
     run(cmd, dirs, "pi").await
 }
 
-/// Qwen Code (`@qwen-code/qwen-code`): `OPENAI_BASE_URL`/`OPENAI_API_KEY`/`OPENAI_MODEL`,
-/// telemetry and managed memory off; runs `qwen --auth-type openai [--yolo] PROMPT`.
+/// Qwen Code (`@qwen-code/qwen-code`): `--auth-type openai | openai-responses | anthropic` with
+/// the matching `OPENAI_*` or `ANTHROPIC_*` variables, telemetry and managed memory off; runs
+/// `qwen --auth-type … [--yolo] PROMPT`.
 pub async fn run_qwen(
     dirs: &HarnessDirs,
-    base_url: &str,
+    server: &str,
+    wire: Wire,
     api_key: &str,
     model: &str,
     prompt: &str,
@@ -148,13 +185,91 @@ pub async fn run_qwen(
     });
     dirs.write(".qwen/settings.json", &settings.to_string());
     let mut cmd = harness_command(&a, &exe, dirs);
-    cmd.env("OPENAI_BASE_URL", base_url)
-        .env("OPENAI_API_KEY", api_key)
-        .env("OPENAI_MODEL", model)
-        .args(["--auth-type", "openai"]);
+    let auth_type = match wire {
+        Wire::ChatCompletions | Wire::Responses => {
+            cmd.env("OPENAI_BASE_URL", format!("{server}/v1"))
+                .env("OPENAI_API_KEY", api_key)
+                .env("OPENAI_MODEL", model);
+            if wire == Wire::Responses {
+                "openai-responses"
+            } else {
+                "openai"
+            }
+        }
+        Wire::Messages => {
+            cmd.env("ANTHROPIC_BASE_URL", server)
+                .env("ANTHROPIC_API_KEY", api_key)
+                .env("ANTHROPIC_MODEL", model);
+            "anthropic"
+        }
+    };
+    cmd.args(["--auth-type", auth_type]);
     if yolo {
         cmd.arg("--yolo");
     }
     cmd.arg(prompt);
     run(cmd, dirs, "qwen").await
+}
+
+/// Codex CLI (`@openai/codex`): a custom provider `x` in `$CODEX_HOME/config.toml` speaking
+/// Responses at `server` (a custom provider sends the key and skips the WebSocket attempt);
+/// runs `codex exec --skip-git-repo-check -s danger-full-access PROMPT` with stdin closed.
+pub async fn run_codex(
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+) -> HarnessRun {
+    let (a, exe) = Artefacts::require_harness("codex");
+    let config = format!(
+        r#"model = "{model}"
+model_provider = "x"
+check_for_update_on_startup = false
+
+[model_providers.x]
+name = "x"
+base_url = "{server}/v1"
+env_key = "X_KEY"
+wire_api = "responses"
+"#
+    );
+    dirs.write(".codex/config.toml", &config);
+    let mut cmd = harness_command(&a, &exe, dirs);
+    cmd.env("CODEX_HOME", dirs.home().join(".codex"))
+        .env("X_KEY", api_key)
+        .args([
+            "exec",
+            "--skip-git-repo-check",
+            "-s",
+            "danger-full-access",
+            prompt,
+        ])
+        .stdin(std::process::Stdio::null());
+    run(cmd, dirs, "codex").await
+}
+
+/// Claude Code (`@anthropic-ai/claude-code`): `ANTHROPIC_BASE_URL=server`, non-essential
+/// traffic off; runs `claude -p PROMPT --model MODEL`, allowing its Bash tool when `bash`.
+pub async fn run_claude(
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+    bash: bool,
+) -> HarnessRun {
+    let (a, exe) = Artefacts::require_harness("claude");
+    let mut cmd = harness_command(&a, &exe, dirs);
+    cmd.env("ANTHROPIC_BASE_URL", server)
+        .env("ANTHROPIC_API_KEY", api_key)
+        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
+        .env("DISABLE_AUTOUPDATER", "1")
+        .env("DISABLE_TELEMETRY", "1")
+        .args(["-p", prompt, "--model", model])
+        .stdin(std::process::Stdio::null());
+    if bash {
+        cmd.args(["--allowedTools", "Bash"]);
+    }
+    run(cmd, dirs, "claude").await
 }

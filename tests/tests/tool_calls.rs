@@ -1,12 +1,14 @@
 //! Tool-call round trips through tokentap (`--backend-kind vllm`) and the ScriptedBackend test
-//! double (a tiny random model never emits a tool call on its own): the harness really runs
-//! the scripted tool, sends its result back, and both turns are recorded in one session with
-//! turn 2's prompt extending turn 1's.
+//! double (a tiny random model never emits a tool call on its own): every real harness, in
+//! every wire API it speaks, really runs the scripted shell call, sends its result back, and
+//! both turns are recorded in one session with turn 2's prompt ids extending turn 1's.
 
 use serde_json::{json, Value};
 use tokentap_e2e::checks::assert_complete_token_data;
 use tokentap_e2e::fixtures::{post_chat, post_stream, scripted_tokentap};
-use tokentap_e2e::harness::{run_pi, run_qwen, HarnessDirs, HarnessRun};
+use tokentap_e2e::harness::{
+    run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
+};
 use tokentap_e2e::llama::{LlamaServer, END_OF_TURN};
 use tokentap_e2e::scripted::{
     always, tool_call_text, tool_round_trip, Reply, ScriptedBackend, Tokens,
@@ -17,20 +19,28 @@ use tokentap_e2e::{CaptureRecord, SessionSource};
 
 const MARKER_FILE: &str = "tokentap_tool_ran.txt";
 const FINAL_TEXT: &str = "Done: the file is written.";
+const PROMPT: &str = "Write hi to a file";
 
 fn command() -> Value {
     json!({"command": format!("echo hi > {MARKER_FILE}")})
 }
 
+/// One scripted shell-tool round trip: the tool's name and arguments in the harness's terms.
+struct ToolLoop {
+    tool: &'static str,
+    arguments: Value,
+    wire: Wire,
+}
+
 /// Runs a harness against tokentap in front of a scripted tool round trip and checks what
 /// every harness must get right; returns the records of the tool call and of its follow-up.
 async fn round_trip(
-    tool: &str,
+    what: &str,
+    t: ToolLoop,
     run: impl AsyncFnOnce(&HarnessDirs, &str) -> HarnessRun,
 ) -> (
     ScriptedBackend,
     Tokentap,
-    HarnessDirs,
     HarnessRun,
     CaptureRecord,
     CaptureRecord,
@@ -39,26 +49,29 @@ async fn round_trip(
     let tok = llama.tokenizer();
     let backend = ScriptedBackend::start(
         Tokens::Llama(tok.clone()),
-        tool_round_trip(tool, command(), FINAL_TEXT, "ok"),
+        tool_round_trip(t.tool, t.arguments.clone(), FINAL_TEXT, "ok"),
     )
     .await;
     let tokentap = Tokentap::start(TokentapConfig::new(backend.url.clone(), "vllm")).await;
     let dirs = HarnessDirs::new();
-    let out = run(&dirs, &tokentap.base_url()).await;
-    out.assert_success(tool);
+    let out = run(&dirs, &tokentap.url).await;
+    out.assert_success(what);
 
     // The harness really ran the tool, in its working directory.
     let marker = dirs.work().join(MARKER_FILE);
     assert_eq!(
         std::fs::read_to_string(&marker).ok().as_deref(),
         Some("hi\n"),
-        "the scripted tool call did not run ({})",
+        "{what}: the scripted tool call did not run ({})",
         marker.display()
     );
 
     let requests = backend.requests();
     let records = tokentap.wait_records(requests.len()).await;
     assert_eq!(records.len(), requests.len(), "one record per engine call");
+    for r in &records {
+        assert_eq!(r.request.path, t.wire.path(), "{what}");
+    }
     // Records are found by content, not position: calls may end in another order than they
     // began (and a harness may overlap side calls).
     let with_call: Vec<&CaptureRecord> = records
@@ -76,10 +89,10 @@ async fn round_trip(
     let m = call.message.as_ref().unwrap();
     assert_eq!(m.tool_calls.len(), 1);
     let tc = &m.tool_calls[0];
-    assert_eq!(tc.name, tool);
+    assert_eq!(tc.name, t.tool);
     assert_eq!(
         serde_json::from_str::<Value>(&tc.arguments).unwrap(),
-        command()
+        t.arguments
     );
     // The scripted backend names each call after the engine request it answered.
     let k: usize = tc
@@ -93,7 +106,7 @@ async fn round_trip(
         Some("tool_calls")
     );
     let mut sampled = tok
-        .tokenize_with_pieces(&tool_call_text(tool, &command()), false)
+        .tokenize_with_pieces(&tool_call_text(t.tool, &t.arguments), false)
         .await
         .into_iter()
         .map(|(id, _)| id)
@@ -101,26 +114,29 @@ async fn round_trip(
     sampled.push(END_OF_TURN);
     assert_eq!(call.completion_token_ids.as_ref(), Some(&sampled));
 
-    // Turn 2: the harness sent the tool result back to the engine for the call it got,
-    // after echoing the call itself.
-    let carries_result = |msgs: &Value| {
-        msgs.as_array()
-            .unwrap()
+    // Turn 2: the harness sent the tool result back for the call it got, after echoing the
+    // call itself. Ids may be re-spelled for the harness's API (`toolu_…`), so the engine sees
+    // the id the harness used, consistently in the echoed call and in the result.
+    let result_id = |msgs: &Value| -> Option<String> {
+        msgs.as_array()?
             .iter()
-            .any(|m| m["role"] == "tool" && m["tool_call_id"] == tc.id.as_str())
+            .find(|m| m["role"] == "tool")
+            .and_then(|m| m["tool_call_id"].as_str().map(str::to_owned))
     };
     let j = requests
         .iter()
-        .position(|r| carries_result(&r["messages"]))
+        .position(|r| result_id(&r["messages"]).is_some())
         .expect("an engine request carrying the tool result");
     assert!(j > k, "the result came back after the call");
+    let rid = result_id(&requests[j]["messages"]).unwrap();
+    assert!(rid.contains(&tc.id), "result for {rid}, call was {}", tc.id);
     let sent = requests[j]["messages"].as_array().unwrap();
     let echoed = sent
         .iter()
         .find(|m| m["role"] == "assistant" && m["tool_calls"].is_array())
         .expect("the assistant tool call is echoed back");
-    assert_eq!(echoed["tool_calls"][0]["id"], tc.id.as_str());
-    assert_eq!(echoed["tool_calls"][0]["function"]["name"], tool);
+    assert_eq!(echoed["tool_calls"][0]["id"], rid.as_str());
+    assert_eq!(echoed["tool_calls"][0]["function"]["name"], t.tool);
     // Its record: the first call of the session whose backend request carries the result.
     let follow = records
         .iter()
@@ -129,7 +145,7 @@ async fn round_trip(
                 && r.backend_request.as_ref().is_some_and(|b| {
                     b.messages
                         .iter()
-                        .any(|m| m.tool_call_id.as_deref() == Some(tc.id.as_str()))
+                        .any(|m| m.tool_call_id.as_deref() == Some(rid.as_str()))
                 })
         })
         .min_by_key(|r| r.seq)
@@ -154,58 +170,118 @@ async fn round_trip(
     );
     assert!(
         p2.len() > p1.len() && p2[..p1.len()] == p1[..],
-        "turn 2's prompt ids do not start with turn 1's"
+        "{what}: turn 2's prompt ids do not start with turn 1's"
     );
     assert_eq!(call.session_source, SessionSource::ApiKey);
     assert!(follow.seq > call.seq);
-    (backend, tokentap, dirs, out, call, follow)
+    assert!(
+        out.stdout.contains(FINAL_TEXT),
+        "{what} prints the final answer: {}",
+        out.stdout
+    );
+    (backend, tokentap, out, call, follow)
+}
+
+fn pi_loop(wire: Wire) -> ToolLoop {
+    ToolLoop {
+        tool: "bash",
+        arguments: command(),
+        wire,
+    }
+}
+
+fn qwen_loop(wire: Wire) -> ToolLoop {
+    ToolLoop {
+        tool: "run_shell_command",
+        arguments: command(),
+        wire,
+    }
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn heavy_pi_runs_a_scripted_bash_call_and_sends_the_result_back() {
-    let (backend, tokentap, _dirs, out, call, follow) = round_trip("bash", async |dirs, base| {
-        run_pi(
-            dirs,
-            base,
-            "sk-tokentap-e2e-pi-tools",
-            "m",
-            "Write hi to a file",
-        )
-        .await
-    })
-    .await;
+async fn heavy_pi_runs_a_scripted_bash_call_over_chat_completions() {
+    let wire = Wire::ChatCompletions;
+    let (backend, tokentap, _out, call, follow) =
+        round_trip("pi -p", pi_loop(wire), async |d, s| {
+            run_pi(d, s, wire, "sk-e2e-pi-tools", "m", PROMPT).await
+        })
+        .await;
     // Pi makes exactly these two calls, in one session.
     assert_eq!(backend.requests().len(), 2);
     assert_eq!((call.seq, follow.seq), (0, 1));
     assert_eq!(call.session_id, follow.session_id);
     assert_eq!(tokentap.records().len(), 2);
-    assert!(
-        out.stdout.contains(FINAL_TEXT),
-        "Pi prints the final answer: {}",
-        out.stdout
-    );
 }
 
 #[tokio::test(flavor = "multi_thread")]
-async fn heavy_qwen_code_runs_a_scripted_shell_call_and_sends_the_result_back() {
-    let (_backend, _tokentap, _dirs, out, _call, _follow) =
-        round_trip("run_shell_command", async |dirs, base| {
-            run_qwen(
-                dirs,
-                base,
-                "sk-tokentap-e2e-qwen-tools",
-                "m",
-                "Write hi to a file",
-                true,
-            )
-            .await
-        })
-        .await;
-    assert!(
-        out.stdout.contains(FINAL_TEXT),
-        "Qwen Code prints the final answer: {}",
-        out.stdout
-    );
+async fn heavy_pi_runs_a_scripted_bash_call_over_responses() {
+    let wire = Wire::Responses;
+    round_trip("pi -p (openai-responses)", pi_loop(wire), async |d, s| {
+        run_pi(d, s, wire, "sk-e2e-pi-tools-resp", "m", PROMPT).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_pi_runs_a_scripted_bash_call_over_messages() {
+    let wire = Wire::Messages;
+    round_trip("pi -p (anthropic-messages)", pi_loop(wire), async |d, s| {
+        run_pi(d, s, wire, "sk-e2e-pi-tools-msg", "m", PROMPT).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_runs_a_scripted_shell_call_over_chat_completions() {
+    let wire = Wire::ChatCompletions;
+    round_trip("qwen", qwen_loop(wire), async |d, s| {
+        run_qwen(d, s, wire, "sk-e2e-qwen-tools", "m", PROMPT, true).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_runs_a_scripted_shell_call_over_responses() {
+    let wire = Wire::Responses;
+    round_trip("qwen (openai-responses)", qwen_loop(wire), async |d, s| {
+        run_qwen(d, s, wire, "sk-e2e-qwen-tools-resp", "m", PROMPT, true).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_runs_a_scripted_shell_call_over_messages() {
+    let wire = Wire::Messages;
+    round_trip("qwen (anthropic)", qwen_loop(wire), async |d, s| {
+        run_qwen(d, s, wire, "sk-ant-e2e-qwen-tools-msg", "m", PROMPT, true).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_codex_runs_a_scripted_exec_command_call() {
+    let t = ToolLoop {
+        tool: "exec_command",
+        arguments: json!({"cmd": format!("echo hi > {MARKER_FILE}")}),
+        wire: Wire::Responses,
+    };
+    round_trip("codex exec", t, async |d, s| {
+        run_codex(d, s, "sk-e2e-codex-tools", "m", PROMPT).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_claude_code_runs_a_scripted_bash_call() {
+    let t = ToolLoop {
+        tool: "Bash",
+        arguments: command(),
+        wire: Wire::Messages,
+    };
+    round_trip("claude -p", t, async |d, s| {
+        run_claude(d, s, "sk-ant-e2e-claude-tools", "m", PROMPT, true).await
+    })
+    .await;
 }
 
 fn tool_request(stream: bool) -> Value {

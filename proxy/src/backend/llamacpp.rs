@@ -13,8 +13,9 @@ use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
 use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
-use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
+use super::{probe_failure, Backend, BackendError, BackendKind, CallMode, GenerationStream};
 use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap, TokenSource};
+use crate::normalize::ProbeOutcome;
 
 pub struct LlamaCppBackend {
     client: EngineClient,
@@ -121,6 +122,22 @@ impl Backend for LlamaCppBackend {
             let outcome = prompt_ids.await.map_err(|e| BackendError::Protocol(e.to_string())).and_then(|r| r);
             yield Ok(verified_prompt(outcome, reported_prompt));
         }))
+    }
+
+    async fn probe_template(&self, probe: &ChatRequest) -> ProbeOutcome {
+        let body = Value::Object(openai_compat::chat_body(probe, CallMode::Whole));
+        match self.client.post_json("/apply-template", &body).await {
+            Ok(v) => match v.get("prompt").and_then(Value::as_str) {
+                Some(p) => ProbeOutcome::Rendered(p.to_owned()),
+                None => ProbeOutcome::Unreachable,
+            },
+            Err(e) => probe_failure(e),
+        }
+    }
+
+    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+        let body = Value::Object(openai_compat::chat_body(request, CallMode::Whole));
+        Ok(template_prompt_ids(self.client.clone(), body).await?.len() as u64)
     }
 
     async fn models(&self) -> Result<Value, BackendError> {

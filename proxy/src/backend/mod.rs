@@ -25,6 +25,7 @@ pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;
 
 use crate::canonical::{ChatRequest, GenerationEvent};
+use crate::normalize::ProbeOutcome;
 
 /// A stream of generation events; an `Err` ends it.
 pub type GenerationStream = BoxStream<'static, Result<GenerationEvent, BackendError>>;
@@ -65,8 +66,43 @@ pub trait Backend: Send + Sync {
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError>;
 
+    /// How many prompt tokens the engine would see for `request` (Anthropic `count_tokens`).
+    /// By default a one-token generation whose reported prompt size is the answer; engines
+    /// with a tokenizer endpoint override this with something cheaper.
+    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+        let mut probe = request.clone();
+        probe.stream = false;
+        probe.sampling.max_tokens = Some(1);
+        let mut events = self.generate(&probe, CallMode::Whole).await?;
+        while let Some(event) = futures::StreamExt::next(&mut events).await {
+            if let GenerationEvent::Finished { usage: Some(u), .. } = event? {
+                return Ok(u.prompt_tokens);
+            }
+        }
+        Err(BackendError::Protocol(
+            "the engine reported no prompt size".into(),
+        ))
+    }
+
+    /// Renders `probe` with the engine's chat template, without generating, so the proxy can
+    /// learn which system-message layouts the template takes.
+    async fn probe_template(&self, _probe: &ChatRequest) -> ProbeOutcome {
+        ProbeOutcome::Unsupported
+    }
+
     /// The engine's `GET /v1/models` answer, as JSON.
     async fn models(&self) -> Result<serde_json::Value, BackendError>;
+}
+
+/// What a template probe's failure says: an engine that answered with an error rejected it.
+pub(crate) fn probe_failure(e: BackendError) -> ProbeOutcome {
+    match e {
+        BackendError::Status { message, .. } => ProbeOutcome::Rejected(message),
+        BackendError::ContextLengthExceeded { message } => ProbeOutcome::Rejected(message),
+        BackendError::Unavailable(_) | BackendError::Timeout(_) | BackendError::Protocol(_) => {
+            ProbeOutcome::Unreachable
+        }
+    }
 }
 
 /// Connection settings shared by all adapters.

@@ -11,8 +11,9 @@ use async_trait::async_trait;
 use serde_json::{json, Map, Value};
 
 use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
-use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
+use super::{probe_failure, Backend, BackendError, BackendKind, CallMode, GenerationStream};
 use crate::canonical::ChatRequest;
+use crate::normalize::ProbeOutcome;
 
 pub struct VllmBackend {
     client: EngineClient,
@@ -21,6 +22,21 @@ pub struct VllmBackend {
 impl VllmBackend {
     pub(crate) fn new(client: EngineClient) -> Self {
         VllmBackend { client }
+    }
+
+    /// `POST /tokenize` with chat messages: the served template applied, then tokenized.
+    async fn tokenize_chat(&self, request: &ChatRequest) -> Result<Value, BackendError> {
+        let chat = openai_compat::chat_body(request, CallMode::Whole);
+        let mut body = Map::new();
+        for key in ["model", "messages", "tools"] {
+            if let Some(v) = chat.get(key) {
+                body.insert(key.into(), v.clone());
+            }
+        }
+        body.insert("add_generation_prompt".into(), json!(true));
+        self.client
+            .post_json("/tokenize", &Value::Object(body))
+            .await
     }
 }
 
@@ -96,6 +112,23 @@ impl Backend for VllmBackend {
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError> {
         openai_compat::generate(&self.client, VllmDialect, request, mode).await
+    }
+
+    /// vLLM's `POST /tokenize` renders chat messages with the served template and counts them.
+    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+        let answer = self.tokenize_chat(request).await?;
+        answer
+            .get("count")
+            .and_then(Value::as_u64)
+            .ok_or_else(|| BackendError::Protocol("/tokenize answered without `count`".into()))
+    }
+
+    /// `/tokenize` shows no text, only whether the template took the probe.
+    async fn probe_template(&self, probe: &ChatRequest) -> ProbeOutcome {
+        match self.tokenize_chat(probe).await {
+            Ok(_) => ProbeOutcome::Accepted,
+            Err(e) => probe_failure(e),
+        }
     }
 
     async fn models(&self) -> Result<Value, BackendError> {

@@ -55,7 +55,7 @@ impl CallError {
         CallError::new(
             ErrorKind::InvalidRequest,
             404,
-            format!("Unknown route {method} {path}. tokentap serves POST /v1/chat/completions, GET /v1/models, GET /health and GET /metrics."),
+            format!("Unknown route {method} {path}. tokentap serves POST /v1/chat/completions, POST /v1/responses, POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models, GET /health and GET /metrics."),
         )
     }
 

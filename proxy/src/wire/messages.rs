@@ -69,7 +69,9 @@ const BLOCK_TYPES: &str = "text, image, tool_use, tool_result, thinking, redacte
 struct WireRequest {
     model: String,
     messages: Vec<WireMessage>,
-    max_tokens: u64,
+    /// Required for generation, absent from `count_tokens` requests.
+    #[serde(default)]
+    max_tokens: Option<u64>,
     #[serde(default)]
     system: Option<Value>,
     #[serde(default)]
@@ -727,17 +729,17 @@ fn name_missing_field(e: WireError) -> WireError {
     }
 }
 
-impl WireCodec for Messages {
-    fn api(&self) -> WireApi {
-        WireApi::Messages
+impl Messages {
+    /// Parses a `POST /v1/messages/count_tokens` body: a Messages request without `max_tokens`.
+    pub fn parse_count_tokens(&self, body: &[u8]) -> Result<ParsedCall, WireError> {
+        self.convert(body, false)
     }
 
-    fn id_prefix(&self) -> &'static str {
-        "msg_"
-    }
-
-    fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError> {
+    fn convert(&self, body: &[u8], generate: bool) -> Result<ParsedCall, WireError> {
         let w: WireRequest = parse_json_body(body).map_err(name_missing_field)?;
+        if generate && w.max_tokens.is_none() {
+            return Err(WireError::at("max_tokens", "'max_tokens' is required."));
+        }
         if w.messages.is_empty() {
             return Err(WireError::at(
                 "messages",
@@ -801,7 +803,7 @@ impl WireCodec for Messages {
                 temperature: w.temperature,
                 top_p: w.top_p,
                 top_k: w.top_k,
-                max_tokens: Some(w.max_tokens),
+                max_tokens: w.max_tokens,
                 stop: w.stop_sequences.unwrap_or_default(),
                 ..SamplingParams::default()
             },
@@ -813,6 +815,20 @@ impl WireCodec for Messages {
             include_usage: true,
             normalizations,
         })
+    }
+}
+
+impl WireCodec for Messages {
+    fn api(&self) -> WireApi {
+        WireApi::Messages
+    }
+
+    fn id_prefix(&self) -> &'static str {
+        "msg_"
+    }
+
+    fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError> {
+        self.convert(body, true)
     }
 
     fn render_whole(&self, meta: &ResponseMeta, g: &GenerationAccumulator) -> Vec<u8> {

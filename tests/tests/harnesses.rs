@@ -1,0 +1,153 @@
+//! Every real harness, in every wire API it speaks, through tokentap to a real llama-server
+//! (via the tee, tiny model): the harness exits 0, and every record holds exactly the token
+//! ids llama-server saw and sampled, in one session per harness key, with the key nowhere in
+//! the spool.
+
+use tokentap_e2e::checks::{
+    assert_complete_token_data, assert_records_match_engine, assert_secret_redacted,
+};
+use tokentap_e2e::harness::{
+    run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
+};
+use tokentap_e2e::llama::LlamaServer;
+use tokentap_e2e::tee::TeeProxy;
+use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::SessionSource;
+
+const PROMPT: &str = "say hi";
+
+/// Runs one harness (given tokentap's root URL and a key) and checks its records.
+async fn say_hi(
+    what: &str,
+    wire: Wire,
+    key: &str,
+    run: impl AsyncFnOnce(&HarnessDirs, &str, &str) -> HarnessRun,
+) {
+    let llama = LlamaServer::shared().await;
+    let tee = TeeProxy::start(&llama.url).await;
+    let tokentap = Tokentap::start(TokentapConfig::new(tee.url.clone(), "llamacpp")).await;
+    let dirs = HarnessDirs::new();
+
+    let out = run(&dirs, &tokentap.url, key).await;
+    out.assert_success(what);
+
+    let calls = tee.chat_exchanges().len();
+    assert!(calls >= 1, "{what} made no model call through tokentap");
+    eprintln!("{what} made {calls} model call(s)");
+    let records = tokentap.wait_records(calls).await;
+    assert_eq!(records.len(), calls, "one record per engine call");
+    // Complete token data, no gaps (harnesses send tools, so tokentap makes whole engine
+    // calls, whose answers carry every sampled id including the end of turn).
+    records.iter().for_each(assert_complete_token_data);
+    assert_records_match_engine(&records, &tee, &llama.tokenizer()).await;
+    assert_secret_redacted(&records, &tokentap.spool_bytes(), key);
+
+    // One key, one session, numbered 0..n; every call in the wire API the harness was set to.
+    let mut seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
+    seqs.sort();
+    assert_eq!(seqs, (0..calls as u64).collect::<Vec<_>>());
+    for r in &records {
+        assert_eq!(r.session_source, SessionSource::ApiKey);
+        assert_eq!(r.session_id, records[0].session_id);
+        assert_eq!(r.request.path, wire.path(), "{what}");
+        assert_eq!(r.response_status, 200, "{what}: {:?}", r.error);
+    }
+    assert!(
+        records.iter().any(|r| r
+            .request
+            .body
+            .as_ref()
+            .is_some_and(|b| b.to_string().contains(PROMPT))),
+        "no record of {what} carries the user's prompt"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_codex_say_hi_over_responses() {
+    let wire = Wire::Responses;
+    say_hi(
+        "codex exec",
+        wire,
+        "sk-e2e-codex-3b7f19a2",
+        async |d, s, k| run_codex(d, s, k, "m", PROMPT).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_claude_code_say_hi_over_messages() {
+    let wire = Wire::Messages;
+    say_hi(
+        "claude -p",
+        wire,
+        "sk-ant-e2e-claude-9c2d44e1",
+        async |d, s, k| run_claude(d, s, k, "m", PROMPT, false).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_pi_say_hi_over_chat_completions() {
+    let wire = Wire::ChatCompletions;
+    say_hi("pi -p", wire, "sk-e2e-pi-7d41c9e0b2", async |d, s, k| {
+        run_pi(d, s, wire, k, "m", PROMPT).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_pi_say_hi_over_responses() {
+    let wire = Wire::Responses;
+    say_hi(
+        "pi -p (openai-responses)",
+        wire,
+        "sk-e2e-pi-resp-51c0",
+        async |d, s, k| run_pi(d, s, wire, k, "m", PROMPT).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_pi_say_hi_over_messages() {
+    let wire = Wire::Messages;
+    say_hi(
+        "pi -p (anthropic-messages)",
+        wire,
+        "sk-e2e-pi-msg-8e2a",
+        async |d, s, k| run_pi(d, s, wire, k, "m", PROMPT).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_say_hi_over_chat_completions() {
+    let wire = Wire::ChatCompletions;
+    say_hi("qwen", wire, "sk-e2e-qwen-5a8e31f6c4", async |d, s, k| {
+        run_qwen(d, s, wire, k, "m", PROMPT, true).await
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_say_hi_over_responses() {
+    let wire = Wire::Responses;
+    say_hi(
+        "qwen (openai-responses)",
+        wire,
+        "sk-e2e-qwen-resp-2f90",
+        async |d, s, k| run_qwen(d, s, wire, k, "m", PROMPT, true).await,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_say_hi_over_messages() {
+    let wire = Wire::Messages;
+    say_hi(
+        "qwen (anthropic)",
+        wire,
+        "sk-ant-e2e-qwen-msg-77d1",
+        async |d, s, k| run_qwen(d, s, wire, k, "m", PROMPT, true).await,
+    )
+    .await;
+}
