@@ -167,14 +167,19 @@ pub async fn assert_records_match_engine(
     }
 }
 
-/// The request's credential never reaches the spool: the authorization header is recorded as
+/// The request's credential never reaches the spool: the header that carried it
+/// (`authorization` for OpenAI clients, `x-api-key` for Anthropic ones) is recorded as
 /// `[redacted]` and the key string appears in no spool file.
 pub fn assert_secret_redacted(records: &[CaptureRecord], spool_bytes: &[u8], api_key: &str) {
     for r in records {
+        let h = &r.request.headers;
+        let carrier = ["authorization", "x-api-key"]
+            .into_iter()
+            .find(|n| h.contains_key(*n))
+            .unwrap_or_else(|| panic!("no credential header recorded in {}", r.record_id));
         assert_eq!(
-            r.request.headers.get("authorization").map(String::as_str),
-            Some("[redacted]"),
-            "authorization header not redacted in {}",
+            h[carrier], "[redacted]",
+            "{carrier} header not redacted in {}",
             r.record_id
         );
     }

@@ -47,6 +47,19 @@ async fn say_hi(
     seqs.sort();
     assert_eq!(seqs, (0..calls as u64).collect::<Vec<_>>());
     for r in &records {
+        // For the compatibility matrix: what each call looked like.
+        let body = r.request.body.as_ref();
+        let notes: Vec<&str> = r.normalizations.iter().map(|n| n.kind.as_str()).collect();
+        eprintln!(
+            "{what}: {} {} stream={} tools={} prompt={} completion={} normalizations={notes:?}",
+            r.request.method,
+            r.request.path,
+            body.map_or(false, |b| b["stream"] == true),
+            body.and_then(|b| b["tools"].as_array().map(Vec::len))
+                .unwrap_or(0),
+            r.prompt_token_ids.as_ref().map_or(0, Vec::len),
+            r.completion_token_ids.as_ref().map_or(0, Vec::len),
+        );
         assert_eq!(r.session_source, SessionSource::ApiKey);
         assert_eq!(r.session_id, records[0].session_id);
         assert_eq!(r.request.path, wire.path(), "{what}");

@@ -97,6 +97,11 @@ pub trait Backend: Send + Sync {
 /// What a template probe's failure says: an engine that answered with an error rejected it.
 pub(crate) fn probe_failure(e: BackendError) -> ProbeOutcome {
     match e {
+        // No such endpoint on this engine (version): nothing learned.
+        BackendError::Status {
+            status: 404 | 405 | 501,
+            ..
+        } => ProbeOutcome::Unsupported,
         BackendError::Status { message, .. } => ProbeOutcome::Rejected(message),
         BackendError::ContextLengthExceeded { message } => ProbeOutcome::Rejected(message),
         BackendError::Unavailable(_) | BackendError::Timeout(_) | BackendError::Protocol(_) => {
