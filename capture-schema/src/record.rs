@@ -85,6 +85,9 @@ pub enum SessionSource {
     PathPrefix,
     /// A `?session=` query parameter.
     Query,
+    /// A session id the harness itself sends (Codex `session-id`, Claude Code
+    /// `x-claude-code-session-id`), prefixed with the harness's name.
+    HarnessHeader,
     /// A hash of the API key (the key itself is never recorded).
     ApiKey,
     /// None of the above: a fresh id for this call alone.

@@ -26,7 +26,9 @@ use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
 };
 use crate::redact;
-use crate::session::{self, SessionCounters, SessionHints, SESSION_HEADER};
+use crate::session::{
+    self, SessionCounters, SessionHints, HARNESS_SESSION_HEADERS, SESSION_HEADER,
+};
 use crate::wire::chat_completions::ChatCompletions;
 use crate::wire::messages::Messages;
 use crate::wire::responses::Responses;
@@ -190,6 +192,7 @@ impl CaptureService {
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
             Route::Hello => write_body(http, 200, "application/json", Vec::new()).await,
             Route::WebSocketRefused => {
+                self.metrics.websocket_refused.inc();
                 let err = CallError::new(
                     ErrorKind::InvalidRequest,
                     426,
@@ -322,10 +325,15 @@ impl CaptureService {
             .map(str::to_owned);
         let query_session = head.uri.query().and_then(query_param_session);
         let api_key = api_key(head);
+        let harness = HARNESS_SESSION_HEADERS.iter().find_map(|(name, prefix)| {
+            let v = head.headers.get(*name)?.to_str().ok()?;
+            Some((*prefix, v))
+        });
         let hints = SessionHints {
             header: header_session.as_deref(),
             path_prefix: path_session.as_deref(),
             query: query_session.as_deref(),
+            harness,
             api_key: api_key.as_deref(),
         };
         let session = match session::attribute(&hints, || format!("call-{}", call.record_id)) {

@@ -26,6 +26,7 @@ pub struct Metrics {
     pub records_written: IntCounter,
     pub records_lost: IntCounter,
     pub spool_write_errors: IntCounter,
+    pub websocket_refused: IntCounter,
 }
 
 impl Metrics {
@@ -108,6 +109,10 @@ impl Metrics {
             spool_write_errors: counter(
                 "tokentap_spool_write_errors_total",
                 "Failed spool appends",
+            ),
+            websocket_refused: counter(
+                "tokentap_websocket_upgrades_refused_total",
+                "WebSocket upgrades on /v1/responses answered 426 (Codex then falls back to SSE)",
             ),
             registry,
         }

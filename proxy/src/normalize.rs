@@ -16,8 +16,8 @@ use crate::canonical::{ChatMessage, ChatRequest, ContentPart, Role};
 /// How system-like messages (system, developer) reach the engine.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum SystemLayout {
-    /// Ask the engine's template once (llama.cpp, vLLM): `single` when it rejects a second
-    /// system message or `developer`, else `as-sent`.
+    /// Ask the engine's template once (llama.cpp, vLLM): `single` when it rejects or drops a
+    /// second system message or a `developer` one, else `as-sent`.
     #[default]
     Auto,
     /// One leading system message: every system and developer message, in order.
@@ -83,20 +83,19 @@ pub enum ProbeOutcome {
 }
 
 /// Decides the layout from the engine's answer to [`layout_probe`]: an error, or a rendering
-/// that lost a message or never says `developer`, folds; no answer keeps messages as sent.
+/// that lost one of the system-like messages, folds; no answer keeps messages as sent. (How a
+/// `developer` message is shown is the engine's business: llama.cpp renders it as `system`.)
 /// `None` means "ask again on the next call".
 pub fn layout_from_probe(outcome: &ProbeOutcome) -> Option<SystemLayout> {
     match outcome {
         ProbeOutcome::Unreachable => None,
         ProbeOutcome::Unsupported | ProbeOutcome::Accepted => Some(SystemLayout::AsSent),
         ProbeOutcome::Rejected(_) => Some(SystemLayout::Single),
-        ProbeOutcome::Rendered(text) => Some(
-            if PROBE_MARKERS.iter().all(|m| text.contains(m)) && text.contains("developer") {
-                SystemLayout::AsSent
-            } else {
-                SystemLayout::Single
-            },
-        ),
+        ProbeOutcome::Rendered(text) => Some(if PROBE_MARKERS.iter().all(|m| text.contains(m)) {
+            SystemLayout::AsSent
+        } else {
+            SystemLayout::Single
+        }),
     }
 }
 

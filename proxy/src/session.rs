@@ -1,8 +1,9 @@
 //! Which session a call belongs to, and its position in it.
 //!
 //! Precedence: the `x-tokentap-session` header, a `/s/{session}/v1/...` path prefix, a
-//! `?session=` query parameter, the API key (hashed: the key itself never reaches a record),
-//! else a fresh id for this call alone.
+//! `?session=` query parameter, a session id the harness sends on its own (Codex, Claude Code:
+//! one per run, so concurrent runs sharing a key stay apart), the API key (hashed: the key
+//! itself never reaches a record), else a fresh id for this call alone.
 
 use std::collections::HashMap;
 use std::sync::Mutex;
@@ -13,6 +14,12 @@ use tokentap_schema::SessionSource;
 use crate::wire::WireError;
 
 pub const SESSION_HEADER: &str = "x-tokentap-session";
+
+/// Headers in which harnesses name their own run, with the prefix their sessions get.
+pub const HARNESS_SESSION_HEADERS: &[(&str, &str)] = &[
+    ("session-id", "codex-"),
+    ("x-claude-code-session-id", "claude-"),
+];
 
 /// A call's session.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,6 +34,8 @@ pub struct SessionHints<'a> {
     pub header: Option<&'a str>,
     pub path_prefix: Option<&'a str>,
     pub query: Option<&'a str>,
+    /// A harness's own session header: (prefix, value).
+    pub harness: Option<(&'a str, &'a str)>,
     pub api_key: Option<&'a str>,
 }
 
@@ -56,6 +65,13 @@ pub fn attribute(
                 source,
             });
         }
+    }
+    // Not the user's configuration: an odd value is skipped, not refused.
+    if let Some((prefix, v)) = hints.harness.filter(|(_, v)| validate(v, "").is_ok()) {
+        return Ok(Session {
+            id: format!("{prefix}{v}"),
+            source: SessionSource::HarnessHeader,
+        });
     }
     if let Some(key) = hints.api_key.filter(|k| !k.is_empty()) {
         let digest = Sha256::digest(key.as_bytes());
@@ -114,11 +130,12 @@ mod tests {
     }
 
     #[test]
-    fn precedence_is_header_path_query_key_fresh() {
+    fn precedence_is_header_path_query_harness_key_fresh() {
         let all = SessionHints {
             header: Some("h"),
             path_prefix: Some("p"),
             query: Some("q"),
+            harness: Some(("codex-", "01a2-b3")),
             api_key: Some("k"),
         };
         assert_eq!(
@@ -142,6 +159,28 @@ mod tests {
             ..Default::default()
         };
         assert_eq!(attribute(&only_query_key, fresh).unwrap().id, "q");
+        let harness_key = SessionHints {
+            harness: Some(("codex-", "01a2-b3")),
+            api_key: Some("k"),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&harness_key, fresh).unwrap(),
+            Session {
+                id: "codex-01a2-b3".into(),
+                source: SessionSource::HarnessHeader
+            }
+        );
+        // A harness id that is no sane identifier is skipped, not refused.
+        let odd = SessionHints {
+            harness: Some(("claude-", "a b/c")),
+            api_key: Some("k"),
+            ..Default::default()
+        };
+        assert_eq!(
+            attribute(&odd, fresh).unwrap().source,
+            SessionSource::ApiKey
+        );
         let only_key = SessionHints {
             api_key: Some("sk-secret"),
             ..Default::default()

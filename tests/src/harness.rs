@@ -249,6 +249,37 @@ wire_api = "responses"
     run(cmd, dirs, "codex").await
 }
 
+/// Codex CLI with its built-in `openai` provider pointed at `server` by `openai_base_url` and
+/// `OPENAI_API_KEY`: the set-up a user has when only the base URL changes.
+pub async fn run_codex_builtin(
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+) -> HarnessRun {
+    let (a, exe) = Artefacts::require_harness("codex");
+    let config = format!(
+        r#"model = "{model}"
+openai_base_url = "{server}/v1"
+check_for_update_on_startup = false
+"#
+    );
+    dirs.write(".codex/config.toml", &config);
+    let mut cmd = harness_command(&a, &exe, dirs);
+    cmd.env("CODEX_HOME", dirs.home().join(".codex"))
+        .env("OPENAI_API_KEY", api_key)
+        .args([
+            "exec",
+            "--skip-git-repo-check",
+            "-s",
+            "danger-full-access",
+            prompt,
+        ])
+        .stdin(std::process::Stdio::null());
+    run(cmd, dirs, "codex").await
+}
+
 /// Claude Code (`@anthropic-ai/claude-code`): `ANTHROPIC_BASE_URL=server`, non-essential
 /// traffic off; runs `claude -p PROMPT --model MODEL`, allowing its Bash tool when `bash`.
 pub async fn run_claude(

@@ -96,6 +96,20 @@ impl Tokentap {
         format!("{}/v1", self.url)
     }
 
+    /// The value of an unlabelled metric on `/metrics`, if present.
+    pub async fn metric(&self, name: &str) -> Option<f64> {
+        let text = reqwest::get(format!("{}/metrics", self.url))
+            .await
+            .ok()?
+            .text()
+            .await
+            .ok()?;
+        text.lines().find_map(|l| {
+            let (n, v) = l.split_once(' ')?;
+            (n == name).then(|| v.trim().parse().ok()).flatten()
+        })
+    }
+
     pub fn chat_url(&self) -> String {
         format!("{}/v1/chat/completions", self.url)
     }

@@ -4,10 +4,11 @@
 //! the spool.
 
 use tokentap_e2e::checks::{
-    assert_complete_token_data, assert_records_match_engine, assert_secret_redacted,
+    assert_complete_token_data, assert_key_absent, assert_records_match_engine,
+    assert_secret_redacted,
 };
 use tokentap_e2e::harness::{
-    run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
+    run_claude, run_codex, run_codex_builtin, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
 };
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::tee::TeeProxy;
@@ -21,8 +22,9 @@ async fn say_hi(
     what: &str,
     wire: Wire,
     key: &str,
+    source: SessionSource,
     run: impl AsyncFnOnce(&HarnessDirs, &str, &str) -> HarnessRun,
-) {
+) -> Tokentap {
     let llama = LlamaServer::shared().await;
     let tee = TeeProxy::start(&llama.url).await;
     let tokentap = Tokentap::start(TokentapConfig::new(tee.url.clone(), "llamacpp")).await;
@@ -40,9 +42,18 @@ async fn say_hi(
     // calls, whose answers carry every sampled id including the end of turn).
     records.iter().for_each(assert_complete_token_data);
     assert_records_match_engine(&records, &tee, &llama.tokenizer()).await;
-    assert_secret_redacted(&records, &tokentap.spool_bytes(), key);
+    // Codex's built-in provider sends no key at all to a custom base URL.
+    if source == SessionSource::HarnessHeader && what.contains("built-in") {
+        assert!(records
+            .iter()
+            .all(|r| !r.request.headers.contains_key("authorization")));
+        assert_key_absent(&tokentap.spool_bytes(), key);
+    } else {
+        assert_secret_redacted(&records, &tokentap.spool_bytes(), key);
+    }
 
-    // One key, one session, numbered 0..n; every call in the wire API the harness was set to.
+    // One run, one session (the harness's own id, else its key), numbered 0..n; every call in
+    // the wire API the harness was set to.
     let mut seqs: Vec<u64> = records.iter().map(|r| r.seq).collect();
     seqs.sort();
     assert_eq!(seqs, (0..calls as u64).collect::<Vec<_>>());
@@ -60,7 +71,7 @@ async fn say_hi(
             r.prompt_token_ids.as_ref().map_or(0, Vec::len),
             r.completion_token_ids.as_ref().map_or(0, Vec::len),
         );
-        assert_eq!(r.session_source, SessionSource::ApiKey);
+        assert_eq!(r.session_source, source, "{what}");
         assert_eq!(r.session_id, records[0].session_id);
         assert_eq!(r.request.path, wire.path(), "{what}");
         assert_eq!(r.response_status, 200, "{what}: {:?}", r.error);
@@ -73,6 +84,7 @@ async fn say_hi(
             .is_some_and(|b| b.to_string().contains(PROMPT))),
         "no record of {what} carries the user's prompt"
     );
+    tokentap
 }
 
 #[tokio::test(flavor = "multi_thread")]
@@ -82,6 +94,7 @@ async fn heavy_codex_say_hi_over_responses() {
         "codex exec",
         wire,
         "sk-e2e-codex-3b7f19a2",
+        SessionSource::HarnessHeader,
         async |d, s, k| run_codex(d, s, k, "m", PROMPT).await,
     )
     .await;
@@ -94,6 +107,7 @@ async fn heavy_claude_code_say_hi_over_messages() {
         "claude -p",
         wire,
         "sk-ant-e2e-claude-9c2d44e1",
+        SessionSource::HarnessHeader,
         async |d, s, k| run_claude(d, s, k, "m", PROMPT, false).await,
     )
     .await;
@@ -102,9 +116,13 @@ async fn heavy_claude_code_say_hi_over_messages() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_say_hi_over_chat_completions() {
     let wire = Wire::ChatCompletions;
-    say_hi("pi -p", wire, "sk-e2e-pi-7d41c9e0b2", async |d, s, k| {
-        run_pi(d, s, wire, k, "m", PROMPT).await
-    })
+    say_hi(
+        "pi -p",
+        wire,
+        "sk-e2e-pi-7d41c9e0b2",
+        SessionSource::ApiKey,
+        async |d, s, k| run_pi(d, s, wire, k, "m", PROMPT).await,
+    )
     .await;
 }
 
@@ -115,6 +133,7 @@ async fn heavy_pi_say_hi_over_responses() {
         "pi -p (openai-responses)",
         wire,
         "sk-e2e-pi-resp-51c0",
+        SessionSource::ApiKey,
         async |d, s, k| run_pi(d, s, wire, k, "m", PROMPT).await,
     )
     .await;
@@ -127,6 +146,7 @@ async fn heavy_pi_say_hi_over_messages() {
         "pi -p (anthropic-messages)",
         wire,
         "sk-e2e-pi-msg-8e2a",
+        SessionSource::ApiKey,
         async |d, s, k| run_pi(d, s, wire, k, "m", PROMPT).await,
     )
     .await;
@@ -135,9 +155,13 @@ async fn heavy_pi_say_hi_over_messages() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_qwen_code_say_hi_over_chat_completions() {
     let wire = Wire::ChatCompletions;
-    say_hi("qwen", wire, "sk-e2e-qwen-5a8e31f6c4", async |d, s, k| {
-        run_qwen(d, s, wire, k, "m", PROMPT, true).await
-    })
+    say_hi(
+        "qwen",
+        wire,
+        "sk-e2e-qwen-5a8e31f6c4",
+        SessionSource::ApiKey,
+        async |d, s, k| run_qwen(d, s, wire, k, "m", PROMPT, true).await,
+    )
     .await;
 }
 
@@ -148,6 +172,7 @@ async fn heavy_qwen_code_say_hi_over_responses() {
         "qwen (openai-responses)",
         wire,
         "sk-e2e-qwen-resp-2f90",
+        SessionSource::ApiKey,
         async |d, s, k| run_qwen(d, s, wire, k, "m", PROMPT, true).await,
     )
     .await;
@@ -160,7 +185,28 @@ async fn heavy_qwen_code_say_hi_over_messages() {
         "qwen (anthropic)",
         wire,
         "sk-ant-e2e-qwen-msg-77d1",
+        SessionSource::ApiKey,
         async |d, s, k| run_qwen(d, s, wire, k, "m", PROMPT, true).await,
     )
     .await;
+}
+
+/// Codex's built-in `openai` provider pointed at tokentap (`openai_base_url`) tries a
+/// WebSocket first; the 426 answer makes it fall back to SSE after one attempt instead of
+/// retrying (it sends no key this way, so each call is its own session unless Codex names it).
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_codex_builtin_provider_falls_back_from_websocket_at_once() {
+    let wire = Wire::Responses;
+    let tokentap = say_hi(
+        "codex exec (built-in openai provider)",
+        wire,
+        "sk-e2e-codex-builtin-61aa",
+        SessionSource::HarnessHeader,
+        async |d, s, k| run_codex_builtin(d, s, k, "m", PROMPT).await,
+    )
+    .await;
+    let refused = tokentap
+        .metric("tokentap_websocket_upgrades_refused_total")
+        .await;
+    assert_eq!(refused, Some(1.0), "one WebSocket attempt, then SSE");
 }

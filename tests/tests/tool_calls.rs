@@ -30,6 +30,8 @@ struct ToolLoop {
     tool: &'static str,
     arguments: Value,
     wire: Wire,
+    /// Where the harness's session comes from (its own id, else its key).
+    session: SessionSource,
 }
 
 /// Runs a harness against tokentap in front of a scripted tool round trip and checks what
@@ -172,7 +174,7 @@ async fn round_trip(
         p2.len() > p1.len() && p2[..p1.len()] == p1[..],
         "{what}: turn 2's prompt ids do not start with turn 1's"
     );
-    assert_eq!(call.session_source, SessionSource::ApiKey);
+    assert_eq!(call.session_source, t.session);
     assert!(follow.seq > call.seq);
     assert!(
         out.stdout.contains(FINAL_TEXT),
@@ -187,6 +189,7 @@ fn pi_loop(wire: Wire) -> ToolLoop {
         tool: "bash",
         arguments: command(),
         wire,
+        session: SessionSource::ApiKey,
     }
 }
 
@@ -195,6 +198,7 @@ fn qwen_loop(wire: Wire) -> ToolLoop {
         tool: "run_shell_command",
         arguments: command(),
         wire,
+        session: SessionSource::ApiKey,
     }
 }
 
@@ -264,6 +268,7 @@ async fn heavy_codex_runs_a_scripted_exec_command_call() {
         tool: "exec_command",
         arguments: json!({"cmd": format!("echo hi > {MARKER_FILE}")}),
         wire: Wire::Responses,
+        session: SessionSource::HarnessHeader,
     };
     round_trip("codex exec", t, async |d, s| {
         run_codex(d, s, "sk-e2e-codex-tools", "m", PROMPT).await
@@ -277,6 +282,7 @@ async fn heavy_claude_code_runs_a_scripted_bash_call() {
         tool: "Bash",
         arguments: command(),
         wire: Wire::Messages,
+        session: SessionSource::HarnessHeader,
     };
     round_trip("claude -p", t, async |d, s| {
         run_claude(d, s, "sk-ant-e2e-claude-tools", "m", PROMPT, true).await
