@@ -396,7 +396,16 @@ pub(crate) fn error_json(e: &CallError) -> Value {
         ErrorKind::BackendTimeout => ("server_error", Some("timeout")),
         _ => ("server_error", None),
     };
-    json!({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
+    let message = if e.kind == ErrorKind::ContextLengthExceeded {
+        // OpenAI's own wording first: harnesses match it to decide to compact.
+        format!(
+            "Your input exceeds the context window of this model. ({})",
+            e.message
+        )
+    } else {
+        e.message.clone()
+    };
+    json!({"error": {"message": message, "type": kind, "param": e.param, "code": code}})
 }
 
 /// Renders `chat.completion.chunk` frames.
