@@ -1,0 +1,222 @@
+//! Userspace side of tokentap's transparent capture: loads the kernel program
+//! (`ebpf/program`), sets its policy maps, attaches it to one cgroup (v2), and answers "where
+//! was this connection going?" for the connections it redirected.
+//!
+//! Dropping a [`Redirect`] detaches everything: the links are file descriptors owned by this
+//! process, so the kernel also detaches them if the process dies.
+
+mod cgroup;
+
+use std::fs::File;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::path::Path;
+use std::sync::Mutex;
+
+use aya::maps::{Array, HashMap, MapData};
+use aya::programs::{CgroupAttachMode, CgroupSockAddr, SockOps};
+use aya::{include_bytes_aligned, Ebpf};
+use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
+
+pub use cgroup::{cgroup2_mount, Cgroup, CgroupError};
+
+/// The kernel object built by `build.rs` (empty when the eBPF toolchain was missing).
+static OBJECT: &[u8] = include_bytes_aligned!(env!("TOKENTAP_EBPF_OBJECT"));
+
+/// Where and what to redirect.
+#[derive(Debug, Clone)]
+pub struct RedirectConfig {
+    /// The transparent listener for IPv4 (and IPv4-mapped IPv6) connects.
+    pub listener: SocketAddrV4,
+    /// The listener's IPv6 address (same port), if it listens on one; IPv6 connects are left
+    /// alone otherwise.
+    pub listener_v6: Option<Ipv6Addr>,
+    /// Destination ports whose TCP connects are redirected.
+    pub ports: Vec<u16>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum RedirectError {
+    #[error("this tokentap was built without its eBPF program (nightly, rust-src and bpf-linker were missing at build time): run scripts/setup --only ebpf and rebuild, or use the nftables fallback (--redirect nft)")]
+    NotBuilt,
+    #[error("loading eBPF programs needs root (CAP_BPF and CAP_NET_ADMIN); run as root, or use the nftables fallback (--redirect nft), which also needs root")]
+    NotRoot,
+    #[error(
+        "the kernel refused the eBPF program ({0}); use the nftables fallback (--redirect nft)"
+    )]
+    Refused(String),
+    #[error("cannot open the cgroup {path}: {source}")]
+    Cgroup {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// The program, attached to one cgroup; detached on drop.
+pub struct Redirect {
+    _ebpf: Ebpf,
+    clients: Mutex<HashMap<MapData, SockAddr, SockAddr>>,
+}
+
+impl Redirect {
+    /// Loads the program, writes `config` into its maps and attaches it to `cgroup_dir`.
+    pub fn attach(cgroup_dir: &Path, config: &RedirectConfig) -> Result<Redirect, RedirectError> {
+        if OBJECT.is_empty() {
+            return Err(RedirectError::NotBuilt);
+        }
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(RedirectError::NotRoot);
+        }
+        let refused = |e: &dyn std::fmt::Display| RedirectError::Refused(e.to_string());
+        let failed = |e: &dyn std::error::Error| RedirectError::Refused(chain(e));
+        let cgroup = File::open(cgroup_dir).map_err(|source| RedirectError::Cgroup {
+            path: cgroup_dir.display().to_string(),
+            source,
+        })?;
+        let mut ebpf = Ebpf::load(OBJECT).map_err(|e| failed(&e))?;
+
+        let policy = Policy {
+            proxy_ip4: u32::from_ne_bytes(config.listener.ip().octets()),
+            proxy_ip6: config.listener_v6.map(ip6_words).unwrap_or([0; 4]),
+            proxy_port: config.listener.port(),
+            enabled: 1,
+            _pad: 0,
+        };
+        let mut policy_map: Array<_, Policy> = Array::try_from(
+            ebpf.map_mut("POLICY")
+                .ok_or_else(|| refused(&"no POLICY map"))?,
+        )
+        .map_err(|e| refused(&e))?;
+        policy_map.set(0, policy, 0).map_err(|e| refused(&e))?;
+        let mut ports: HashMap<_, u16, u8> = HashMap::try_from(
+            ebpf.map_mut("PORTS")
+                .ok_or_else(|| refused(&"no PORTS map"))?,
+        )
+        .map_err(|e| refused(&e))?;
+        for p in &config.ports {
+            ports.insert(p, 1, 0).map_err(|e| refused(&e))?;
+        }
+
+        // On kernels with BPF links (5.7+) the attachment is a link, which never excludes other
+        // tools' programs; `Single` is the mode links take (they refuse the others' flags).
+        let mode = CgroupAttachMode::Single;
+        for name in ["connect4", "connect6"] {
+            let program: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or_else(|| refused(&format!("no {name} program")))?
+                .try_into()
+                .map_err(|e| refused(&e))?;
+            program.load().map_err(|e| failed(&e))?;
+            program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
+        }
+        let program: &mut SockOps = ebpf
+            .program_mut("record_client")
+            .ok_or_else(|| refused(&"no record_client program"))?
+            .try_into()
+            .map_err(|e| refused(&e))?;
+        program.load().map_err(|e| failed(&e))?;
+        program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
+
+        let clients = HashMap::try_from(
+            ebpf.take_map("DEST_BY_CLIENT")
+                .ok_or_else(|| refused(&"no DEST_BY_CLIENT map"))?,
+        )
+        .map_err(|e| refused(&e))?;
+        tracing::info!(cgroup = %cgroup_dir.display(), ?config, "connect redirect attached");
+        Ok(Redirect {
+            _ebpf: ebpf,
+            clients: Mutex::new(clients),
+        })
+    }
+
+    /// Where the redirected connection whose client end is `client` (the listener's peer) was
+    /// going; the entry is consumed.
+    pub fn original_destination(&self, client: SocketAddr) -> Option<SocketAddr> {
+        let key = sock_addr(client);
+        let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
+        let found = clients.get(&key, 0).ok()?;
+        let _ = clients.remove(&key);
+        Some(socket_addr(found))
+    }
+}
+
+/// An error with its causes, as one line.
+fn chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cause = e.source();
+    while let Some(c) = cause {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cause = c.source();
+    }
+    s
+}
+
+fn ip6_words(ip: Ipv6Addr) -> [u32; 4] {
+    let o = ip.octets();
+    std::array::from_fn(|i| {
+        u32::from_ne_bytes([o[4 * i], o[4 * i + 1], o[4 * i + 2], o[4 * i + 3]])
+    })
+}
+
+/// The map key for a socket address, as the kernel program writes it (IPv4-mapped IPv6 as
+/// IPv4).
+pub fn sock_addr(a: SocketAddr) -> SockAddr {
+    let a = match a {
+        SocketAddr::V6(v6) => match v6.ip().to_ipv4_mapped() {
+            Some(v4) => SocketAddr::V4(SocketAddrV4::new(v4, v6.port())),
+            None => a,
+        },
+        v4 => v4,
+    };
+    match a {
+        SocketAddr::V4(v4) => SockAddr {
+            family: AF_INET,
+            port: v4.port(),
+            addr: [u32::from_ne_bytes(v4.ip().octets()), 0, 0, 0],
+        },
+        SocketAddr::V6(v6) => SockAddr {
+            family: AF_INET6,
+            port: v6.port(),
+            addr: ip6_words(*v6.ip()),
+        },
+    }
+}
+
+/// The socket address a map value names.
+pub fn socket_addr(s: SockAddr) -> SocketAddr {
+    if s.family == AF_INET {
+        SocketAddr::V4(SocketAddrV4::new(
+            Ipv4Addr::from(s.addr[0].to_ne_bytes()),
+            s.port,
+        ))
+    } else {
+        let mut o = [0u8; 16];
+        for (i, w) in s.addr.iter().enumerate() {
+            o[4 * i..4 * i + 4].copy_from_slice(&w.to_ne_bytes());
+        }
+        SocketAddr::V6(SocketAddrV6::new(Ipv6Addr::from(o), s.port, 0, 0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn addresses_round_trip_through_the_kernel_layout() {
+        for a in ["127.0.0.2:443", "[::1]:8443", "[2001:db8::7]:443"] {
+            let a: SocketAddr = a.parse().unwrap();
+            assert_eq!(socket_addr(sock_addr(a)), a);
+        }
+        // IPv4-mapped IPv6 peers are keyed as IPv4, as the kernel program keys them.
+        let mapped: SocketAddr = "[::ffff:127.0.0.1]:40000".parse().unwrap();
+        assert_eq!(
+            socket_addr(sock_addr(mapped)),
+            "127.0.0.1:40000".parse::<SocketAddr>().unwrap()
+        );
+        // Network order in memory: 127.0.0.1's first byte is 127.
+        let k = sock_addr("127.0.0.1:1".parse().unwrap());
+        assert_eq!(k.addr[0].to_ne_bytes(), [127, 0, 0, 1]);
+    }
+}
