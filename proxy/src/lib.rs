@@ -10,6 +10,7 @@ pub mod metrics;
 pub mod normalize;
 pub mod redact;
 pub mod session;
+pub mod tls;
 pub mod wire;
 
 pub use app::{CaptureService, ProxyConfig};
