@@ -90,6 +90,8 @@ pub enum SessionSource {
     HarnessHeader,
     /// A hash of the API key (the key itself is never recorded).
     ApiKey,
+    /// The `tokentap run` (or sidecar) that captured the call: every call it intercepts.
+    Run,
     /// None of the above: a fresh id for this call alone.
     Generated,
 }
@@ -104,6 +106,9 @@ pub enum WireApi {
     Responses,
     /// Anthropic Messages, `POST /v1/messages`.
     Messages,
+    /// No request was read: the connection failed first (e.g. the client rejected the
+    /// intercepting certificate).
+    Unparsed,
 }
 
 impl WireApi {
@@ -112,6 +117,7 @@ impl WireApi {
             WireApi::ChatCompletions => "chat_completions",
             WireApi::Responses => "responses",
             WireApi::Messages => "messages",
+            WireApi::Unparsed => "unparsed",
         }
     }
 }
@@ -267,6 +273,9 @@ pub enum ErrorKind {
     ClientDisconnected,
     /// A bug or I/O failure inside the proxy.
     Internal,
+    /// An intercepted connection's TLS handshake failed (typically a client that pins its
+    /// certificates or does not trust tokentap's CA).
+    TlsHandshakeFailed,
 }
 
 impl ErrorKind {
@@ -280,6 +289,7 @@ impl ErrorKind {
             ErrorKind::ContextLengthExceeded => "context_length_exceeded",
             ErrorKind::ClientDisconnected => "client_disconnected",
             ErrorKind::Internal => "internal",
+            ErrorKind::TlsHandshakeFailed => "tls_handshake_failed",
         }
     }
 }

@@ -47,6 +47,8 @@ pub struct ProxyConfig {
     pub policy_version: Option<String>,
     /// How system and developer messages reach the engine's chat template.
     pub system_layout: SystemLayout,
+    /// Every call belongs to this session (a `tokentap run`'s), whatever the request says.
+    pub fixed_session: Option<String>,
 }
 
 impl Default for ProxyConfig {
@@ -57,6 +59,7 @@ impl Default for ProxyConfig {
             backend_model: None,
             policy_version: None,
             system_layout: SystemLayout::Auto,
+            fixed_session: None,
         }
     }
 }
@@ -93,7 +96,10 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
     let rest = rest.trim_end_matches('/');
     let r = match (method, rest) {
         ("POST", "/v1/chat/completions" | "/chat/completions") => Route::Call(&CHAT_COMPLETIONS),
-        ("POST", "/v1/responses" | "/responses") => Route::Call(&RESPONSES),
+        // The last one is Codex signed in with ChatGPT (chatgpt.com, intercepted transparently).
+        ("POST", "/v1/responses" | "/responses" | "/backend-api/codex/responses") => {
+            Route::Call(&RESPONSES)
+        }
         ("GET", "/v1/responses" | "/responses") => Route::WebSocketRefused,
         ("POST", "/v1/messages" | "/messages") => Route::Call(&MESSAGES),
         ("POST", "/v1/messages/count_tokens" | "/messages/count_tokens") => Route::CountTokens,
@@ -231,6 +237,74 @@ impl CaptureService {
         }
     }
 
+    pub fn metrics(&self) -> &Metrics {
+        &self.metrics
+    }
+
+    /// Serves HTTP/1.1 requests on a connection accepted elsewhere (an intercepted TLS
+    /// connection from the transparent listener) until it closes.
+    pub async fn serve_stream(
+        self: &Arc<Self>,
+        stream: pingora::protocols::Stream,
+        shutdown: &ShutdownWatch,
+    ) {
+        let mut next = Some(stream);
+        while let Some(stream) = next.take() {
+            let http = ServerSession::new_http1(stream);
+            if let Some(reused) = self.process_new_http(http, shutdown).await {
+                next = Some(reused.consume().0);
+            }
+        }
+    }
+
+    /// Records a connection that failed before any request could be read (a TLS handshake the
+    /// client aborted), so the failure is visible in the spool, not only in logs.
+    pub async fn record_connection_failure(&self, host: &str, kind: ErrorKind, message: String) {
+        let mut call = CallCapture {
+            record_id: uuid::Uuid::now_v7().to_string(),
+            arrived: Instant::now(),
+            started_at: SystemTime::now(),
+            wire_api: WireApi::Unparsed,
+            session: None,
+            request: HarnessRequest {
+                method: "CONNECT".into(),
+                path: host.to_owned(),
+                query: None,
+                headers: Default::default(),
+                body_bytes: 0,
+                body: None,
+                body_text: None,
+            },
+            backend_request: None,
+            normalizations: Vec::new(),
+            backend: BackendInfo {
+                kind: self.backend.kind(),
+                url: self.backend.url().to_owned(),
+                model: String::new(),
+                policy_version: self.config.policy_version.clone(),
+                synthetic_stream: false,
+            },
+            generation: GenerationAccumulator::default(),
+            backend_time: Default::default(),
+            first_content_at: None,
+            response_status: 0,
+            error: Some(CallError::new(kind, 0, message)),
+        };
+        let session = match &self.config.fixed_session {
+            Some(id) => session::Session {
+                id: id.clone(),
+                source: tokentap_schema::SessionSource::Run,
+            },
+            None => session::Session {
+                id: format!("call-{}", call.record_id),
+                source: tokentap_schema::SessionSource::Generated,
+            },
+        };
+        let seq = self.sessions.next_seq(&session);
+        call.session = Some((session, seq));
+        self.end_call(call).await;
+    }
+
     /// Anthropic token counting: the engine's own count of the prompt it would see. Not a model
     /// call, so no record; errors come back in the Messages shape.
     async fn count_tokens(&self, http: &mut ServerSession) -> bool {
@@ -336,7 +410,14 @@ impl CaptureService {
             harness,
             api_key: api_key.as_deref(),
         };
-        let session = match session::attribute(&hints, || format!("call-{}", call.record_id)) {
+        let attributed = match &self.config.fixed_session {
+            Some(id) => Ok(session::Session {
+                id: id.clone(),
+                source: tokentap_schema::SessionSource::Run,
+            }),
+            None => session::attribute(&hints, || format!("call-{}", call.record_id)),
+        };
+        let session = match attributed {
             Ok(s) => s,
             Err(e) => {
                 let _ = http.drain_request_body().await;

@@ -11,6 +11,7 @@ pub mod normalize;
 pub mod redact;
 pub mod session;
 pub mod tls;
+pub mod transparent;
 pub mod wire;
 
 pub use app::{CaptureService, ProxyConfig};

@@ -27,6 +27,7 @@ pub struct Metrics {
     pub records_lost: IntCounter,
     pub spool_write_errors: IntCounter,
     pub websocket_refused: IntCounter,
+    pub transparent: IntCounterVec,
 }
 
 impl Metrics {
@@ -113,6 +114,11 @@ impl Metrics {
             websocket_refused: counter(
                 "tokentap_websocket_upgrades_refused_total",
                 "WebSocket upgrades on /v1/responses answered 426 (Codex then falls back to SSE)",
+            ),
+            transparent: counter_vec(
+                "tokentap_transparent_connections_total",
+                "Redirected connections by outcome (intercepted, passed_through, tls_failed, dropped)",
+                &["outcome"],
             ),
             registry,
         }

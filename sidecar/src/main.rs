@@ -1,8 +1,10 @@
 //! `tokentap`: the command line. Parses flags and composes the crates; no domain logic here.
 
 mod bench;
+mod ca_cmd;
 mod proxy_cmd;
 mod records_cmd;
+mod run_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -29,6 +31,13 @@ struct Cli {
 enum Command {
     /// Run the capture proxy in front of an inference engine.
     Proxy(proxy_cmd::ProxyArgs),
+    /// Run a command with its model traffic captured transparently (eBPF redirect + TLS
+    /// interception; root): no base URL needed, even for hard-coded endpoints.
+    Run(run_cmd::RunArgs),
+    /// Capture an existing cgroup's model traffic transparently (e.g. a pod's), until stopped.
+    Sidecar(run_cmd::SidecarArgs),
+    /// The local CA transparent capture mints certificates from.
+    Ca(ca_cmd::CaArgs),
     /// Inspect the capture records in a spool.
     #[command(subcommand)]
     Records(records_cmd::RecordsCmd),
@@ -39,7 +48,7 @@ enum Command {
     Bench(bench::BenchCmd),
 }
 
-fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<std::process::ExitCode> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TOKENTAP_LOG")
@@ -47,16 +56,20 @@ fn main() -> anyhow::Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
+    let ok = std::process::ExitCode::SUCCESS;
     match Cli::parse().command {
-        Command::Proxy(args) => proxy_cmd::run(args),
-        Command::Records(cmd) => records_cmd::run(cmd),
-        Command::Bench(cmd) => bench::run(cmd),
+        Command::Proxy(args) => proxy_cmd::run(args).map(|()| ok),
+        Command::Run(args) => run_cmd::run(args),
+        Command::Sidecar(args) => run_cmd::sidecar(args),
+        Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
+        Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
+        Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
         Command::Schema => {
             println!(
                 "{}",
                 serde_json::to_string_pretty(&tokentap_schema::capture_record_json_schema())?
             );
-            Ok(())
+            Ok(ok)
         }
     }
 }

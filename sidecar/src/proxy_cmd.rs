@@ -49,9 +49,19 @@ pub struct ProxyArgs {
     /// Address to listen on for harness traffic (also serves /health and /metrics).
     #[arg(long, default_value = "127.0.0.1:8800")]
     listen: String,
+    #[command(flatten)]
+    capture: CaptureArgs,
+    /// Worker threads.
+    #[arg(long, default_value_t = 2)]
+    threads: usize,
+}
+
+/// What every capturing command shares: the engine, the spool, the capture policy.
+#[derive(Args, Clone)]
+pub struct CaptureArgs {
     /// Base URL of the inference engine.
     #[arg(long)]
-    backend: String,
+    pub backend: String,
     /// Which engine it is (decides how token ids and logprobs are obtained).
     #[arg(long, value_enum)]
     backend_kind: KindArg,
@@ -67,7 +77,7 @@ pub struct ProxyArgs {
     backend_timeout: u64,
     /// Directory of the capture spool.
     #[arg(long, default_value = "tokentap-spool")]
-    spool: PathBuf,
+    pub spool: PathBuf,
     /// When to fsync the spool: `always` (every record), `never` (leave it to the OS) or an
     /// interval such as `100ms`.
     #[arg(long, default_value = "100ms")]
@@ -77,7 +87,7 @@ pub struct ProxyArgs {
     segment_bytes: u64,
     /// Do not write capture records (for measuring the proxy itself).
     #[arg(long)]
-    no_capture: bool,
+    pub no_capture: bool,
     /// Call the engine non-streaming and play its answer back as a stream.
     #[arg(long)]
     synthetic_stream: bool,
@@ -93,48 +103,11 @@ pub struct ProxyArgs {
     /// when it rejects or drops a second system message or does not know `developer`.
     #[arg(long, default_value = "auto")]
     system_layout: SystemLayout,
-    /// Worker threads.
-    #[arg(long, default_value_t = 2)]
-    threads: usize,
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
-    let backend_config = BackendConfig {
-        kind: args.backend_kind.into(),
-        url: args.backend.clone(),
-        api_key: args.backend_api_key.clone(),
-        connect_timeout: Duration::from_secs(5),
-        idle_timeout: Duration::from_secs(args.backend_timeout),
-    };
-    let backend: Arc<dyn backend::Backend> =
-        Arc::from(backend::build(backend_config).context("configuring the backend")?);
-    let backend_model = match args.backend_model.clone() {
-        Some(m) => Some(m),
-        None => discover_model(backend.as_ref()),
-    };
-    let metrics = Arc::new(Metrics::new());
-    let (sink, spool_thread) = if args.no_capture {
-        (RecordSink::Discard, None)
-    } else {
-        let writer = SpoolWriter::open(
-            &args.spool,
-            SpoolConfig {
-                segment_max_bytes: args.segment_bytes,
-                fsync: args.fsync,
-            },
-        )
-        .with_context(|| format!("opening the spool at {}", args.spool.display()))?;
-        let (sink, handle) = RecordSink::spool(writer, metrics.clone());
-        (sink, Some(handle))
-    };
-    let config = ProxyConfig {
-        max_body_bytes: args.max_body_bytes,
-        synthetic_stream: args.synthetic_stream,
-        backend_model,
-        policy_version: args.policy_version.clone(),
-        system_layout: args.system_layout,
-    };
-    let service = CaptureService::new(config, backend, sink, metrics);
+    let (service, spool_thread) = args.capture.build(None)?;
+    let capture = &args.capture;
 
     let conf = ServerConf {
         threads: args.threads.max(1),
@@ -149,9 +122,9 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     server.add_service(listener);
     tracing::info!(
         listen = %args.listen,
-        backend = %args.backend,
-        spool = %args.spool.display(),
-        capture = !args.no_capture,
+        backend = %capture.backend,
+        spool = %capture.spool.display(),
+        capture = !capture.no_capture,
         "tokentap proxy ready; point harnesses at http://{}/v1",
         args.listen
     );
@@ -162,6 +135,56 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     }
     tracing::info!("tokentap proxy stopped");
     Ok(())
+}
+
+impl CaptureArgs {
+    /// The capture service and the spool writer's thread (join it after the service is gone).
+    pub fn build(
+        &self,
+        fixed_session: Option<String>,
+    ) -> anyhow::Result<(CaptureService, Option<std::thread::JoinHandle<()>>)> {
+        let args = self;
+        let backend_config = BackendConfig {
+            kind: args.backend_kind.into(),
+            url: args.backend.clone(),
+            api_key: args.backend_api_key.clone(),
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(args.backend_timeout),
+        };
+        let backend: Arc<dyn backend::Backend> =
+            Arc::from(backend::build(backend_config).context("configuring the backend")?);
+        let backend_model = match args.backend_model.clone() {
+            Some(m) => Some(m),
+            None => discover_model(backend.as_ref()),
+        };
+        let metrics = Arc::new(Metrics::new());
+        let (sink, spool_thread) = if args.no_capture {
+            (RecordSink::Discard, None)
+        } else {
+            let writer = SpoolWriter::open(
+                &args.spool,
+                SpoolConfig {
+                    segment_max_bytes: args.segment_bytes,
+                    fsync: args.fsync,
+                },
+            )
+            .with_context(|| format!("opening the spool at {}", args.spool.display()))?;
+            let (sink, handle) = RecordSink::spool(writer, metrics.clone());
+            (sink, Some(handle))
+        };
+        let config = ProxyConfig {
+            max_body_bytes: args.max_body_bytes,
+            synthetic_stream: args.synthetic_stream,
+            backend_model,
+            policy_version: args.policy_version.clone(),
+            system_layout: args.system_layout,
+            fixed_session,
+        };
+        Ok((
+            CaptureService::new(config, backend, sink, metrics),
+            spool_thread,
+        ))
+    }
 }
 
 /// Asks the engine which model it serves; uses it when there is exactly one.

@@ -1,0 +1,303 @@
+//! The transparent listener: where redirected connections land (eBPF connect redirect or an
+//! nftables REDIRECT). For each connection it learns where it was going, peeks at its first
+//! bytes without consuming them, and either
+//! - intercepts it: a TLS ClientHello for a host on the intercept list is answered with a leaf
+//!   minted by the local CA and the decrypted HTTP is served by the capture service, or
+//! - splices it, byte for byte, to its original destination (any other host, non-TLS traffic,
+//!   a client that speaks nothing first).
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use pingora::protocols::{
+    GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, Ssl, UniqueID, UniqueIDType,
+};
+use pingora::server::ShutdownWatch;
+use tokentap_schema::ErrorKind;
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio_rustls::server::TlsStream;
+use tokio_rustls::TlsAcceptor;
+
+use crate::app::CaptureService;
+use crate::tls::sni::{peek_opening, Opening};
+use crate::tls::{server_config, CertificateAuthority};
+
+/// LLM API hosts intercepted by default; everything else passes through untouched.
+pub const DEFAULT_INTERCEPT: &[&str] = &[
+    "api.openai.com",
+    "api.anthropic.com",
+    "chatgpt.com",
+    "generativelanguage.googleapis.com",
+    "dashscope.aliyuncs.com",
+];
+
+/// Answers where a redirected connection was going, given its client end (our peer).
+pub trait OriginalDestination: Send + Sync + 'static {
+    fn original_destination(&self, peer: SocketAddr) -> Option<SocketAddr>;
+}
+
+/// Host names to intercept: exact names, or `*.suffix` for any subdomain. Case-insensitive.
+#[derive(Debug, Clone)]
+pub struct InterceptList {
+    names: Vec<String>,
+}
+
+impl InterceptList {
+    pub fn new<S: AsRef<str>>(names: impl IntoIterator<Item = S>) -> Self {
+        InterceptList {
+            names: names
+                .into_iter()
+                .map(|s| s.as_ref().trim().trim_end_matches('.').to_ascii_lowercase())
+                .filter(|s| !s.is_empty())
+                .collect(),
+        }
+    }
+
+    pub fn contains(&self, host: &str) -> bool {
+        let host = host.trim_end_matches('.').to_ascii_lowercase();
+        self.names.iter().any(|n| match n.strip_prefix("*.") {
+            Some(suffix) => {
+                host.len() > suffix.len() && host.ends_with(suffix) && {
+                    host.as_bytes()[host.len() - suffix.len() - 1] == b'.'
+                }
+            }
+            None => *n == host,
+        })
+    }
+
+    pub fn names(&self) -> &[String] {
+        &self.names
+    }
+}
+
+/// How a connection was handled (the label of `tokentap_transparent_connections_total`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Outcome {
+    Intercepted,
+    PassedThrough,
+    TlsFailed,
+    /// Not a redirected connection and not one to intercept: closed.
+    Dropped,
+}
+
+impl Outcome {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::Intercepted => "intercepted",
+            Outcome::PassedThrough => "passed_through",
+            Outcome::TlsFailed => "tls_failed",
+            Outcome::Dropped => "dropped",
+        }
+    }
+}
+
+pub struct TransparentListener {
+    service: Arc<CaptureService>,
+    acceptor: TlsAcceptor,
+    destinations: Arc<dyn OriginalDestination>,
+    intercept: InterceptList,
+    /// How long to wait for a client's first bytes before treating it as server-speaks-first.
+    peek_wait: Duration,
+}
+
+impl TransparentListener {
+    pub fn new(
+        service: Arc<CaptureService>,
+        ca: Arc<CertificateAuthority>,
+        destinations: Arc<dyn OriginalDestination>,
+        intercept: InterceptList,
+    ) -> Self {
+        TransparentListener {
+            service,
+            acceptor: TlsAcceptor::from(server_config(ca)),
+            destinations,
+            intercept,
+            peek_wait: Duration::from_secs(1),
+        }
+    }
+
+    /// Accepts until `shutdown` turns true.
+    pub async fn serve(self: Arc<Self>, listener: TcpListener, mut shutdown: ShutdownWatch) {
+        loop {
+            tokio::select! {
+                accepted = listener.accept() => match accepted {
+                    Ok((conn, peer)) => {
+                        let this = self.clone();
+                        let watch = shutdown.clone();
+                        tokio::spawn(async move { this.handle(conn, peer, watch).await });
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "transparent accept failed");
+                        tokio::time::sleep(Duration::from_millis(50)).await;
+                    }
+                },
+                _ = shutdown.changed() => {
+                    if *shutdown.borrow() {
+                        return;
+                    }
+                }
+            }
+        }
+    }
+
+    async fn handle(self: Arc<Self>, conn: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
+        let _ = conn.set_nodelay(true);
+        let original = self.destinations.original_destination(peer);
+        let opening = match peek_opening(&conn, self.peek_wait).await {
+            Ok(o) => o,
+            Err(e) => {
+                tracing::debug!(error = %e, %peer, "peeking a redirected connection failed");
+                return;
+            }
+        };
+        let outcome = match (opening, original) {
+            (
+                Opening::TlsClientHello {
+                    server_name: Some(host),
+                },
+                _,
+            ) if self.intercept.contains(&host) => self.intercept(conn, &host, shutdown).await,
+            (_, Some(dest)) => splice(conn, dest).await,
+            (_, None) => Outcome::Dropped,
+        };
+        self.service
+            .metrics()
+            .transparent
+            .with_label_values(&[outcome.as_str()])
+            .inc();
+        tracing::debug!(%peer, ?original, outcome = outcome.as_str(), "transparent connection");
+    }
+
+    async fn intercept(&self, conn: TcpStream, host: &str, shutdown: ShutdownWatch) -> Outcome {
+        let id = std::os::fd::AsRawFd::as_raw_fd(&conn);
+        match self.acceptor.accept(conn).await {
+            Ok(tls) => {
+                let stream = Box::new(InterceptedStream { tls, id });
+                self.service.serve_stream(stream, &shutdown).await;
+                Outcome::Intercepted
+            }
+            Err(e) => {
+                let message = format!(
+                    "TLS handshake for {host} failed: {e}. The client does not accept tokentap's certificate (it may pin its certificates, or not trust the CA: see `tokentap ca path`); leave {host} off the intercept list to let it through untouched."
+                );
+                tracing::warn!("{message}");
+                self.service
+                    .record_connection_failure(host, ErrorKind::TlsHandshakeFailed, message)
+                    .await;
+                Outcome::TlsFailed
+            }
+        }
+    }
+}
+
+/// Connects to `dest` (from outside the redirected cgroup, so never redirected again) and copies
+/// both ways until either side closes.
+async fn splice(mut conn: TcpStream, dest: SocketAddr) -> Outcome {
+    match TcpStream::connect(dest).await {
+        Ok(mut upstream) => {
+            let _ = upstream.set_nodelay(true);
+            let _ = tokio::io::copy_bidirectional(&mut conn, &mut upstream).await;
+        }
+        Err(e) => {
+            // The client sees the refusal as a reset, as it would have without us.
+            tracing::debug!(error = %e, %dest, "pass-through connect failed");
+        }
+    }
+    Outcome::PassedThrough
+}
+
+/// A decrypted client connection, in the shape Pingora's HTTP session reads.
+#[derive(Debug)]
+struct InterceptedStream {
+    tls: TlsStream<TcpStream>,
+    id: UniqueIDType,
+}
+
+impl AsyncRead for InterceptedStream {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tls).poll_read(cx, buf)
+    }
+}
+
+impl AsyncWrite for InterceptedStream {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<std::io::Result<usize>> {
+        Pin::new(&mut self.tls).poll_write(cx, buf)
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tls).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        Pin::new(&mut self.tls).poll_shutdown(cx)
+    }
+}
+
+#[async_trait]
+impl Shutdown for InterceptedStream {
+    async fn shutdown(&mut self) {
+        let _ = tokio::io::AsyncWriteExt::shutdown(&mut self.tls).await;
+    }
+}
+
+impl UniqueID for InterceptedStream {
+    fn id(&self) -> UniqueIDType {
+        self.id
+    }
+}
+
+impl Ssl for InterceptedStream {}
+
+impl GetTimingDigest for InterceptedStream {
+    fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
+        Vec::new()
+    }
+}
+
+impl GetProxyDigest for InterceptedStream {
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        None
+    }
+}
+
+impl GetSocketDigest for InterceptedStream {
+    fn get_socket_digest(&self) -> Option<Arc<pingora::protocols::SocketDigest>> {
+        None
+    }
+}
+
+#[async_trait]
+impl Peek for InterceptedStream {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_intercept_list_matches_names_and_wildcards_exactly() {
+        let l = InterceptList::new(["api.openai.com", "*.example.org", "API.Anthropic.com."]);
+        assert!(l.contains("api.openai.com"));
+        assert!(l.contains("API.OPENAI.COM."));
+        assert!(l.contains("api.anthropic.com"));
+        assert!(!l.contains("openai.com"));
+        assert!(!l.contains("evilapi.openai.com"));
+        assert!(!l.contains("api.openai.com.evil.net"));
+        assert!(l.contains("a.example.org") && l.contains("a.b.example.org"));
+        assert!(!l.contains("example.org") && !l.contains("badexample.org"));
+        let d = InterceptList::new(DEFAULT_INTERCEPT);
+        assert!(d.contains("chatgpt.com") && !d.contains("github.com"));
+    }
+}

@@ -1,0 +1,274 @@
+//! `tokentap run -- CMD` and `tokentap sidecar --cgroup PATH`: transparent capture. A cgroup
+//! gets the eBPF connect redirect; its TCP connects to the redirected ports land on a local
+//! listener that intercepts TLS for LLM API hosts (with certificates from the local CA) and
+//! passes everything else through to where it was going.
+
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
+use std::os::unix::process::CommandExt;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use tokentap_ebpf::{Cgroup, Redirect, RedirectConfig};
+use tokentap_proxy::tls::{ca, CertificateAuthority};
+use tokentap_proxy::transparent::{
+    InterceptList, OriginalDestination, TransparentListener, DEFAULT_INTERCEPT,
+};
+
+use crate::proxy_cmd::CaptureArgs;
+
+/// What `run` and `sidecar` share.
+#[derive(Args, Clone)]
+pub struct TransparentArgs {
+    #[command(flatten)]
+    capture: CaptureArgs,
+    /// Also intercept this host (repeatable; `*.example.com` for subdomains). Defaults:
+    /// api.openai.com, api.anthropic.com, chatgpt.com, generativelanguage.googleapis.com,
+    /// dashscope.aliyuncs.com.
+    #[arg(long = "intercept", value_name = "HOST")]
+    intercept: Vec<String>,
+    /// Intercept only the `--intercept` hosts, not the defaults.
+    #[arg(long)]
+    no_default_intercept: bool,
+    /// Destination port whose TCP connects are redirected (repeatable; default 443).
+    #[arg(long = "redirect-port", value_name = "PORT")]
+    redirect_ports: Vec<u16>,
+    /// Directory of the local CA (created on first use).
+    #[arg(long, env = "TOKENTAP_CA_DIR")]
+    ca_dir: Option<PathBuf>,
+}
+
+#[derive(Args)]
+#[command(after_help = "Example:
+  tokentap run --backend http://127.0.0.1:8080 --backend-kind llamacpp --spool ./spool -- codex exec \"fix the test\"
+  # Codex keeps its default https://api.openai.com; tokentap intercepts it, answers from the engine, and records every call.")]
+pub struct RunArgs {
+    #[command(flatten)]
+    transparent: TransparentArgs,
+    /// Session every call of this run is recorded under (default: run-<id>).
+    #[arg(long)]
+    session: Option<String>,
+    /// The command to run under capture, after `--`.
+    #[arg(required = true, last = true)]
+    command: Vec<String>,
+}
+
+#[derive(Args)]
+pub struct SidecarArgs {
+    #[command(flatten)]
+    transparent: TransparentArgs,
+    /// The cgroup (v2 directory) whose processes are captured, e.g. a pod's.
+    #[arg(long)]
+    cgroup: PathBuf,
+    /// Record every call under this session instead of attributing per call.
+    #[arg(long)]
+    session: Option<String>,
+}
+
+/// The eBPF map, seen as the listener's answer to "where was this going?".
+struct EbpfDestinations(Redirect);
+
+impl OriginalDestination for EbpfDestinations {
+    fn original_destination(&self, peer: SocketAddr) -> Option<SocketAddr> {
+        self.0.original_destination(peer)
+    }
+}
+
+/// A running transparent capture: listener, redirect, service.
+struct Capture {
+    runtime: tokio::runtime::Runtime,
+    shutdown: tokio::sync::watch::Sender<bool>,
+    spool_thread: Option<std::thread::JoinHandle<()>>,
+    ca: Arc<CertificateAuthority>,
+}
+
+impl TransparentArgs {
+    fn ca(&self) -> anyhow::Result<Arc<CertificateAuthority>> {
+        let dir = self.ca_dir.clone().unwrap_or_else(ca::default_dir);
+        let (ca, created) = CertificateAuthority::load_or_create(&dir)?;
+        if created {
+            tracing::info!(cert = %ca.cert_path().display(), "created the local interception CA");
+        }
+        Ok(Arc::new(ca))
+    }
+
+    fn intercept_list(&self) -> InterceptList {
+        let defaults: &[&str] = if self.no_default_intercept {
+            &[]
+        } else {
+            DEFAULT_INTERCEPT
+        };
+        InterceptList::new(
+            defaults
+                .iter()
+                .map(|s| s.to_string())
+                .chain(self.intercept.iter().cloned()),
+        )
+    }
+
+    /// Starts the service and the listener, and attaches the redirect to `cgroup`.
+    fn start(&self, cgroup: &Cgroup, session: Option<String>) -> anyhow::Result<Capture> {
+        let ca = self.ca()?;
+        // Built before the runtime: model discovery runs its own small one.
+        let (service, spool_thread) = self.capture.build(session)?;
+        let service = Arc::new(service);
+        let runtime = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .enable_all()
+            .build()?;
+        let listener = runtime.block_on(tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)))?;
+        let SocketAddr::V4(at) = listener.local_addr()? else {
+            unreachable!("bound to IPv4")
+        };
+        // IPv6 connects land on [::1] at the same port, when the host has IPv6 loopback.
+        let listener6 = runtime
+            .block_on(tokio::net::TcpListener::bind((
+                Ipv6Addr::LOCALHOST,
+                at.port(),
+            )))
+            .ok();
+        let ports = if self.redirect_ports.is_empty() {
+            vec![443]
+        } else {
+            self.redirect_ports.clone()
+        };
+        let redirect = Redirect::attach(
+            cgroup.path(),
+            &RedirectConfig {
+                listener: SocketAddrV4::new(*at.ip(), at.port()),
+                listener_v6: listener6.as_ref().map(|_| Ipv6Addr::LOCALHOST),
+                ports,
+            },
+        )?;
+        let front = Arc::new(TransparentListener::new(
+            service,
+            ca.clone(),
+            Arc::new(EbpfDestinations(redirect)),
+            self.intercept_list(),
+        ));
+        let (shutdown, watch) = tokio::sync::watch::channel(false);
+        runtime.spawn(front.clone().serve(listener, watch.clone()));
+        if let Some(l6) = listener6 {
+            runtime.spawn(front.serve(l6, watch));
+        }
+        tracing::info!(listener = %at, cgroup = %cgroup.path().display(), "transparent capture on");
+        Ok(Capture {
+            runtime,
+            shutdown,
+            spool_thread,
+            ca,
+        })
+    }
+}
+
+impl Capture {
+    /// Stops accepting, detaches (the redirect is dropped with the listener's tasks), and
+    /// flushes the spool.
+    fn stop(self) {
+        let _ = self.shutdown.send(true);
+        // Dropping the runtime cancels connection tasks and with them the last references to
+        // the service (and so to the spool sink and the redirect).
+        self.runtime.shutdown_timeout(Duration::from_secs(2));
+        if let Some(t) = self.spool_thread {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Environment that makes common clients trust the local CA (Node, Python, curl, OpenSSL,
+/// rustls-native-certs, Codex).
+fn trust_env(ca: &CertificateAuthority, bundle: &std::path::Path) -> Vec<(&'static str, String)> {
+    let ca_pem = ca.cert_path().display().to_string();
+    let bundle = bundle.display().to_string();
+    vec![
+        ("SSL_CERT_FILE", bundle.clone()),
+        ("REQUESTS_CA_BUNDLE", bundle.clone()),
+        ("CURL_CA_BUNDLE", bundle),
+        ("NODE_EXTRA_CA_CERTS", ca_pem.clone()),
+        ("NODE_USE_SYSTEM_CA", "1".into()),
+        ("CODEX_CA_CERTIFICATE", ca_pem),
+    ]
+}
+
+pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    let session = args
+        .session
+        .clone()
+        .unwrap_or_else(|| format!("run-{}", uuid::Uuid::now_v7().simple()));
+    let cgroup = Cgroup::create(&format!("{session}-{}", std::process::id()))
+        .context("creating the run's cgroup")?;
+    let capture = args.transparent.start(&cgroup, Some(session.clone()))?;
+    let scratch = tempfile::tempdir()?;
+    let bundle = scratch.path().join("ca-bundle.pem");
+    capture.ca.write_bundle(&bundle)?;
+
+    let mut cmd = std::process::Command::new(&args.command[0]);
+    cmd.args(&args.command[1..])
+        .envs(trust_env(&capture.ca, &bundle))
+        .env("TOKENTAP_SESSION", &session);
+    let procs = cgroup.procs_file();
+    // SAFETY: writes one file between fork and exec; no locks are taken.
+    unsafe {
+        cmd.pre_exec(move || std::fs::write(&procs, "0"));
+    }
+    let mut child = cmd
+        .spawn()
+        .with_context(|| format!("starting {}", args.command[0]))?;
+    let pid = child.id() as libc::pid_t;
+
+    // Ctrl-C / SIGTERM reach tokentap: pass them on and keep going until the command is done,
+    // so clean-up always runs.
+    let forward = capture.runtime.spawn(async move {
+        use tokio::signal::unix::{signal, SignalKind};
+        let (mut int, mut term) = (
+            signal(SignalKind::interrupt()).expect("SIGINT handler"),
+            signal(SignalKind::terminate()).expect("SIGTERM handler"),
+        );
+        loop {
+            let sig = tokio::select! {
+                _ = int.recv() => libc::SIGINT,
+                _ = term.recv() => libc::SIGTERM,
+            };
+            // SAFETY: kill has no memory preconditions.
+            unsafe { libc::kill(pid, sig) };
+        }
+    });
+    let status = child.wait()?;
+    forward.abort();
+
+    capture.stop();
+    let path = cgroup.path().to_owned();
+    if let Err(e) = cgroup.remove() {
+        tracing::warn!(error = %e, cgroup = %path.display(), "could not remove the run's cgroup");
+    }
+    Ok(exit_code(status))
+}
+
+/// The command's own exit status (128 + signal when it was killed).
+fn exit_code(status: std::process::ExitStatus) -> ExitCode {
+    use std::os::unix::process::ExitStatusExt;
+    match (status.code(), status.signal()) {
+        (Some(c), _) => ExitCode::from(c.clamp(0, 255) as u8),
+        (None, Some(sig)) => ExitCode::from((128 + sig).clamp(0, 255) as u8),
+        _ => ExitCode::FAILURE,
+    }
+}
+
+pub fn sidecar(args: SidecarArgs) -> anyhow::Result<ExitCode> {
+    let cgroup = Cgroup::existing(&args.cgroup)?;
+    let capture = args.transparent.start(&cgroup, args.session.clone())?;
+    capture.runtime.block_on(async {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {},
+            _ = term.recv() => {},
+        }
+    });
+    tracing::info!("stopping transparent capture");
+    capture.stop();
+    Ok(ExitCode::SUCCESS)
+}
