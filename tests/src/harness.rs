@@ -35,7 +35,7 @@ impl HarnessDirs {
         self.dir.path().join("work")
     }
 
-    fn write(&self, rel: &str, contents: &str) {
+    pub fn write(&self, rel: &str, contents: &str) {
         let p = self.home().join(rel);
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(p, contents).unwrap();
@@ -78,10 +78,10 @@ fn tail(s: &str, n: usize) -> &str {
 }
 
 /// A loopback port nothing listens on (discard).
-const DEAD_PROXY: &str = "http://127.0.0.1:9";
+pub const DEAD_PROXY: &str = "http://127.0.0.1:9";
 
 /// A clean environment: HOME, PATH (setup's node 22 and harness bins first), locale.
-fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
+pub fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
     let mut cmd = Command::new(exe);
     cmd.env_clear()
         .env("HOME", dirs.home())
@@ -102,7 +102,7 @@ fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
     cmd
 }
 
-async fn run(cmd: Command, dirs: &HarnessDirs, what: &str) -> HarnessRun {
+pub async fn run(cmd: Command, dirs: &HarnessDirs, what: &str) -> HarnessRun {
     let (out, err) = (
         dirs.dir.path().join(format!("{what}.stdout")),
         dirs.dir.path().join(format!("{what}.stderr")),

@@ -15,5 +15,6 @@ pub mod scripted;
 pub mod sse;
 pub mod tee;
 pub mod tokentap;
+pub mod transparent;
 
 pub use tokentap_schema::{CaptureRecord, ErrorKind, SessionSource, TokenSource};

@@ -1,0 +1,335 @@
+//! Transparent capture with the real kernel program, real TLS clients and real harnesses (root;
+//! loopback only). Hard-coded endpoints are faked by mapping api.openai.com and friends to
+//! 127.0.0.x in a private mount namespace where nothing else resolves; nothing listens on
+//! those addresses, so a connect that is not redirected is refused.
+
+use std::path::Path;
+use std::time::Duration;
+
+use serde_json::json;
+use tokentap_e2e::checks::{assert_complete_token_data, assert_key_absent};
+use tokentap_e2e::harness::{harness_command, run, HarnessDirs, HARNESS_LIMIT};
+use tokentap_e2e::llama::LlamaServer;
+use tokentap_e2e::procs::{spawn_guarded_split, KillScope};
+use tokentap_e2e::scripted::{always, Reply, ScriptedBackend, Tokens};
+use tokentap_e2e::tokentap::read_spool;
+use tokentap_e2e::transparent::{
+    leftover_cgroups, loaded_bpf_programs, privileged, tokentap_run, FakeNet, OwnTlsServer,
+};
+use tokentap_e2e::{CaptureRecord, SessionSource};
+
+const ENGINE_TEXT: &str = "hello from the engine";
+
+/// Runs `cmd` to completion with its output in `dir`; returns (exit code, stdout, stderr).
+async fn finish(cmd: std::process::Command, dir: &Path, what: &str) -> (Option<i32>, String, String) {
+    let (out, err) = (dir.join(format!("{what}.out")), dir.join(format!("{what}.err")));
+    let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, what).unwrap();
+    let status = child.wait_limited(HARNESS_LIMIT).await;
+    (
+        status.and_then(|s| s.code()),
+        std::fs::read_to_string(&out).unwrap_or_default(),
+        std::fs::read_to_string(&err).unwrap_or_default(),
+    )
+}
+
+fn no_leftovers(session: &str) {
+    assert!(
+        leftover_cgroups(session).is_empty(),
+        "the run's cgroup is still there: {:?}",
+        leftover_cgroups(session)
+    );
+    let progs = loaded_bpf_programs();
+    assert!(
+        !progs.iter().any(|p| p == "record_client"),
+        "tokentap's eBPF program is still loaded: {progs:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let backend_port: u16 = backend.url.rsplit(':').next().unwrap().parse().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
+    let session = format!("e2e-curl-{}", std::process::id());
+    let key = "sk-e2e-transparent-curl-0c61";
+    let net = FakeNet::new(&[("api.openai.com", "127.0.0.2")]);
+    let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
+    // 1. HTTPS to the hard-coded host (no proxy settings): intercepted and answered.
+    // 2. Plain HTTP straight to the engine's port, which is also redirected for this cgroup:
+    //    not TLS, so spliced through to where it was going.
+    let script = format!(
+        "curl -sS --max-time 20 https://api.openai.com/v1/chat/completions -H 'content-type: application/json' -H 'authorization: Bearer {key}' -d '{body}' && echo && \
+         curl -sS --max-time 20 -o /dev/null -w 'plain:%{{http_code}}\\n' http://127.0.0.1:{backend_port}/v1/models"
+    );
+    let extra = vec![
+        "--session".to_owned(),
+        session.clone(),
+        "--redirect-port".into(),
+        "443".into(),
+        // The proxy's own connections to the engine use this port too: they must not be
+        // redirected (they come from outside the cgroup).
+        "--redirect-port".into(),
+        backend_port.to_string(),
+    ];
+    let cmd = tokentap_run(
+        &backend.url,
+        "vllm",
+        &spool,
+        &ca,
+        &extra,
+        &net,
+        &["sh".into(), "-c".into(), script],
+    );
+    let (code, out, err) = finish(cmd, dir.path(), "tokentap-run").await;
+    assert_eq!(code, Some(0), "stdout: {out}\nstderr: {err}");
+    let answer: serde_json::Value =
+        serde_json::from_str(out.lines().next().unwrap_or("")).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    assert_eq!(answer["choices"][0]["message"]["content"], ENGINE_TEXT);
+    let plain = out.lines().find(|l| l.starts_with("plain:")).unwrap_or("");
+    assert_ne!(plain, "plain:000", "plain HTTP was not passed through: {out}\n{err}");
+    assert_eq!(backend.requests().len(), 1, "only the intercepted call reached the engine");
+
+    let records = read_spool(&spool);
+    assert_eq!(records.len(), 1, "{records:?}");
+    let r = &records[0];
+    assert_eq!(r.session_id, session);
+    assert_eq!(r.session_source, SessionSource::Run);
+    assert_eq!(r.request.path, "/v1/chat/completions");
+    assert_eq!(r.request.headers["host"], "api.openai.com");
+    assert_eq!(r.request.headers["authorization"], "[redacted]");
+    assert_complete_token_data(r);
+    assert_key_absent(&std::fs::read(spool_file(&spool)).unwrap(), key);
+
+    // The CA was created on first use, its key private to its owner.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(ca.join("ca-key.pem")).unwrap().permissions().mode();
+    assert_eq!(mode & 0o777, 0o600);
+    no_leftovers(&session);
+}
+
+fn spool_file(spool: &Path) -> std::path::PathBuf {
+    std::fs::read_dir(spool)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|e| e == "ndjson"))
+        .expect("a spool segment")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redirected() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let server = OwnTlsServer::start("127.0.0.3:443", "internal.test", "internal").await;
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
+    let server_ca = dir.path().join("internal-ca.pem");
+    std::fs::write(&server_ca, &server.cert_pem).unwrap();
+    let (ready, done) = (dir.path().join("ready"), dir.path().join("done"));
+    let session = format!("e2e-pass-{}", std::process::id());
+    let net = FakeNet::new(&[("internal.test", "127.0.0.3"), ("api.openai.com", "127.0.0.2")]);
+    // Trusting only the server's own certificate: the request succeeds only if the client saw
+    // that certificate, i.e. the connection was not intercepted.
+    let script = format!(
+        "curl -sS --max-time 20 --cacert {} https://internal.test/ && echo && touch {} && \
+         for i in $(seq 1 300); do [ -e {} ] && exit 0; sleep 0.1; done; exit 9",
+        server_ca.display(),
+        ready.display(),
+        done.display()
+    );
+    let cmd = tokentap_run(
+        &backend.url,
+        "vllm",
+        &spool,
+        &ca,
+        &["--session".to_owned(), session.clone()],
+        &net,
+        &["sh".into(), "-c".into(), script],
+    );
+    let (out, err) = (dir.path().join("run.out"), dir.path().join("run.err"));
+    let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, "tokentap run").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    while !ready.exists() {
+        assert!(std::time::Instant::now() < deadline, "{}", std::fs::read_to_string(&err).unwrap_or_default());
+        if child.try_wait().is_some() {
+            panic!(
+                "tokentap run ended early:\n{}\n{}",
+                std::fs::read_to_string(&out).unwrap_or_default(),
+                std::fs::read_to_string(&err).unwrap_or_default()
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // While the run is capturing: a process outside its cgroup connecting to the same
+    // hard-coded address is not redirected, so its connect is refused.
+    let outside = tokio::net::TcpStream::connect("127.0.0.2:443").await;
+    assert!(outside.is_err(), "an outside connect was redirected");
+    std::fs::write(&done, "").unwrap();
+    let status = child.wait_limited(Duration::from_secs(30)).await;
+    let stdout = std::fs::read_to_string(&out).unwrap_or_default();
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(0),
+        "{stdout}\n{}",
+        std::fs::read_to_string(&err).unwrap_or_default()
+    );
+    assert_eq!(stdout.trim(), "internal", "the client got the server's own answer");
+    let records: Vec<CaptureRecord> = if spool.exists() { read_spool(&spool) } else { Vec::new() };
+    assert!(records.is_empty(), "a pass-through was recorded: {records:?}");
+    assert!(backend.requests().is_empty());
+    no_leftovers(&session);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_run_cleans_up_after_a_failing_command_and_ctrl_c() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
+    let net = FakeNet::new(&[]);
+
+    // The command fails: tokentap exits with its status, and leaves nothing behind.
+    let session = format!("e2e-fail-{}", std::process::id());
+    let cmd = tokentap_run(
+        &backend.url,
+        "vllm",
+        &spool,
+        &ca,
+        &["--session".to_owned(), session.clone()],
+        &net,
+        &["sh".into(), "-c".into(), "exit 3".into()],
+    );
+    let (code, _, err) = finish(cmd, dir.path(), "failing").await;
+    assert_eq!(code, Some(3), "{err}");
+    no_leftovers(&session);
+
+    // Ctrl-C (SIGINT to the foreground process group): the command ends, tokentap cleans up
+    // and exits 130.
+    let session = format!("e2e-int-{}", std::process::id());
+    let cmd = tokentap_run(
+        &backend.url,
+        "vllm",
+        &spool,
+        &ca,
+        &["--session".to_owned(), session.clone()],
+        &net,
+        &["sleep".into(), "60".into()],
+    );
+    let (out, err) = (dir.path().join("int.out"), dir.path().join("int.err"));
+    let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, "tokentap run").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while leftover_cgroups(&session).is_empty() || !std::fs::read_to_string(&err).unwrap_or_default().contains("transparent capture on") {
+        assert!(std::time::Instant::now() < deadline, "the run never started: {}", std::fs::read_to_string(&err).unwrap_or_default());
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(200)).await; // let `sleep` start inside
+    // SAFETY: kill has no memory preconditions; the guard made the child a group leader.
+    unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGINT) };
+    let status = child.wait_limited(Duration::from_secs(30)).await;
+    assert_eq!(
+        status.and_then(|s| s.code()),
+        Some(130),
+        "{}",
+        std::fs::read_to_string(&err).unwrap_or_default()
+    );
+    no_leftovers(&session);
+}
+
+/// A real harness with no base URL anywhere, under `tokentap run`, against llama-server.
+async fn harness_without_base_url(
+    exe: &str,
+    host: &str,
+    args: &[&str],
+    env: &[(&str, &str)],
+    setup: impl FnOnce(&HarnessDirs),
+) -> Vec<CaptureRecord> {
+    let llama = LlamaServer::shared().await;
+    let (a, exe_path) = tokentap_e2e::artefacts::Artefacts::require_harness(exe);
+    let dirs = HarnessDirs::new();
+    setup(&dirs);
+    let spool = dirs.home().join("spool");
+    let ca = dirs.home().join("ca");
+    let session = format!("e2e-{exe}-{}", std::process::id());
+    let net = FakeNet::new(&[(host, "127.0.0.2")]);
+    let mut cmd = harness_command(&a, &tokentap_e2e::artefacts::tokentap_bin(), &dirs);
+    // Transparent capture needs no proxy settings; the fake network keeps everything local.
+    for v in ["HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"] {
+        cmd.env_remove(v);
+    }
+    cmd.envs(env.iter().copied())
+        .env("TOKENTAP_CA_DIR", &ca)
+        .args(["run", "--backend", &llama.url, "--backend-kind", "llamacpp"])
+        .arg("--spool")
+        .arg(&spool)
+        .args(["--session", &session, "--"])
+        .args(net.prefix())
+        .arg(&exe_path)
+        .args(args)
+        .stdin(std::process::Stdio::null());
+    let out = run(cmd, &dirs, exe).await;
+    out.assert_success(&format!("{exe} under tokentap run"));
+    let records = read_spool(&spool);
+    assert!(!records.is_empty(), "{exe} made no captured call");
+    for r in &records {
+        assert_eq!(r.session_id, session);
+        assert_eq!(r.request.headers["host"], host);
+        assert_eq!(r.response_status, 200, "{:?}", r.error);
+        assert_complete_token_data(r);
+    }
+    no_leftovers(&session);
+    records
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_codex_with_its_default_openai_endpoint() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let records = harness_without_base_url(
+        "codex",
+        "api.openai.com",
+        &["exec", "--skip-git-repo-check", "-s", "danger-full-access", "say hi"],
+        &[("OPENAI_API_KEY", "sk-e2e-codex-transparent")],
+        |d| {
+            d.write(
+                ".codex/config.toml",
+                "model = \"m\"\ncheck_for_update_on_startup = false\n",
+            )
+        },
+    )
+    .await;
+    assert!(records.iter().all(|r| r.request.path == "/v1/responses"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_claude_code_with_its_default_anthropic_endpoint() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let records = harness_without_base_url(
+        "claude",
+        "api.anthropic.com",
+        &["-p", "say hi", "--model", "m"],
+        &[
+            ("ANTHROPIC_API_KEY", "sk-ant-e2e-claude-transparent"),
+            ("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1"),
+            ("DISABLE_AUTOUPDATER", "1"),
+        ],
+        |_| {},
+    )
+    .await;
+    assert!(records.iter().all(|r| r.request.path == "/v1/messages"));
+}
