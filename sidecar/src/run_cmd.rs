@@ -12,7 +12,10 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
-use tokentap_ebpf::{Cgroup, Redirect, RedirectConfig};
+use tokentap_ebpf::{
+    cgroup2_mount, conntrack_original_destination, Cgroup, NftRedirect, Redirect, RedirectConfig,
+    RedirectError,
+};
 use tokentap_proxy::tls::{ca, CertificateAuthority};
 use tokentap_proxy::transparent::{
     InterceptList, OriginalDestination, TransparentListener, DEFAULT_INTERCEPT,
@@ -39,6 +42,9 @@ pub struct TransparentArgs {
     /// Directory of the local CA (created on first use).
     #[arg(long, env = "TOKENTAP_CA_DIR")]
     ca_dir: Option<PathBuf>,
+    /// How connects are redirected: eBPF (auto falls back to nftables when eBPF is refused).
+    #[arg(long, value_enum, default_value = "auto")]
+    redirect: RedirectMode,
 }
 
 #[derive(Args)]
@@ -68,12 +74,39 @@ pub struct SidecarArgs {
     session: Option<String>,
 }
 
-/// The eBPF map, seen as the listener's answer to "where was this going?".
-struct EbpfDestinations(Redirect);
+/// How the cgroup's connects are sent to the listener.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum RedirectMode {
+    /// eBPF, falling back to nftables when the kernel refuses eBPF (with a warning).
+    Auto,
+    /// eBPF cgroup connect programs only.
+    Ebpf,
+    /// nftables REDIRECT matching the cgroup (needs the `nft` command and conntrack).
+    Nft,
+}
 
-impl OriginalDestination for EbpfDestinations {
-    fn original_destination(&self, peer: SocketAddr) -> Option<SocketAddr> {
-        self.0.original_destination(peer)
+/// The installed redirect, as the listener's answer to "where was this going?".
+enum Installed {
+    /// The eBPF map.
+    Ebpf(Redirect),
+    /// conntrack, behind an nftables rule (kept alive here; removed on drop).
+    Nft { _rule: NftRedirect },
+}
+
+impl OriginalDestination for Installed {
+    fn original_destination(
+        &self,
+        conn: &tokio::net::TcpStream,
+        peer: SocketAddr,
+    ) -> Option<SocketAddr> {
+        match self {
+            Installed::Ebpf(r) => r.original_destination(peer),
+            Installed::Nft { .. } => {
+                let dest = conntrack_original_destination(conn, peer)?;
+                // A connection made to the listener itself has itself as "original" destination.
+                (Some(dest) != conn.local_addr().ok()).then_some(dest)
+            }
+        }
     }
 }
 
@@ -135,18 +168,32 @@ impl TransparentArgs {
         } else {
             self.redirect_ports.clone()
         };
-        let redirect = Redirect::attach(
-            cgroup.path(),
-            &RedirectConfig {
-                listener: SocketAddrV4::new(*at.ip(), at.port()),
-                listener_v6: listener6.as_ref().map(|_| Ipv6Addr::LOCALHOST),
-                ports,
+        let config = RedirectConfig {
+            listener: SocketAddrV4::new(*at.ip(), at.port()),
+            listener_v6: listener6.as_ref().map(|_| Ipv6Addr::LOCALHOST),
+            ports,
+        };
+        let nft = || -> anyhow::Result<Installed> {
+            let root = cgroup2_mount()?;
+            let rule = NftRedirect::install(&root, cgroup.path(), &config.ports, at.port())?;
+            Ok(Installed::Nft { _rule: rule })
+        };
+        let installed = match self.redirect {
+            RedirectMode::Ebpf => Installed::Ebpf(Redirect::attach(cgroup.path(), &config)?),
+            RedirectMode::Nft => nft()?,
+            RedirectMode::Auto => match Redirect::attach(cgroup.path(), &config) {
+                Ok(r) => Installed::Ebpf(r),
+                Err(e @ (RedirectError::Refused(_) | RedirectError::NotBuilt)) => {
+                    tracing::warn!(error = %e, "eBPF redirect unavailable; falling back to nftables REDIRECT");
+                    nft().context("the nftables fallback failed too")?
+                }
+                Err(e) => return Err(e.into()),
             },
-        )?;
+        };
         let front = Arc::new(TransparentListener::new(
             service,
             ca.clone(),
-            Arc::new(EbpfDestinations(redirect)),
+            Arc::new(installed),
             self.intercept_list(),
         ));
         let (shutdown, watch) = tokio::sync::watch::channel(false);
@@ -194,6 +241,7 @@ fn trust_env(ca: &CertificateAuthority, bundle: &std::path::Path) -> Vec<(&'stat
 }
 
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
+    tokentap_ebpf::preflight(args.transparent.redirect == RedirectMode::Ebpf)?;
     let session = args
         .session
         .clone()
@@ -258,6 +306,7 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
 }
 
 pub fn sidecar(args: SidecarArgs) -> anyhow::Result<ExitCode> {
+    tokentap_ebpf::preflight(args.transparent.redirect == RedirectMode::Ebpf)?;
     let cgroup = Cgroup::existing(&args.cgroup)?;
     let capture = args.transparent.start(&cgroup, args.session.clone())?;
     capture.runtime.block_on(async {

@@ -23,13 +23,20 @@ impl FakeNet {
         let mut h = String::from("127.0.0.1 localhost\n::1 localhost\n");
         for (name, addr) in hosts {
             let ip: std::net::IpAddr = addr.parse().expect("an address");
-            assert!(ip.is_loopback(), "{addr} is not loopback (the network rule)");
+            assert!(
+                ip.is_loopback(),
+                "{addr} is not loopback (the network rule)"
+            );
             h.push_str(&format!("{addr} {name}\n"));
         }
         let hosts_file = dir.path().join("hosts");
         std::fs::write(&hosts_file, h).unwrap();
         let resolv = dir.path().join("resolv.conf");
-        std::fs::write(&resolv, "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n").unwrap();
+        std::fs::write(
+            &resolv,
+            "nameserver 127.0.0.1\noptions timeout:1 attempts:1\n",
+        )
+        .unwrap();
         let wrapper = dir.path().join("fake-net.sh");
         std::fs::write(
             &wrapper,
@@ -148,14 +155,20 @@ impl OwnTlsServer {
         )
         .unwrap();
         let acceptor = tokio_rustls::TlsAcceptor::from(Arc::new(config));
-        let listener = tokio::net::TcpListener::bind(addr).await.expect("binding the TLS server");
+        let listener = tokio::net::TcpListener::bind(addr)
+            .await
+            .expect("binding the TLS server");
         let task = tokio::spawn(async move {
             loop {
-                let Ok((conn, _)) = listener.accept().await else { return };
+                let Ok((conn, _)) = listener.accept().await else {
+                    return;
+                };
                 let acceptor = acceptor.clone();
                 tokio::spawn(async move {
                     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-                    let Ok(mut tls) = acceptor.accept(conn).await else { return };
+                    let Ok(mut tls) = acceptor.accept(conn).await else {
+                        return;
+                    };
                     let mut buf = vec![0u8; 4096];
                     let _ = tls.read(&mut buf).await;
                     let answer = format!(

@@ -21,8 +21,15 @@ use tokentap_e2e::{CaptureRecord, SessionSource};
 const ENGINE_TEXT: &str = "hello from the engine";
 
 /// Runs `cmd` to completion with its output in `dir`; returns (exit code, stdout, stderr).
-async fn finish(cmd: std::process::Command, dir: &Path, what: &str) -> (Option<i32>, String, String) {
-    let (out, err) = (dir.join(format!("{what}.out")), dir.join(format!("{what}.err")));
+async fn finish(
+    cmd: std::process::Command,
+    dir: &Path,
+    what: &str,
+) -> (Option<i32>, String, String) {
+    let (out, err) = (
+        dir.join(format!("{what}.out")),
+        dir.join(format!("{what}.err")),
+    );
     let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, what).unwrap();
     let status = child.wait_limited(HARNESS_LIMIT).await;
     (
@@ -47,6 +54,24 @@ fn no_leftovers(session: &str) {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
+    curl_is_captured("ebpf").await;
+}
+
+/// The nftables fallback (REDIRECT + conntrack), chosen explicitly.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_nftables_fallback_captures_the_same_way() {
+    curl_is_captured("nft").await;
+    let tables = std::process::Command::new("nft")
+        .args(["list", "tables"])
+        .output()
+        .unwrap();
+    assert!(
+        !String::from_utf8_lossy(&tables.stdout).contains("tokentap_"),
+        "the nftables redirect table was left behind"
+    );
+}
+
+async fn curl_is_captured(redirect: &str) {
     if !privileged() {
         eprintln!("skipped: needs root and cgroup v2");
         return;
@@ -55,7 +80,7 @@ async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
     let backend_port: u16 = backend.url.rsplit(':').next().unwrap().parse().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
-    let session = format!("e2e-curl-{}", std::process::id());
+    let session = format!("e2e-curl-{redirect}-{}", std::process::id());
     let key = "sk-e2e-transparent-curl-0c61";
     let net = FakeNet::new(&[("api.openai.com", "127.0.0.2")]);
     let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}]}).to_string();
@@ -67,6 +92,8 @@ async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
          curl -sS --max-time 20 -o /dev/null -w 'plain:%{{http_code}}\\n' http://127.0.0.1:{backend_port}/v1/models"
     );
     let extra = vec![
+        "--redirect".to_owned(),
+        redirect.to_owned(),
         "--session".to_owned(),
         session.clone(),
         "--redirect-port".into(),
@@ -87,12 +114,19 @@ async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
     );
     let (code, out, err) = finish(cmd, dir.path(), "tokentap-run").await;
     assert_eq!(code, Some(0), "stdout: {out}\nstderr: {err}");
-    let answer: serde_json::Value =
-        serde_json::from_str(out.lines().next().unwrap_or("")).unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
+    let answer: serde_json::Value = serde_json::from_str(out.lines().next().unwrap_or(""))
+        .unwrap_or_else(|e| panic!("{e}: {out}\n{err}"));
     assert_eq!(answer["choices"][0]["message"]["content"], ENGINE_TEXT);
     let plain = out.lines().find(|l| l.starts_with("plain:")).unwrap_or("");
-    assert_ne!(plain, "plain:000", "plain HTTP was not passed through: {out}\n{err}");
-    assert_eq!(backend.requests().len(), 1, "only the intercepted call reached the engine");
+    assert_ne!(
+        plain, "plain:000",
+        "plain HTTP was not passed through: {out}\n{err}"
+    );
+    assert_eq!(
+        backend.requests().len(),
+        1,
+        "only the intercepted call reached the engine"
+    );
 
     let records = read_spool(&spool);
     assert_eq!(records.len(), 1, "{records:?}");
@@ -107,7 +141,10 @@ async fn heavy_transparent_curl_to_a_hard_coded_endpoint_is_captured() {
 
     // The CA was created on first use, its key private to its owner.
     use std::os::unix::fs::PermissionsExt;
-    let mode = std::fs::metadata(ca.join("ca-key.pem")).unwrap().permissions().mode();
+    let mode = std::fs::metadata(ca.join("ca-key.pem"))
+        .unwrap()
+        .permissions()
+        .mode();
     assert_eq!(mode & 0o777, 0o600);
     no_leftovers(&session);
 }
@@ -135,7 +172,10 @@ async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redire
     std::fs::write(&server_ca, &server.cert_pem).unwrap();
     let (ready, done) = (dir.path().join("ready"), dir.path().join("done"));
     let session = format!("e2e-pass-{}", std::process::id());
-    let net = FakeNet::new(&[("internal.test", "127.0.0.3"), ("api.openai.com", "127.0.0.2")]);
+    let net = FakeNet::new(&[
+        ("internal.test", "127.0.0.3"),
+        ("api.openai.com", "127.0.0.2"),
+    ]);
     // Trusting only the server's own certificate: the request succeeds only if the client saw
     // that certificate, i.e. the connection was not intercepted.
     let script = format!(
@@ -158,7 +198,11 @@ async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redire
     let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, "tokentap run").unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(60);
     while !ready.exists() {
-        assert!(std::time::Instant::now() < deadline, "{}", std::fs::read_to_string(&err).unwrap_or_default());
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(&err).unwrap_or_default()
+        );
         if child.try_wait().is_some() {
             panic!(
                 "tokentap run ended early:\n{}\n{}",
@@ -181,9 +225,20 @@ async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redire
         "{stdout}\n{}",
         std::fs::read_to_string(&err).unwrap_or_default()
     );
-    assert_eq!(stdout.trim(), "internal", "the client got the server's own answer");
-    let records: Vec<CaptureRecord> = if spool.exists() { read_spool(&spool) } else { Vec::new() };
-    assert!(records.is_empty(), "a pass-through was recorded: {records:?}");
+    assert_eq!(
+        stdout.trim(),
+        "internal",
+        "the client got the server's own answer"
+    );
+    let records: Vec<CaptureRecord> = if spool.exists() {
+        read_spool(&spool)
+    } else {
+        Vec::new()
+    };
+    assert!(
+        records.is_empty(),
+        "a pass-through was recorded: {records:?}"
+    );
     assert!(backend.requests().is_empty());
     no_leftovers(&session);
 }
@@ -229,12 +284,20 @@ async fn heavy_transparent_run_cleans_up_after_a_failing_command_and_ctrl_c() {
     let (out, err) = (dir.path().join("int.out"), dir.path().join("int.err"));
     let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Group, "tokentap run").unwrap();
     let deadline = std::time::Instant::now() + Duration::from_secs(30);
-    while leftover_cgroups(&session).is_empty() || !std::fs::read_to_string(&err).unwrap_or_default().contains("transparent capture on") {
-        assert!(std::time::Instant::now() < deadline, "the run never started: {}", std::fs::read_to_string(&err).unwrap_or_default());
+    while leftover_cgroups(&session).is_empty()
+        || !std::fs::read_to_string(&err)
+            .unwrap_or_default()
+            .contains("transparent capture on")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the run never started: {}",
+            std::fs::read_to_string(&err).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     tokio::time::sleep(Duration::from_millis(200)).await; // let `sleep` start inside
-    // SAFETY: kill has no memory preconditions; the guard made the child a group leader.
+                                                          // SAFETY: kill has no memory preconditions; the guard made the child a group leader.
     unsafe { libc::kill(-(child.id() as libc::pid_t), libc::SIGINT) };
     let status = child.wait_limited(Duration::from_secs(30)).await;
     assert_eq!(
@@ -300,7 +363,13 @@ async fn heavy_transparent_codex_with_its_default_openai_endpoint() {
     let records = harness_without_base_url(
         "codex",
         "api.openai.com",
-        &["exec", "--skip-git-repo-check", "-s", "danger-full-access", "say hi"],
+        &[
+            "exec",
+            "--skip-git-repo-check",
+            "-s",
+            "danger-full-access",
+            "say hi",
+        ],
         &[("OPENAI_API_KEY", "sk-e2e-codex-transparent")],
         |d| {
             d.write(
@@ -332,4 +401,87 @@ async fn heavy_transparent_claude_code_with_its_default_anthropic_endpoint() {
     )
     .await;
     assert!(records.iter().all(|r| r.request.path == "/v1/messages"));
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_a_client_that_rejects_the_certificate_fails_visibly_and_is_recorded() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
+    let session = format!("e2e-pin-{}", std::process::id());
+    let net = FakeNet::new(&[("api.openai.com", "127.0.0.2")]);
+    // A client pinned to a CA that is not tokentap's (here: an unrelated self-signed one).
+    let other = OwnTlsServer::start("127.0.0.1:0", "unrelated.test", "").await;
+    let pinned = dir.path().join("pinned.pem");
+    std::fs::write(&pinned, &other.cert_pem).unwrap();
+    let script = format!(
+        "curl -sS --max-time 20 --cacert {} https://api.openai.com/v1/models",
+        pinned.display()
+    );
+    let cmd = tokentap_run(
+        &backend.url,
+        "vllm",
+        &spool,
+        &ca,
+        &["--session".to_owned(), session.clone()],
+        &net,
+        &["sh".into(), "-c".into(), script],
+    );
+    let (code, _out, err) = finish(cmd, dir.path(), "pinned").await;
+    assert_eq!(
+        code,
+        Some(60),
+        "curl fails certificate verification (60): {err}"
+    );
+    let records = read_spool(&spool);
+    assert_eq!(records.len(), 1, "{records:?}");
+    let r = &records[0];
+    let e = r.error.as_ref().expect("an error");
+    assert_eq!(e.kind, tokentap_e2e::ErrorKind::TlsHandshakeFailed);
+    assert!(
+        e.message.contains("api.openai.com") && e.message.contains("intercept list"),
+        "{}",
+        e.message
+    );
+    assert_eq!(r.session_id, session);
+    assert!(backend.requests().is_empty());
+    no_leftovers(&session);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_run_without_root_says_what_is_missing() {
+    if !privileged() {
+        eprintln!("skipped: needs root to drop to another user");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o777),
+    )
+    .unwrap();
+    let mut cmd = std::process::Command::new("setpriv");
+    cmd.args(["--reuid=65534", "--regid=65534", "--clear-groups"])
+        .arg(tokentap_e2e::artefacts::tokentap_bin())
+        .args([
+            "run",
+            "--backend",
+            "http://127.0.0.1:9",
+            "--backend-kind",
+            "vllm",
+        ])
+        .arg("--spool")
+        .arg(dir.path().join("spool"))
+        .args(["--", "true"])
+        .env("TOKENTAP_CA_DIR", dir.path().join("ca"));
+    let (code, _out, err) = finish(cmd, dir.path(), "unprivileged").await;
+    assert_ne!(code, Some(0));
+    assert!(
+        err.contains("root") && err.contains("nft"),
+        "the message names what is missing and the fallback: {err}"
+    );
 }

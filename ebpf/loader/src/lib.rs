@@ -6,6 +6,7 @@
 //! process, so the kernel also detaches them if the process dies.
 
 mod cgroup;
+mod nft;
 
 use std::fs::File;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
@@ -18,6 +19,7 @@ use aya::{include_bytes_aligned, Ebpf};
 use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
 
 pub use cgroup::{cgroup2_mount, Cgroup, CgroupError};
+pub use nft::{conntrack_original_destination, NftError, NftRedirect};
 
 /// The kernel object built by `build.rs` (empty when the eBPF toolchain was missing).
 static OBJECT: &[u8] = include_bytes_aligned!(env!("TOKENTAP_EBPF_OBJECT"));
@@ -49,6 +51,19 @@ pub enum RedirectError {
         path: String,
         source: std::io::Error,
     },
+}
+
+/// Checks what redirecting needs before anything is created: the built program (for eBPF),
+/// root, and a cgroup v2 hierarchy. Each error names what is missing and the fallback.
+pub fn preflight(ebpf: bool) -> Result<std::path::PathBuf, RedirectError> {
+    if ebpf && OBJECT.is_empty() {
+        return Err(RedirectError::NotBuilt);
+    }
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err(RedirectError::NotRoot);
+    }
+    cgroup2_mount().map_err(|e| RedirectError::Refused(e.to_string()))
 }
 
 /// The program, attached to one cgroup; detached on drop.

@@ -1,0 +1,157 @@
+//! The fallback redirect for hosts where eBPF is unavailable: an nftables `nat output` rule
+//! that REDIRECTs the target cgroup's TCP connects to the listener. The original destination
+//! then comes from conntrack (`SO_ORIGINAL_DST` on the accepted socket).
+//!
+//! Same policy as the eBPF program: only sockets of the target cgroup, only the listed ports.
+
+use std::io::Write;
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+use std::os::fd::AsRawFd;
+use std::path::Path;
+use std::process::{Command, Stdio};
+
+#[derive(Debug, thiserror::Error)]
+pub enum NftError {
+    #[error("the nftables fallback needs the `nft` command (Debian package nftables): {0}")]
+    NoNft(std::io::Error),
+    #[error("the cgroup {0} is not under the cgroup v2 mount {1}")]
+    CgroupOutside(String, String),
+    #[error("nft refused the redirect rule: {0}")]
+    Refused(String),
+}
+
+/// An installed redirect table; deleted on drop.
+#[derive(Debug)]
+pub struct NftRedirect {
+    table: String,
+}
+
+impl NftRedirect {
+    /// Redirects TCP connects to `ports` from processes in `cgroup` (a directory under the
+    /// cgroup v2 mount `root`) to `listener_port` on loopback.
+    pub fn install(
+        root: &Path,
+        cgroup: &Path,
+        ports: &[u16],
+        listener_port: u16,
+    ) -> Result<NftRedirect, NftError> {
+        let rel = cgroup.strip_prefix(root).map_err(|_| {
+            NftError::CgroupOutside(cgroup.display().to_string(), root.display().to_string())
+        })?;
+        let level = rel.components().count();
+        let table = format!(
+            "tokentap_{}",
+            rel.to_string_lossy()
+                .chars()
+                .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+                .collect::<String>()
+        );
+        let ports = ports
+            .iter()
+            .map(u16::to_string)
+            .collect::<Vec<_>>()
+            .join(", ");
+        let script = format!(
+            "table inet {table} {{\n  chain output {{\n    type nat hook output priority -100; policy accept;\n    meta l4proto tcp socket cgroupv2 level {level} \"{}\" tcp dport {{ {ports} }} redirect to :{listener_port}\n  }}\n}}\n",
+            rel.display()
+        );
+        // nft resolves cgroupv2 paths under /sys/fs/cgroup; on hybrid hosts the v2 hierarchy is
+        // elsewhere, so nft then runs where it is bind-mounted there (a private mount namespace).
+        let mount = (root != Path::new("/sys/fs/cgroup")).then_some(root);
+        nft(&["-f", "-"], Some(&script), mount)?;
+        tracing::info!(%table, cgroup = %cgroup.display(), "nftables redirect installed");
+        Ok(NftRedirect { table })
+    }
+}
+
+impl Drop for NftRedirect {
+    fn drop(&mut self) {
+        if let Err(e) = nft(&["delete", "table", "inet", &self.table], None, None) {
+            tracing::warn!(error = %e, table = %self.table, "could not remove the nftables redirect");
+        }
+    }
+}
+
+fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<(), NftError> {
+    let mut cmd = match cgroup2_at {
+        None => Command::new("nft"),
+        Some(root) => {
+            let mut c = Command::new("unshare");
+            c.args(["-m", "--propagation", "private", "sh", "-c"])
+                .arg("mount --bind \"$0\" /sys/fs/cgroup && exec nft \"$@\"")
+                .arg(root);
+            c
+        }
+    };
+    let mut child = cmd
+        .args(args)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(NftError::NoNft)?;
+    if let Some(s) = stdin {
+        let _ = child.stdin.take().expect("piped").write_all(s.as_bytes());
+    }
+    drop(child.stdin.take());
+    let out = child.wait_with_output().map_err(NftError::NoNft)?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(NftError::Refused(
+            String::from_utf8_lossy(&out.stderr).trim().to_owned(),
+        ))
+    }
+}
+
+/// Where a REDIRECTed connection was going, from conntrack (`SO_ORIGINAL_DST`).
+pub fn conntrack_original_destination(conn: &impl AsRawFd, peer: SocketAddr) -> Option<SocketAddr> {
+    const SO_ORIGINAL_DST: libc::c_int = 80;
+    let fd = conn.as_raw_fd();
+    match peer {
+        SocketAddr::V4(_) => {
+            // SAFETY: a zeroed sockaddr_in is valid, and its size is passed alongside.
+            let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
+            // SAFETY: fd is an open socket; sa/len describe a writable buffer.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_IP,
+                    SO_ORIGINAL_DST,
+                    (&mut sa as *mut libc::sockaddr_in).cast(),
+                    &mut len,
+                )
+            };
+            (rc == 0).then(|| {
+                SocketAddr::V4(SocketAddrV4::new(
+                    Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
+                    u16::from_be(sa.sin_port),
+                ))
+            })
+        }
+        SocketAddr::V6(_) => {
+            // SAFETY: as above, for sockaddr_in6.
+            let mut sa: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
+            let mut len = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
+            // SAFETY: as above.
+            let rc = unsafe {
+                libc::getsockopt(
+                    fd,
+                    libc::SOL_IPV6,
+                    SO_ORIGINAL_DST,
+                    (&mut sa as *mut libc::sockaddr_in6).cast(),
+                    &mut len,
+                )
+            };
+            (rc == 0).then(|| {
+                SocketAddr::V6(SocketAddrV6::new(
+                    Ipv6Addr::from(sa.sin6_addr.s6_addr),
+                    u16::from_be(sa.sin6_port),
+                    0,
+                    0,
+                ))
+            })
+        }
+    }
+}
