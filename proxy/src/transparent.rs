@@ -36,9 +36,10 @@ pub const DEFAULT_INTERCEPT: &[&str] = &[
     "dashscope.aliyuncs.com",
 ];
 
-/// Answers where a redirected connection was going, given its client end (our peer).
+/// Answers where a redirected connection was going, given the accepted socket and its client
+/// end (our peer). `None`: not a redirected connection.
 pub trait OriginalDestination: Send + Sync + 'static {
-    fn original_destination(&self, peer: SocketAddr) -> Option<SocketAddr>;
+    fn original_destination(&self, conn: &TcpStream, peer: SocketAddr) -> Option<SocketAddr>;
 }
 
 /// Host names to intercept: exact names, or `*.suffix` for any subdomain. Case-insensitive.
@@ -147,7 +148,7 @@ impl TransparentListener {
 
     async fn handle(self: Arc<Self>, conn: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
         let _ = conn.set_nodelay(true);
-        let original = self.destinations.original_destination(peer);
+        let original = self.destinations.original_destination(&conn, peer);
         let opening = match peek_opening(&conn, self.peek_wait).await {
             Ok(o) => o,
             Err(e) => {
