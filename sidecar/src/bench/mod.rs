@@ -12,6 +12,7 @@ mod instant_backend;
 mod load;
 mod proxy_child;
 mod report;
+mod transparent;
 
 use std::time::Duration;
 
@@ -35,6 +36,9 @@ pub enum BenchCmd {
   tokentap bench proxy
   tokentap bench proxy --stream --concurrency 1,64 --json > bench.json")]
     Proxy(ProxyBenchArgs),
+    /// What transparent capture costs: connect latency with the eBPF redirect, without, and
+    /// with nftables REDIRECT (root); TLS handshakes/s and first-certificate mint time.
+    Transparent(transparent::TransparentBenchArgs),
 }
 
 #[derive(Args)]
@@ -89,6 +93,7 @@ enum Mode {
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Proxy(args) => bench_proxy(args),
+        BenchCmd::Transparent(args) => transparent::run(args),
     }
 }
 
