@@ -485,3 +485,94 @@ async fn heavy_transparent_run_without_root_says_what_is_missing() {
         "the message names what is missing and the fallback: {err}"
     );
 }
+
+/// `tokentap sidecar --cgroup PATH` captures an existing cgroup (a pod's) until SIGTERM.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_sidecar_captures_an_existing_cgroup_until_stopped() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (spool, ca) = (dir.path().join("spool"), dir.path().join("ca"));
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    let root = mounts
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[2] == "cgroup2").then(|| std::path::PathBuf::from(f[1]))
+        })
+        .unwrap();
+    let pod = root.join(format!("e2e-pod-{}", std::process::id()));
+    std::fs::create_dir(&pod).unwrap();
+    let mut sidecar = std::process::Command::new(tokentap_e2e::artefacts::tokentap_bin());
+    sidecar
+        .args([
+            "sidecar",
+            "--backend",
+            &backend.url,
+            "--backend-kind",
+            "vllm",
+        ])
+        .arg("--spool")
+        .arg(&spool)
+        .arg("--cgroup")
+        .arg(&pod)
+        .env("TOKENTAP_CA_DIR", &ca);
+    let (out, err) = (
+        dir.path().join("sidecar.out"),
+        dir.path().join("sidecar.err"),
+    );
+    let mut child = spawn_guarded_split(sidecar, &out, &err, KillScope::Group, "sidecar").unwrap();
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&err)
+        .unwrap_or_default()
+        .contains("transparent capture on")
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(&err).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A "pod" process: joins the cgroup, then calls the hard-coded endpoint, trusting the CA
+    // the way a pod would have it installed.
+    let net = FakeNet::new(&[("api.anthropic.com", "127.0.0.2")]);
+    let body =
+        json!({"model": "m", "max_tokens": 16, "messages": [{"role": "user", "content": "hi"}]});
+    let script = format!(
+        "echo $$ > {}/cgroup.procs && exec {} curl -sS --max-time 20 --cacert {}/ca.pem https://api.anthropic.com/v1/messages -H 'x-api-key: sk-ant-pod' -H 'anthropic-version: 2023-06-01' -H 'content-type: application/json' -d '{}'",
+        pod.display(),
+        net.prefix().join(" "),
+        ca.display(),
+        body
+    );
+    let pod_run = std::process::Command::new("sh")
+        .args(["-c", &script])
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&pod_run.stdout);
+    assert!(
+        pod_run.status.success(),
+        "{answer}\n{}",
+        String::from_utf8_lossy(&pod_run.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_str(&answer).unwrap();
+    assert_eq!(v["type"], "message");
+    assert_eq!(v["content"][0]["text"], ENGINE_TEXT);
+
+    // SAFETY: kill has no memory preconditions.
+    unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGTERM) };
+    let status = child.wait_limited(Duration::from_secs(30)).await;
+    assert_eq!(status.and_then(|s| s.code()), Some(0));
+    let records = read_spool(&spool);
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].request.path, "/v1/messages");
+    assert_eq!(records[0].session_source, SessionSource::ApiKey);
+    assert!(!loaded_bpf_programs().iter().any(|p| p == "record_client"));
+    // The pod's cgroup is the pod's: the sidecar leaves it in place.
+    assert!(pod.exists());
+    std::fs::remove_dir(&pod).unwrap();
+}
