@@ -233,6 +233,7 @@ impl ScriptedBackend {
         let app = Router::new()
             .route("/v1/chat/completions", post(chat))
             .route("/v1/models", get(models))
+            .route("/tokenize", post(tokenize))
             .fallback(|| async { (StatusCode::NOT_FOUND, "scripted backend: no such route") })
             .with_state(shared.clone());
         let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
@@ -272,6 +273,19 @@ impl ScriptedBackend {
         };
         tokio::time::timeout(limit, wait).await.is_ok()
     }
+}
+
+/// vLLM's `POST /tokenize` with chat messages: the prompt ids the chat call would use.
+async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    let Ok(req) = serde_json::from_slice::<Value>(&body) else {
+        return (
+            StatusCode::BAD_REQUEST,
+            "scripted backend: body is not JSON",
+        )
+            .into_response();
+    };
+    let ids = shared.tokens.prompt_ids(&req).await;
+    axum::Json(json!({"count": ids.len(), "max_model_len": 8192, "tokens": ids})).into_response()
 }
 
 async fn models() -> Response {
