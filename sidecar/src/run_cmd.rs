@@ -88,7 +88,7 @@ pub enum RedirectMode {
 /// The installed redirect, as the listener's answer to "where was this going?".
 enum Installed {
     /// The eBPF map.
-    Ebpf(Redirect),
+    Ebpf(Box<Redirect>),
     /// conntrack, behind an nftables rule (kept alive here; removed on drop).
     Nft { _rule: NftRedirect },
 }
@@ -179,10 +179,12 @@ impl TransparentArgs {
             Ok(Installed::Nft { _rule: rule })
         };
         let installed = match self.redirect {
-            RedirectMode::Ebpf => Installed::Ebpf(Redirect::attach(cgroup.path(), &config)?),
+            RedirectMode::Ebpf => {
+                Installed::Ebpf(Box::new(Redirect::attach(cgroup.path(), &config)?))
+            }
             RedirectMode::Nft => nft()?,
             RedirectMode::Auto => match Redirect::attach(cgroup.path(), &config) {
-                Ok(r) => Installed::Ebpf(r),
+                Ok(r) => Installed::Ebpf(Box::new(r)),
                 Err(e @ (RedirectError::Refused(_) | RedirectError::NotBuilt)) => {
                     tracing::warn!(error = %e, "eBPF redirect unavailable; falling back to nftables REDIRECT");
                     nft().context("the nftables fallback failed too")?

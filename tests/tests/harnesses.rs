@@ -65,7 +65,7 @@ async fn say_hi(
             "{what}: {} {} stream={} tools={} prompt={} completion={} normalizations={notes:?}",
             r.request.method,
             r.request.path,
-            body.map_or(false, |b| b["stream"] == true),
+            body.is_some_and(|b| b["stream"] == true),
             body.and_then(|b| b["tools"].as_array().map(Vec::len))
                 .unwrap_or(0),
             r.prompt_token_ids.as_ref().map_or(0, Vec::len),

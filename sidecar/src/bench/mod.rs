@@ -12,6 +12,7 @@ mod instant_backend;
 mod load;
 mod proxy_child;
 mod report;
+mod translate;
 mod transparent;
 
 use std::time::Duration;
@@ -39,6 +40,9 @@ pub enum BenchCmd {
     /// What transparent capture costs: connect latency with the eBPF redirect, without, and
     /// with nftables REDIRECT (root); TLS handshakes/s and first-certificate mint time.
     Transparent(transparent::TransparentBenchArgs),
+    /// Translation cost per call of each wire API on the real harness requests: parse, and
+    /// render an answer whole and streamed (in-process, single thread).
+    Translate(translate::TranslateBenchArgs),
 }
 
 #[derive(Args)]
@@ -94,6 +98,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Proxy(args) => bench_proxy(args),
         BenchCmd::Transparent(args) => transparent::run(args),
+        BenchCmd::Translate(args) => translate::run(args),
     }
 }
 
