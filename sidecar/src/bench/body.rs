@@ -107,6 +107,72 @@ pub fn chat_request(target: usize, stream: bool) -> Vec<u8> {
     body
 }
 
+/// The same request in the OpenAI Responses shape (as Codex sends it: `instructions`, input
+/// items, flat function tools).
+pub fn responses_request(chat: &[u8]) -> Vec<u8> {
+    let c: Value = serde_json::from_slice(chat).expect("chat_request makes valid JSON");
+    let tools: Vec<Value> = c["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let f = &t["function"];
+            json!({"type": "function", "name": f["name"], "description": f["description"],
+                   "parameters": f["parameters"], "strict": false})
+        })
+        .collect();
+    let content: Vec<Value> = parts(&c)
+        .map(|t| json!({"type": "input_text", "text": t}))
+        .collect();
+    let body = json!({
+        "model": c["model"],
+        "instructions": c["messages"][0]["content"],
+        "input": [{"type": "message", "role": "user", "content": content}],
+        "tools": tools,
+        "tool_choice": "auto",
+        "parallel_tool_calls": false,
+        "stream": c["stream"],
+        "store": false,
+    });
+    serde_json::to_vec(&body).expect("JSON values always serialize")
+}
+
+/// The same request in the Anthropic Messages shape (as Claude Code sends it: system blocks,
+/// content blocks, `input_schema` tools).
+pub fn messages_request(chat: &[u8]) -> Vec<u8> {
+    let c: Value = serde_json::from_slice(chat).expect("chat_request makes valid JSON");
+    let tools: Vec<Value> = c["tools"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|t| {
+            let f = &t["function"];
+            json!({"name": f["name"], "description": f["description"], "input_schema": f["parameters"]})
+        })
+        .collect();
+    let content: Vec<Value> = parts(&c)
+        .map(|t| json!({"type": "text", "text": t}))
+        .collect();
+    let body = json!({
+        "model": "claude-sonnet-4-5",
+        "system": [{"type": "text", "text": c["messages"][0]["content"]}],
+        "messages": [{"role": "user", "content": content}],
+        "tools": tools,
+        "max_tokens": 32000,
+        "stream": c["stream"],
+    });
+    serde_json::to_vec(&body).expect("JSON values always serialize")
+}
+
+/// The user message's text parts.
+fn parts(chat: &Value) -> impl Iterator<Item = &Value> {
+    chat["messages"][1]["content"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .map(|p| &p["text"])
+}
+
 /// Bytes `s` takes inside a JSON string (the padding text is ASCII).
 fn escaped_len(s: &str) -> usize {
     s.bytes()
@@ -131,5 +197,20 @@ mod tests {
             assert_eq!(v["tools"].as_array().unwrap().len(), 15);
             assert_eq!(v["messages"].as_array().unwrap().len(), 2);
         }
+    }
+
+    #[test]
+    fn other_api_shapes_carry_the_same_content() {
+        let chat = chat_request(40_000, true);
+        let r: Value = serde_json::from_slice(&responses_request(&chat)).unwrap();
+        assert_eq!(r["tools"].as_array().unwrap().len(), 15);
+        assert_eq!(r["tools"][0]["type"], "function");
+        assert_eq!(r["input"][0]["content"].as_array().unwrap().len(), 4);
+        assert!(r["instructions"].as_str().unwrap().len() > 30_000);
+        assert_eq!(r["stream"], true);
+        let m: Value = serde_json::from_slice(&messages_request(&chat)).unwrap();
+        assert_eq!(m["tools"][0]["input_schema"]["type"], "object");
+        assert_eq!(m["messages"][0]["content"][3]["text"], "Write hi to a file");
+        assert!(m["system"][0]["text"].as_str().unwrap().len() > 30_000);
     }
 }

@@ -125,15 +125,18 @@ pub async fn get(addr: SocketAddr, path: &str) -> anyhow::Result<(u16, Bytes)> {
 #[derive(Clone)]
 pub struct Call {
     pub addr: SocketAddr,
+    /// The endpoint, e.g. `/v1/chat/completions`.
+    pub path: &'static str,
     pub body: Bytes,
 }
 
 impl Call {
     fn request(&self) -> Request<Full<Bytes>> {
-        Request::post("/v1/chat/completions")
+        Request::post(self.path)
             .header(hyper::header::HOST, self.addr.to_string())
             .header(hyper::header::CONTENT_TYPE, "application/json")
             .header(hyper::header::AUTHORIZATION, "Bearer sk-bench")
+            .header("anthropic-version", "2023-06-01")
             .body(Full::new(self.body.clone()))
             .expect("a valid request")
     }
@@ -306,6 +309,7 @@ mod tests {
         for stream in [false, true] {
             let call = Call {
                 addr: backend.addr(),
+                path: "/v1/chat/completions",
                 body: Bytes::from(body::chat_request(2_000, stream)),
             };
             let (status, answer) = call_once(&call).await.unwrap();

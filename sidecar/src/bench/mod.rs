@@ -70,6 +70,10 @@ pub struct ProxyBenchArgs {
     /// 4 bytes, as a real engine would return for that prompt].
     #[arg(long)]
     prompt_ids: Option<usize>,
+    /// The wire API the proxied calls speak (the direct calls always speak Chat Completions,
+    /// which is what the proxy itself sends the backend).
+    #[arg(long, value_enum, default_value = "chat")]
+    api: Api,
     /// Ask for streamed answers (SSE) instead of whole ones.
     #[arg(long)]
     stream: bool,
@@ -85,6 +89,43 @@ pub struct ProxyBenchArgs {
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     json: bool,
+}
+
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum Api {
+    /// OpenAI Chat Completions (`/v1/chat/completions`).
+    Chat,
+    /// OpenAI Responses (`/v1/responses`), as Codex speaks it.
+    Responses,
+    /// Anthropic Messages (`/v1/messages`), as Claude Code speaks it.
+    Messages,
+}
+
+impl Api {
+    fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "Chat Completions",
+            Api::Responses => "Responses",
+            Api::Messages => "Messages",
+        }
+    }
+
+    /// The proxied request body for the Chat Completions body `chat`.
+    fn body(self, chat: &[u8]) -> Vec<u8> {
+        match self {
+            Api::Chat => chat.to_vec(),
+            Api::Responses => body::responses_request(chat),
+            Api::Messages => body::messages_request(chat),
+        }
+    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -114,6 +155,7 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
     }
     let prompt_ids = args.prompt_ids.unwrap_or(args.body_bytes / 4);
     let body = Bytes::from(body::chat_request(args.body_bytes, args.stream));
+    let proxied_body = Bytes::from(args.api.body(&body));
     let backend = InstantBackend::start(prompt_ids)?;
     let dir = tempfile::Builder::new()
         .prefix("tokentap-bench-")
@@ -130,6 +172,8 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
             rate_auto: args.rate.is_none(),
             concurrency: args.concurrency.clone(),
             body_bytes: body.len(),
+            api: args.api.name(),
+            proxied_body_bytes: proxied_body.len(),
             prompt_ids,
             stream: args.stream,
             proxy_threads: args.threads,
@@ -143,7 +187,13 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let measured = rt.block_on(measure(&args, &backend, body, dir.path(), &mut report));
+    let measured = rt.block_on(measure(
+        &args,
+        &backend,
+        [body, proxied_body],
+        dir.path(),
+        &mut report,
+    ));
     drop(rt);
     if args.keep_temp {
         progress(&format!("kept {}", dir.keep().display()));
@@ -163,7 +213,11 @@ struct Targets {
     backend: std::net::SocketAddr,
     off: ProxyChild,
     on: ProxyChild,
+    /// The direct call's Chat Completions body.
     body: Bytes,
+    /// The proxied calls' body and endpoint, in the benchmarked wire API.
+    proxied_body: Bytes,
+    path: &'static str,
     /// Calls sent to the capture-on proxy, to compare with its spool.
     sent_on: u64,
 }
@@ -175,11 +229,18 @@ impl Targets {
         let addr = match target {
             TARGET_OFF => self.off.addr,
             TARGET_ON => self.on.addr,
-            _ => self.backend,
+            _ => {
+                return Call {
+                    addr: self.backend,
+                    path: "/v1/chat/completions",
+                    body: self.body.clone(),
+                }
+            }
         };
         Call {
             addr,
-            body: self.body.clone(),
+            path: self.path,
+            body: self.proxied_body.clone(),
         }
     }
 
@@ -256,7 +317,7 @@ enum Run {
 async fn measure(
     args: &ProxyBenchArgs,
     backend: &InstantBackend,
-    body: Bytes,
+    [body, proxied_body]: [Bytes; 2],
     dir: &std::path::Path,
     report: &mut Report,
 ) -> anyhow::Result<()> {
@@ -265,6 +326,8 @@ async fn measure(
         off: ProxyChild::spawn(backend.addr(), false, args.threads, dir)?,
         on: ProxyChild::spawn(backend.addr(), true, args.threads, dir)?,
         body,
+        proxied_body,
+        path: args.api.path(),
         sent_on: 0,
     };
     t.off.wait_ready(Duration::from_secs(20)).await?;

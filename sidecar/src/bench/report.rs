@@ -76,6 +76,9 @@ pub struct Config {
     pub rate_auto: bool,
     pub concurrency: Vec<usize>,
     pub body_bytes: usize,
+    /// The wire API of the proxied calls and their body size.
+    pub api: &'static str,
+    pub proxied_body_bytes: usize,
     pub prompt_ids: usize,
     pub stream: bool,
     pub proxy_threads: usize,
@@ -239,6 +242,12 @@ impl Report {
             if c.stream { "streaming" } else { "non-streaming" },
             c.prompt_ids
         );
+        if c.api != "Chat Completions" {
+            println!(
+                "            proxied calls speak {}: the same content as a {} B body; direct calls stay Chat Completions",
+                c.api, c.proxied_body_bytes
+            );
+        }
         println!(
             "  proxy:    tokentap proxy --backend-kind vllm --threads {} (capture on: spool in a temp dir, fsync 100ms)",
             c.proxy_threads
