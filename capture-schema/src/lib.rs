@@ -1,17 +1,25 @@
 //! tokentap's wire formats as data: the capture record written for every model call, the
-//! canonical chat request it contains, NDJSON framing, and JSON Schema export for consumers
+//! canonical chat request it contains, the trajectories rebuilt from records, NDJSON framing, and JSON Schema export for consumers
 //! outside Rust. No I/O, no async.
 
 pub mod chat;
 pub mod ndjson;
 pub mod record;
+pub mod trajectory;
 
 pub use chat::*;
 pub use record::*;
+pub use trajectory::*;
 
 /// The JSON Schema (draft 07) of [`CaptureRecord`], for consumers outside Rust.
 pub fn capture_record_json_schema() -> serde_json::Value {
     let schema = schemars::schema_for!(CaptureRecord);
+    serde_json::to_value(schema).expect("a schema always serializes")
+}
+
+/// The JSON Schema (draft 07) of a [`Trace`] (one row of `traces.jsonl`).
+pub fn trace_json_schema() -> serde_json::Value {
+    let schema = schemars::schema_for!(Trace);
     serde_json::to_value(schema).expect("a schema always serializes")
 }
 

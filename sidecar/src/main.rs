@@ -3,6 +3,7 @@
 mod bench;
 mod ca_cmd;
 mod proxy_cmd;
+mod reconstruct_cmd;
 mod records_cmd;
 mod run_cmd;
 
@@ -41,8 +42,17 @@ enum Command {
     /// Inspect the capture records in a spool.
     #[command(subcommand)]
     Records(records_cmd::RecordsCmd),
-    /// Print the JSON Schema of capture records.
-    Schema,
+    /// Rebuild token-faithful trajectories from a spool (offline).
+    Reconstruct(reconstruct_cmd::ReconstructArgs),
+    /// Inspect trajectory files.
+    #[command(subcommand)]
+    Trajectories(reconstruct_cmd::TrajectoriesCmd),
+    /// Print the JSON Schema of capture records (or of trace rows with --trace).
+    Schema {
+        /// The schema of one row of traces.jsonl instead.
+        #[arg(long)]
+        trace: bool,
+    },
     /// Measure the proxy (prints figures; never asserts).
     #[command(subcommand)]
     Bench(bench::BenchCmd),
@@ -64,11 +74,15 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
-        Command::Schema => {
-            println!(
-                "{}",
-                serde_json::to_string_pretty(&tokentap_schema::capture_record_json_schema())?
-            );
+        Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),
+        Command::Trajectories(cmd) => reconstruct_cmd::trajectories(cmd).map(|()| ok),
+        Command::Schema { trace } => {
+            let schema = if trace {
+                tokentap_schema::trace_json_schema()
+            } else {
+                tokentap_schema::capture_record_json_schema()
+            };
+            println!("{}", serde_json::to_string_pretty(&schema)?);
             Ok(ok)
         }
     }

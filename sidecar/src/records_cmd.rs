@@ -216,20 +216,20 @@ fn summary(spool: &Path, show_tokens: usize, detokenize: Option<&str>) -> anyhow
 }
 
 /// Token id → text piece through a llama-server, for display only.
-struct Detokenizer {
+pub(crate) struct Detokenizer {
     url: Option<String>,
     client: reqwest::blocking::Client,
 }
 
 impl Detokenizer {
-    fn new(url: Option<&str>) -> Self {
+    pub(crate) fn new(url: Option<&str>) -> Self {
         Detokenizer {
             url: url.map(|u| u.trim_end_matches('/').to_owned()),
             client: reqwest::blocking::Client::new(),
         }
     }
 
-    fn piece(&self, id: u32) -> Option<String> {
+    pub(crate) fn piece(&self, id: u32) -> Option<String> {
         let url = self.url.as_ref()?;
         let v: serde_json::Value = self
             .client

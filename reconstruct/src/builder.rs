@@ -1,0 +1,417 @@
+//! Turning one session's records into traces, one record at a time.
+//!
+//! Prefix merge keeps a session's open *chains*. A chain's committed tokens (first prompt +
+//! response so far) are exactly the prompt of its last call, the *tip*, whose sampled tokens
+//! are held apart until the next call shows how the conversation went on:
+//!
+//! - the call's prompt starts with the chain's tokens followed by the tip's sampled ids → the
+//!   tip's ids are appended with mask 1, the rest of the new prompt with mask 0, and the call
+//!   becomes the tip (a merge);
+//! - it starts with the chain's tokens but not with the sampled ids → the template re-rendered
+//!   that turn: the chain ends there and the call starts a new one (`rerendered`);
+//! - it equals the chain's tokens → a retry or duplicate: the call replaces the tip, and the
+//!   replaced answer, if it has sampled tokens, becomes a trace of its own (`superseded`);
+//! - it extends no chain → a new chain (`new_prefix`: subagent, compaction, rewritten history).
+//!
+//! Only prompt ids are compared; sampled text is never re-tokenized.
+
+use std::collections::{BTreeMap, HashSet};
+
+use serde_json::Value;
+use tokentap_schema::{
+    CaptureRecord, FinishReason, SessionStats, SplitCause, SplitPoint, Strategy, Trace, TraceCall,
+    TRAJECTORY_SCHEMA_VERSION,
+};
+
+/// The traces of a session and how they were made.
+#[derive(Debug, Clone)]
+pub struct SessionTraces {
+    pub session_id: String,
+    pub strategy: Strategy,
+    pub traces: Vec<Trace>,
+    pub stats: SessionStats,
+    pub split_points: Vec<SplitPoint>,
+}
+
+/// Builds one session's traces from its records, fed in the order the proxy wrote them.
+pub struct SessionBuilder {
+    session_id: String,
+    strategy: Strategy,
+    chains: Vec<Chain>,
+    done: Vec<Trace>,
+    stats: SessionStats,
+    split_points: Vec<SplitPoint>,
+    seen: HashSet<String>,
+    policy_versions: HashSet<String>,
+    next_index: u32,
+}
+
+/// An open chain: committed tokens plus the pending tip.
+struct Chain {
+    index: u32,
+    started_by: SplitCause,
+    prompt_len: usize,
+    /// First prompt ++ committed response: the tip's prompt.
+    tokens: Vec<u32>,
+    /// Aligned with `tokens[prompt_len..]`.
+    mask: Vec<u8>,
+    logprobs: Vec<f32>,
+    calls: Vec<TraceCall>,
+    gaps: Vec<String>,
+    tip: Tip,
+}
+
+/// The last call of a chain, its sampled tokens not yet committed.
+struct Tip {
+    record_id: String,
+    completion: Option<Vec<u32>>,
+    logprobs: Option<Vec<f32>>,
+    finish_reason: Option<FinishReason>,
+    policy_version: Option<String>,
+    failed: bool,
+    messages_json: String,
+    tools_json: String,
+    gaps: Vec<String>,
+}
+
+impl Tip {
+    fn of(r: &CaptureRecord) -> Tip {
+        let mut gaps: Vec<String> = r
+            .token_provenance
+            .gaps
+            .iter()
+            .map(|g| format!("record {}: {:?}: {}", r.record_id, g.field, g.reason))
+            .collect();
+        let logprobs = match (&r.completion_token_ids, &r.logprobs) {
+            (Some(ids), Some(lp)) if lp.len() == ids.len() => Some(lp.clone()),
+            (Some(ids), lp) => {
+                gaps.push(format!(
+                    "record {}: {} sampled tokens without aligned logprobs ({} given): masked",
+                    r.record_id,
+                    ids.len(),
+                    lp.as_ref().map_or(0, |l| l.len())
+                ));
+                None
+            }
+            (None, _) => {
+                gaps.push(format!(
+                    "record {}: sampled ids unavailable: what the model said there is masked context",
+                    r.record_id
+                ));
+                None
+            }
+        };
+        Tip {
+            record_id: r.record_id.clone(),
+            completion: r.completion_token_ids.clone(),
+            logprobs,
+            finish_reason: r.finish_reason,
+            policy_version: r.backend.policy_version.clone(),
+            failed: r.error.is_some(),
+            messages_json: messages_json(r),
+            tools_json: tools_json(r),
+            gaps,
+        }
+    }
+
+    fn sampled(&self) -> &[u32] {
+        self.completion.as_deref().unwrap_or(&[])
+    }
+
+    fn trainable(&self) -> bool {
+        self.logprobs.is_some() && !self.sampled().is_empty()
+    }
+
+    /// Ended normally, so a repeat of its prompt is a duplicate rather than a retry.
+    fn completed(&self) -> bool {
+        !self.failed
+            && matches!(
+                self.finish_reason,
+                Some(FinishReason::Stop | FinishReason::ToolCalls)
+            )
+    }
+}
+
+impl Chain {
+    fn start(index: u32, started_by: SplitCause, prompt: Vec<u32>, tip: Tip) -> Chain {
+        Chain {
+            index,
+            started_by,
+            prompt_len: prompt.len(),
+            tokens: prompt,
+            mask: Vec::new(),
+            logprobs: Vec::new(),
+            calls: Vec::new(),
+            gaps: Vec::new(),
+            tip,
+        }
+    }
+
+    /// Whether `prompt` starts with the tip's prompt followed by the tip's sampled ids.
+    fn continues_with(&self, prompt: &[u32]) -> bool {
+        prompt[self.tokens.len()..].starts_with(self.tip.sampled())
+    }
+
+    /// Appends the tip's sampled tokens, with mask 1 when they are trainable.
+    fn commit_tip(&mut self) {
+        let tip = &self.tip;
+        let sampled = tip.sampled();
+        let trainable = tip.trainable();
+        self.calls.push(TraceCall {
+            record_id: tip.record_id.clone(),
+            response_start: (self.tokens.len() - self.prompt_len) as u32,
+            sampled_len: sampled.len() as u32,
+            trainable,
+            finish_reason: tip.finish_reason,
+            policy_version: tip.policy_version.clone(),
+        });
+        self.tokens.extend_from_slice(sampled);
+        match (&tip.logprobs, trainable) {
+            (Some(lp), true) => {
+                self.mask.extend(std::iter::repeat_n(1, sampled.len()));
+                self.logprobs.extend_from_slice(lp);
+            }
+            _ => {
+                self.mask.extend(std::iter::repeat_n(0, sampled.len()));
+                self.logprobs
+                    .extend(std::iter::repeat_n(0.0, sampled.len()));
+            }
+        }
+        self.gaps.extend(tip.gaps.iter().cloned());
+    }
+
+    /// Commits the tip, appends the rest of `prompt` as context and makes `next` the tip.
+    fn extend(&mut self, prompt: &[u32], next: Tip) {
+        self.commit_tip();
+        let glue = &prompt[self.tokens.len().min(prompt.len())..];
+        self.tokens.extend_from_slice(glue);
+        self.mask.extend(std::iter::repeat_n(0, glue.len()));
+        self.logprobs.extend(std::iter::repeat_n(0.0, glue.len()));
+        self.tip = next;
+    }
+
+    fn into_trace(mut self, session_id: &str, strategy: Strategy) -> Trace {
+        self.commit_tip();
+        let response_ids = self.tokens.split_off(self.prompt_len);
+        let versions: HashSet<&str> = self
+            .calls
+            .iter()
+            .filter_map(|c| c.policy_version.as_deref())
+            .collect();
+        Trace {
+            schema_version: TRAJECTORY_SCHEMA_VERSION,
+            trace_id: format!("{session_id}/{}", self.index),
+            session_id: session_id.to_string(),
+            strategy,
+            index: self.index,
+            started_by: self.started_by,
+            prompt_ids: self.tokens,
+            response_ids,
+            loss_mask: self.mask,
+            logprobs: self.logprobs,
+            spans_policy_versions: versions.len() > 1,
+            calls: self.calls,
+            messages_json: self.tip.messages_json,
+            tools_json: self.tip.tools_json,
+            reward: None,
+            gaps: self.gaps,
+        }
+    }
+}
+
+impl SessionBuilder {
+    pub fn new(session_id: &str, strategy: Strategy) -> SessionBuilder {
+        SessionBuilder {
+            session_id: session_id.to_string(),
+            strategy,
+            chains: Vec::new(),
+            done: Vec::new(),
+            stats: SessionStats::default(),
+            split_points: Vec::new(),
+            seen: HashSet::new(),
+            policy_versions: HashSet::new(),
+            next_index: 0,
+        }
+    }
+
+    /// Open chains: what the builder holds in memory besides finished traces.
+    pub fn open_chains(&self) -> usize {
+        self.chains.len()
+    }
+
+    /// Tokens held by open chains.
+    pub fn open_tokens(&self) -> usize {
+        self.chains.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// Feeds the next record of the session. A record id seen before is counted and ignored.
+    pub fn push(&mut self, r: &CaptureRecord) {
+        debug_assert_eq!(r.session_id, self.session_id);
+        if !self.seen.insert(r.record_id.clone()) {
+            self.stats.duplicate_records += 1;
+            return;
+        }
+        self.stats.calls += 1;
+        if let Some(v) = &r.backend.policy_version {
+            self.policy_versions.insert(v.clone());
+        }
+        let Some(prompt) = r.prompt_token_ids.as_deref() else {
+            self.stats.calls_without_tokens += 1;
+            return;
+        };
+        match r.finish_reason {
+            Some(FinishReason::Length) => self.stats.truncated_turns += 1,
+            Some(FinishReason::Abort) => self.stats.aborted_turns += 1,
+            _ if r.error.is_some() => self.stats.aborted_turns += 1,
+            _ => {}
+        }
+        let tip = Tip::of(r);
+        if !tip.trainable() {
+            self.stats.calls_with_token_gaps += 1;
+        }
+        match self.strategy {
+            Strategy::PerRequest => {
+                let chain = self.start_chain(SplitCause::PerRequest, prompt.to_vec(), tip);
+                let trace = chain.into_trace(&self.session_id, self.strategy);
+                self.done.push(trace);
+            }
+            Strategy::PrefixMerge => self.merge(prompt, tip),
+        }
+    }
+
+    fn merge(&mut self, prompt: &[u32], tip: Tip) {
+        // The open chain whose tip prompt is the longest prefix of this prompt.
+        let best = self
+            .chains
+            .iter()
+            .enumerate()
+            .filter(|(_, c)| prompt.starts_with(&c.tokens))
+            .max_by_key(|(_, c)| c.tokens.len())
+            .map(|(i, _)| i);
+        let Some(i) = best else {
+            let cause = if self.next_index == 0 {
+                SplitCause::SessionStart
+            } else {
+                SplitCause::NewPrefix
+            };
+            let chain = self.start_chain(cause, prompt.to_vec(), tip);
+            self.chains.push(chain);
+            return;
+        };
+        let chain = &mut self.chains[i];
+        if prompt.len() == chain.tokens.len() {
+            // Same prompt again: the new call replaces the tip.
+            let duplicate = chain.tip.completed();
+            let old = std::mem::replace(&mut chain.tip, tip);
+            let context = (!old.sampled().is_empty()).then(|| chain.tokens.clone());
+            if duplicate {
+                self.stats.duplicates += 1;
+            } else {
+                self.stats.retries += 1;
+            }
+            if let Some(context) = context {
+                let trace = self
+                    .start_chain(SplitCause::Superseded, context, old)
+                    .into_trace(&self.session_id, self.strategy);
+                self.done.push(trace);
+            }
+        } else if chain.continues_with(prompt) {
+            chain.extend(prompt, tip);
+            self.stats.merged_calls += 1;
+        } else {
+            let ended = self.chains.swap_remove(i);
+            self.done
+                .push(ended.into_trace(&self.session_id, self.strategy));
+            let chain = self.start_chain(SplitCause::Rerendered, prompt.to_vec(), tip);
+            self.chains.push(chain);
+        }
+    }
+
+    fn start_chain(&mut self, cause: SplitCause, prompt: Vec<u32>, tip: Tip) -> Chain {
+        let index = self.next_index;
+        self.next_index += 1;
+        *self.stats.splits.entry(cause).or_insert(0) += 1;
+        self.split_points.push(SplitPoint {
+            trace_index: index,
+            record_id: tip.record_id.clone(),
+            cause,
+        });
+        Chain::start(index, cause, prompt, tip)
+    }
+
+    /// Closes every chain; the traces in index order.
+    pub fn finish(mut self) -> SessionTraces {
+        for chain in std::mem::take(&mut self.chains) {
+            self.done
+                .push(chain.into_trace(&self.session_id, self.strategy));
+        }
+        self.done.sort_by_key(|t| t.index);
+        self.stats.traces = self.done.len() as u32;
+        self.stats.spans_policy_versions = self.policy_versions.len() > 1;
+        SessionTraces {
+            session_id: self.session_id,
+            strategy: self.strategy,
+            traces: self.done,
+            stats: self.stats,
+            split_points: self.split_points,
+        }
+    }
+}
+
+/// Builds every session of `records` (in spool order); sessions in order of first record.
+pub fn build_all<'a>(
+    records: impl IntoIterator<Item = &'a CaptureRecord>,
+    strategy: Strategy,
+) -> Vec<SessionTraces> {
+    let mut order: Vec<String> = Vec::new();
+    let mut builders: BTreeMap<String, SessionBuilder> = BTreeMap::new();
+    for r in records {
+        builders
+            .entry(r.session_id.clone())
+            .or_insert_with(|| {
+                order.push(r.session_id.clone());
+                SessionBuilder::new(&r.session_id, strategy)
+            })
+            .push(r);
+    }
+    order
+        .iter()
+        .filter_map(|s| builders.remove(s))
+        .map(SessionBuilder::finish)
+        .collect()
+}
+
+/// The call's conversation and answer as JSON text.
+fn messages_json(r: &CaptureRecord) -> String {
+    let mut messages: Vec<Value> = r
+        .backend_request
+        .as_ref()
+        .map(|b| {
+            b.messages
+                .iter()
+                .filter_map(|m| serde_json::to_value(m).ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    if let Some(answer) = r
+        .message
+        .as_ref()
+        .and_then(|m| serde_json::to_value(m).ok())
+    {
+        let mut answer = answer;
+        if let Some(o) = answer.as_object_mut() {
+            o.entry("role").or_insert_with(|| Value::from("assistant"));
+        }
+        messages.push(answer);
+    }
+    serde_json::to_string(&messages).expect("JSON values always serialize")
+}
+
+fn tools_json(r: &CaptureRecord) -> String {
+    let tools = r
+        .backend_request
+        .as_ref()
+        .map(|b| &b.tools[..])
+        .unwrap_or(&[]);
+    serde_json::to_string(tools).expect("JSON values always serialize")
+}

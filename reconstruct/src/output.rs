@@ -1,0 +1,156 @@
+//! Writing traces: `traces.jsonl` and `sessions.jsonl` (appended as sessions finish) and
+//! `parquet/part-NNNNN.parquet` (one file per flush, zstd), in an output directory.
+//!
+//! pandas: `pd.read_json("OUT/traces.jsonl", lines=True)` or `pd.read_parquet("OUT/parquet")`;
+//! Hugging Face: `load_dataset("parquet", data_files="OUT/parquet/*.parquet")`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+use arrow_schema::FieldRef;
+use parquet::arrow::ArrowWriter;
+use parquet::basic::{Compression, ZstdLevel};
+use parquet::file::properties::WriterProperties;
+use serde_arrow::schema::{SchemaLike, TracingOptions};
+use tokentap_schema::{SessionReport, Trace};
+
+use crate::Error;
+
+pub const TRACES_JSONL: &str = "traces.jsonl";
+pub const SESSIONS_JSONL: &str = "sessions.jsonl";
+pub const PARQUET_DIR: &str = "parquet";
+
+/// Appends traces and session reports to an output directory.
+pub struct TraceSink {
+    dir: PathBuf,
+    traces: BufWriter<File>,
+    sessions: BufWriter<File>,
+    /// Traces not yet in a Parquet part.
+    pending: Vec<Trace>,
+    fields: Vec<FieldRef>,
+    next_part: u32,
+}
+
+impl TraceSink {
+    /// Opens (creating) `dir`; existing files are appended to and new Parquet parts numbered
+    /// after the existing ones, so a restarted worker adds to its earlier output.
+    pub fn open(dir: &Path) -> Result<TraceSink, Error> {
+        std::fs::create_dir_all(dir.join(PARQUET_DIR))?;
+        let append = |name: &str| -> Result<BufWriter<File>, Error> {
+            let f = OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(dir.join(name))?;
+            Ok(BufWriter::new(f))
+        };
+        let next_part = std::fs::read_dir(dir.join(PARQUET_DIR))?
+            .filter_map(|e| e.ok())
+            .filter_map(|e| {
+                let name = e.file_name().into_string().ok()?;
+                name.strip_prefix("part-")?
+                    .strip_suffix(".parquet")?
+                    .parse::<u32>()
+                    .ok()
+            })
+            .map(|n| n + 1)
+            .max()
+            .unwrap_or(0);
+        Ok(TraceSink {
+            dir: dir.to_path_buf(),
+            traces: append(TRACES_JSONL)?,
+            sessions: append(SESSIONS_JSONL)?,
+            pending: Vec::new(),
+            fields: trace_fields()?,
+            next_part,
+        })
+    }
+
+    /// Writes one finished session: its traces and its report.
+    pub fn write_session(
+        &mut self,
+        traces: Vec<Trace>,
+        report: &SessionReport,
+    ) -> Result<(), Error> {
+        for t in &traces {
+            serde_json::to_writer(&mut self.traces, t)?;
+            self.traces.write_all(b"\n")?;
+        }
+        serde_json::to_writer(&mut self.sessions, report)?;
+        self.sessions.write_all(b"\n")?;
+        self.pending.extend(traces);
+        Ok(())
+    }
+
+    /// Traces written since the last Parquet part.
+    pub fn pending(&self) -> usize {
+        self.pending.len()
+    }
+
+    /// Flushes the JSONL files and writes the pending traces as a new Parquet part.
+    pub fn flush(&mut self) -> Result<(), Error> {
+        self.traces.flush()?;
+        self.sessions.flush()?;
+        self.traces.get_ref().sync_data()?;
+        self.sessions.get_ref().sync_data()?;
+        if self.pending.is_empty() {
+            return Ok(());
+        }
+        let path = self
+            .dir
+            .join(PARQUET_DIR)
+            .join(format!("part-{:05}.parquet", self.next_part));
+        write_parquet(&path, &self.fields, &self.pending)?;
+        self.next_part += 1;
+        self.pending.clear();
+        Ok(())
+    }
+}
+
+/// The Arrow fields of a trace row (enums as strings).
+fn trace_fields() -> Result<Vec<FieldRef>, Error> {
+    let options = TracingOptions::default().enums_without_data_as_strings(true);
+    Ok(Vec::<FieldRef>::from_type::<Trace>(options)?)
+}
+
+fn write_parquet(path: &Path, fields: &[FieldRef], traces: &[Trace]) -> Result<(), Error> {
+    let batch = serde_arrow::to_record_batch(fields, &traces)?;
+    let props = WriterProperties::builder()
+        .set_compression(Compression::ZSTD(ZstdLevel::try_new(3)?))
+        .build();
+    // Written under a temporary name and renamed, so readers never see half a file.
+    let tmp = path.with_extension("parquet.tmp");
+    let mut w = ArrowWriter::try_new(
+        File::create(&tmp)?,
+        Arc::clone(batch.schema_ref()),
+        Some(props),
+    )?;
+    w.write(&batch)?;
+    w.close()?;
+    std::fs::rename(&tmp, path)?;
+    Ok(())
+}
+
+/// Reads traces back from a `traces.jsonl`.
+pub fn read_traces_jsonl(path: &Path) -> Result<Vec<Trace>, Error> {
+    let text = std::fs::read_to_string(path)?;
+    text.lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| serde_json::from_str(l).map_err(Error::from))
+        .collect()
+}
+
+/// Reads traces back from a Parquet file written by [`TraceSink`].
+pub fn read_traces_parquet(path: &Path) -> Result<Vec<Trace>, Error> {
+    let reader =
+        parquet::arrow::arrow_reader::ParquetRecordBatchReaderBuilder::try_new(File::open(path)?)?
+            .build()?;
+    let mut out = Vec::new();
+    for batch in reader {
+        let batch = batch?;
+        let rows: Vec<Trace> = serde_arrow::from_record_batch(&batch)?;
+        out.extend(rows);
+    }
+    Ok(out)
+}
