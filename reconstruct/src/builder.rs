@@ -221,6 +221,12 @@ impl Chain {
 
 impl SessionBuilder {
     pub fn new(session_id: &str, strategy: Strategy) -> SessionBuilder {
+        SessionBuilder::continuing(session_id, strategy, 0)
+    }
+
+    /// A builder for records that arrive after the session was already finished once: its
+    /// traces are numbered from `first_index`, so trace ids stay unique.
+    pub fn continuing(session_id: &str, strategy: Strategy, first_index: u32) -> SessionBuilder {
         SessionBuilder {
             session_id: session_id.to_string(),
             strategy,
@@ -230,7 +236,7 @@ impl SessionBuilder {
             split_points: Vec::new(),
             seen: HashSet::new(),
             policy_versions: HashSet::new(),
-            next_index: 0,
+            next_index: first_index,
         }
     }
 

@@ -4,9 +4,11 @@
 //! - [`verify`]: the faithfulness check of traces against their records.
 //! - [`Reconstructor`]: many sessions at once, fed record by record (the worker and local
 //!   mode), finishing sessions when told or when idle.
+//! - [`live`]: following a spool as it grows, with checkpoints (worker and local mode).
 //! - [`output`]: JSONL and Parquet files.
 
 pub mod builder;
+pub mod live;
 pub mod output;
 pub mod verify;
 
@@ -15,7 +17,8 @@ use std::collections::HashMap;
 use tokentap_schema::{CaptureRecord, SessionReport, Strategy, Trace, TRAJECTORY_SCHEMA_VERSION};
 
 pub use builder::{build_all, SessionBuilder, SessionTraces};
-pub use output::TraceSink;
+pub use live::{LiveOptions, LiveReconstructor, LiveStats};
+pub use output::{SinkMark, TraceSink};
 pub use verify::{verify, RecordDigest};
 
 #[derive(Debug, thiserror::Error)]
@@ -51,6 +54,8 @@ struct OpenSession {
 pub struct Reconstructor {
     strategy: Strategy,
     open: HashMap<String, OpenSession>,
+    /// Sessions finished before: the index their next trace gets if more records arrive.
+    next_index: HashMap<String, u32>,
 }
 
 impl Reconstructor {
@@ -58,7 +63,14 @@ impl Reconstructor {
         Reconstructor {
             strategy,
             open: HashMap::new(),
+            next_index: HashMap::new(),
         }
+    }
+
+    /// Declares that `session` was finished earlier with traces up to `next_index - 1`
+    /// (after a restart), so late records continue its numbering.
+    pub fn continue_session(&mut self, session_id: &str, next_index: u32) {
+        self.next_index.insert(session_id.to_owned(), next_index);
     }
 
     pub fn push(&mut self, r: &CaptureRecord) {
@@ -66,7 +78,11 @@ impl Reconstructor {
             .open
             .entry(r.session_id.clone())
             .or_insert_with(|| OpenSession {
-                builder: SessionBuilder::new(&r.session_id, self.strategy),
+                builder: SessionBuilder::continuing(
+                    &r.session_id,
+                    self.strategy,
+                    self.next_index.get(&r.session_id).copied().unwrap_or(0),
+                ),
                 digests: HashMap::new(),
                 last_record_ms: 0,
             });
@@ -108,6 +124,9 @@ impl Reconstructor {
     pub fn finish(&mut self, session_id: &str) -> Option<FinishedSession> {
         let s = self.open.remove(session_id)?;
         let built = s.builder.finish();
+        if let Some(last) = built.traces.iter().map(|t| t.index).max() {
+            self.next_index.insert(session_id.to_owned(), last + 1);
+        }
         let faithfulness = verify(&built.traces, &s.digests);
         Some(FinishedSession {
             report: SessionReport {

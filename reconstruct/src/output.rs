@@ -5,11 +5,12 @@
 //! Hugging Face: `load_dataset("parquet", data_files="OUT/parquet/*.parquet")`.
 
 use std::fs::{File, OpenOptions};
-use std::io::{BufWriter, Write};
+use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use arrow_schema::FieldRef;
+use serde::{Deserialize, Serialize};
 use parquet::arrow::ArrowWriter;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::file::properties::WriterProperties;
@@ -27,10 +28,27 @@ pub struct TraceSink {
     dir: PathBuf,
     traces: BufWriter<File>,
     sessions: BufWriter<File>,
+    /// Bytes in `traces.jsonl` / `sessions.jsonl`, including what is still buffered.
+    traces_bytes: u64,
+    sessions_bytes: u64,
     /// Traces not yet in a Parquet part.
     pending: Vec<Trace>,
+    /// `traces.jsonl` bytes whose traces are all in Parquet parts.
+    parquet_covers: u64,
     fields: Vec<FieldRef>,
     next_part: u32,
+}
+
+/// A consistent state of an output directory, saved in a checkpoint: after a crash,
+/// [`TraceSink::resume`] cuts the files back to it, so nothing is emitted twice.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SinkMark {
+    pub traces_bytes: u64,
+    pub sessions_bytes: u64,
+    /// Parquet parts `part-00000` .. `part-{parts-1}`.
+    pub parts: u32,
+    /// `traces.jsonl` bytes whose traces are in those parts; the rest are re-read on resume.
+    pub parquet_covers: u64,
 }
 
 impl TraceSink {
@@ -57,14 +75,60 @@ impl TraceSink {
             .map(|n| n + 1)
             .max()
             .unwrap_or(0);
+        let len = |name: &str| std::fs::metadata(dir.join(name)).map_or(0, |m| m.len());
+        let traces_bytes = len(TRACES_JSONL);
         Ok(TraceSink {
             dir: dir.to_path_buf(),
             traces: append(TRACES_JSONL)?,
             sessions: append(SESSIONS_JSONL)?,
+            traces_bytes,
+            sessions_bytes: len(SESSIONS_JSONL),
             pending: Vec::new(),
+            parquet_covers: traces_bytes,
             fields: trace_fields()?,
             next_part,
         })
+    }
+
+    /// Reopens `dir` at `mark`: JSONL files cut back to the mark's lengths, Parquet parts past
+    /// it removed, and the traces after `parquet_covers` reloaded as pending Parquet rows.
+    pub fn resume(dir: &Path, mark: &SinkMark) -> Result<TraceSink, Error> {
+        std::fs::create_dir_all(dir.join(PARQUET_DIR))?;
+        for (name, len) in [
+            (TRACES_JSONL, mark.traces_bytes),
+            (SESSIONS_JSONL, mark.sessions_bytes),
+        ] {
+            let f = OpenOptions::new()
+                .create(true)
+                .truncate(false)
+                .write(true)
+                .open(dir.join(name))?;
+            if f.metadata()?.len() > len {
+                f.set_len(len)?;
+                f.sync_all()?;
+            }
+        }
+        for e in std::fs::read_dir(dir.join(PARQUET_DIR))?.filter_map(|e| e.ok()) {
+            let name = e.file_name().to_string_lossy().into_owned();
+            let part = name
+                .strip_prefix("part-")
+                .and_then(|n| n.split('.').next())
+                .and_then(|n| n.parse::<u32>().ok());
+            if part.is_some_and(|n| n >= mark.parts) || name.ends_with(".tmp") {
+                std::fs::remove_file(e.path())?;
+            }
+        }
+        let mut sink = TraceSink::open(dir)?;
+        sink.next_part = mark.parts;
+        sink.parquet_covers = mark.parquet_covers;
+        let mut f = File::open(dir.join(TRACES_JSONL))?;
+        f.seek(SeekFrom::Start(mark.parquet_covers))?;
+        let mut rest = String::new();
+        f.read_to_string(&mut rest)?;
+        for line in rest.lines().filter(|l| !l.trim().is_empty()) {
+            sink.pending.push(serde_json::from_str(line)?);
+        }
+        Ok(sink)
     }
 
     /// Writes one finished session: its traces and its report.
@@ -74,11 +138,15 @@ impl TraceSink {
         report: &SessionReport,
     ) -> Result<(), Error> {
         for t in &traces {
-            serde_json::to_writer(&mut self.traces, t)?;
-            self.traces.write_all(b"\n")?;
+            let mut line = serde_json::to_vec(t)?;
+            line.push(b'\n');
+            self.traces.write_all(&line)?;
+            self.traces_bytes += line.len() as u64;
         }
-        serde_json::to_writer(&mut self.sessions, report)?;
-        self.sessions.write_all(b"\n")?;
+        let mut line = serde_json::to_vec(report)?;
+        line.push(b'\n');
+        self.sessions.write_all(&line)?;
+        self.sessions_bytes += line.len() as u64;
         self.pending.extend(traces);
         Ok(())
     }
@@ -89,11 +157,23 @@ impl TraceSink {
     }
 
     /// Flushes the JSONL files and writes the pending traces as a new Parquet part.
-    pub fn flush(&mut self) -> Result<(), Error> {
+    pub fn flush(&mut self) -> Result<SinkMark, Error> {
+        self.sync_jsonl()?;
+        self.write_part()?;
+        Ok(self.mark())
+    }
+
+    /// Makes the JSONL files durable; returns the state to checkpoint.
+    pub fn sync_jsonl(&mut self) -> Result<SinkMark, Error> {
         self.traces.flush()?;
         self.sessions.flush()?;
         self.traces.get_ref().sync_data()?;
         self.sessions.get_ref().sync_data()?;
+        Ok(self.mark())
+    }
+
+    /// Writes the pending traces (if any) as the next Parquet part.
+    pub fn write_part(&mut self) -> Result<(), Error> {
         if self.pending.is_empty() {
             return Ok(());
         }
@@ -104,7 +184,17 @@ impl TraceSink {
         write_parquet(&path, &self.fields, &self.pending)?;
         self.next_part += 1;
         self.pending.clear();
+        self.parquet_covers = self.traces_bytes;
         Ok(())
+    }
+
+    fn mark(&self) -> SinkMark {
+        SinkMark {
+            traces_bytes: self.traces_bytes,
+            sessions_bytes: self.sessions_bytes,
+            parts: self.next_part,
+            parquet_covers: self.parquet_covers,
+        }
     }
 }
 
