@@ -1,10 +1,12 @@
 //! tokentap's wire formats as data: the capture record written for every model call, the
-//! canonical chat request it contains, the trajectories rebuilt from records, NDJSON framing, and JSON Schema export for consumers
+//! canonical chat request it contains, the trajectories rebuilt from records, the
+//! proxy-to-worker shipping protocol, NDJSON framing, and JSON Schema export for consumers
 //! outside Rust. No I/O, no async.
 
 pub mod chat;
 pub mod ndjson;
 pub mod record;
+pub mod ship;
 pub mod trajectory;
 
 pub use chat::*;

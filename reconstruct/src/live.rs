@@ -303,8 +303,9 @@ impl LiveReconstructor {
         Ok(())
     }
 
-    /// Follows the spool until `stop` returns true, checkpointing as it goes; then
-    /// checkpoints once more (open sessions stay open: they resume after a restart).
+    /// Follows the spool until `stop` returns true and everything written so far is read,
+    /// checkpointing as it goes; then checkpoints once more, writing pending Parquet rows
+    /// (open sessions stay open: they resume after a restart).
     pub fn run(
         &mut self,
         mut stop: impl FnMut(&LiveStats) -> bool,
@@ -318,7 +319,7 @@ impl LiveReconstructor {
             if self.last_checkpoint.elapsed() >= self.options.checkpoint_every {
                 self.checkpoint(false)?;
             }
-            if stop(&self.stats()) {
+            if caught_up && stop(&self.stats()) {
                 return self.checkpoint(true);
             }
             if caught_up {

@@ -27,7 +27,9 @@ fn interleaved(steps: &[Vec<Step>], seed: u64) -> Vec<CaptureRecord> {
     let mut out = Vec::new();
     let mut k = seed;
     while queues.iter().any(|q| !q.is_empty()) {
-        k = k.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        k = k
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         let i = (k >> 33) as usize % queues.len();
         if let Some(r) = queues[i].pop_front() {
             out.push(r);

@@ -2,10 +2,13 @@
 
 mod bench;
 mod ca_cmd;
+mod downstream;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
 mod run_cmd;
+mod ship;
+mod worker_cmd;
 
 use clap::{Parser, Subcommand};
 
@@ -42,6 +45,10 @@ enum Command {
     /// Inspect the capture records in a spool.
     #[command(subcommand)]
     Records(records_cmd::RecordsCmd),
+    /// Receive records shipped by proxies (--ship-to) and rebuild trajectories as they arrive.
+    Worker(worker_cmd::WorkerArgs),
+    /// Ship a spool's records to a worker (what `proxy --ship-to` does, for an existing spool).
+    Ship(ship::ShipArgs),
     /// Rebuild token-faithful trajectories from a spool (offline).
     Reconstruct(reconstruct_cmd::ReconstructArgs),
     /// Inspect trajectory files.
@@ -74,6 +81,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
+        Command::Worker(args) => worker_cmd::run(args).map(|()| ok),
+        Command::Ship(args) => ship::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),
         Command::Trajectories(cmd) => reconstruct_cmd::trajectories(cmd).map(|()| ok),
         Command::Schema { trace } => {

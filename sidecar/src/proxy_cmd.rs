@@ -17,6 +17,8 @@ use tokentap_proxy::normalize::SystemLayout;
 use tokentap_proxy::{CaptureService, ProxyConfig};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolWriter};
 
+use crate::downstream::DownstreamArgs;
+
 #[derive(Clone, Copy, ValueEnum)]
 pub enum KindArg {
     Vllm,
@@ -54,6 +56,8 @@ pub struct ProxyArgs {
     /// Worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    #[command(flatten)]
+    downstream: DownstreamArgs,
 }
 
 /// What every capturing command shares: the engine, the spool, the capture policy.
@@ -108,6 +112,11 @@ pub struct CaptureArgs {
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let (service, spool_thread) = args.capture.build(None)?;
     let capture = &args.capture;
+    let downstream = if capture.no_capture {
+        None
+    } else {
+        args.downstream.start(&capture.spool)?
+    };
 
     let conf = ServerConf {
         threads: args.threads.max(1),
@@ -132,6 +141,10 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     // The server is down: every sender of the sink is gone, so the writer drains and syncs.
     if let Some(handle) = spool_thread {
         let _ = handle.join();
+    }
+    // Open sessions stay open: a restarted proxy (or worker) resumes them.
+    if let Some(d) = downstream {
+        d.stop(false);
     }
     tracing::info!("tokentap proxy stopped");
     Ok(())

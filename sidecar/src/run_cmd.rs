@@ -21,6 +21,7 @@ use tokentap_proxy::transparent::{
     InterceptList, OriginalDestination, TransparentListener, DEFAULT_INTERCEPT,
 };
 
+use crate::downstream::{Downstream, DownstreamArgs};
 use crate::proxy_cmd::CaptureArgs;
 
 /// What `run` and `sidecar` share.
@@ -28,6 +29,8 @@ use crate::proxy_cmd::CaptureArgs;
 pub struct TransparentArgs {
     #[command(flatten)]
     capture: CaptureArgs,
+    #[command(flatten)]
+    downstream: DownstreamArgs,
     /// Also intercept this host (repeatable; `*.example.com` for subdomains). Defaults:
     /// api.openai.com, api.anthropic.com, chatgpt.com, generativelanguage.googleapis.com,
     /// dashscope.aliyuncs.com.
@@ -115,6 +118,7 @@ struct Capture {
     runtime: tokio::runtime::Runtime,
     shutdown: tokio::sync::watch::Sender<bool>,
     spool_thread: Option<std::thread::JoinHandle<()>>,
+    downstream: Option<Downstream>,
     ca: Arc<CertificateAuthority>,
 }
 
@@ -147,6 +151,11 @@ impl TransparentArgs {
         let ca = self.ca()?;
         // Built before the runtime: model discovery runs its own small one.
         let (service, spool_thread) = self.capture.build(session)?;
+        let downstream = if self.capture.no_capture {
+            None
+        } else {
+            self.downstream.start(&self.capture.spool)?
+        };
         let service = Arc::new(service);
         let runtime = tokio::runtime::Builder::new_multi_thread()
             .worker_threads(2)
@@ -208,6 +217,7 @@ impl TransparentArgs {
             runtime,
             shutdown,
             spool_thread,
+            downstream,
             ca,
         })
     }
@@ -216,13 +226,18 @@ impl TransparentArgs {
 impl Capture {
     /// Stops accepting, detaches (the redirect is dropped with the listener's tasks), and
     /// flushes the spool.
-    fn stop(self) {
+    /// With `finish_sessions`, local reconstruction writes the traces of every session
+    /// still open (the run is over); otherwise they resume at the next start.
+    fn stop(self, finish_sessions: bool) {
         let _ = self.shutdown.send(true);
         // Dropping the runtime cancels connection tasks and with them the last references to
         // the service (and so to the spool sink and the redirect).
         self.runtime.shutdown_timeout(Duration::from_secs(2));
         if let Some(t) = self.spool_thread {
             let _ = t.join();
+        }
+        if let Some(d) = self.downstream {
+            d.stop(finish_sessions);
         }
     }
 }
@@ -289,7 +304,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     let status = child.wait()?;
     forward.abort();
 
-    capture.stop();
+    capture.stop(true);
     let path = cgroup.path().to_owned();
     if let Err(e) = cgroup.remove() {
         tracing::warn!(error = %e, cgroup = %path.display(), "could not remove the run's cgroup");
@@ -320,6 +335,6 @@ pub fn sidecar(args: SidecarArgs) -> anyhow::Result<ExitCode> {
         }
     });
     tracing::info!("stopping transparent capture");
-    capture.stop();
+    capture.stop(false);
     Ok(ExitCode::SUCCESS)
 }

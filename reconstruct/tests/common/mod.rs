@@ -231,4 +231,3 @@ pub fn digests(records: &[CaptureRecord]) -> HashMap<String, RecordDigest> {
         .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
         .collect()
 }
-

@@ -1,0 +1,377 @@
+//! `tokentap worker`: receives records shipped by proxies, keeps them durably in its own spool
+//! (dropping record ids it already has), and reconstructs traces from that spool as it grows.
+//!
+//! Ingest and reconstruction are decoupled by the worker's spool: an ack means "durable here",
+//! and the reconstruction thread follows the spool with its own checkpoint, so either can
+//! restart without losing or repeating anything.
+
+use std::collections::HashSet;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{header, StatusCode};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::{Json, Router};
+use clap::Args;
+use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
+use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats};
+use tokentap_schema::ndjson::decode_line;
+use tokentap_schema::ship::{ShipAck, SHIP_PATH};
+use tokentap_schema::CaptureRecord;
+use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter};
+
+use crate::reconstruct_cmd::StrategyArg;
+
+#[derive(Args)]
+#[command(after_help = "Examples:
+  # on the worker node
+  tokentap worker --listen 0.0.0.0:8900 --out ./traces
+  # on each proxy node
+  tokentap proxy --backend http://gpu:8000 --backend-kind vllm --ship-to http://worker:8900
+
+Output (in --out): traces.jsonl, sessions.jsonl, parquet/part-*.parquet; the received records
+in --out/spool; /metrics on the listen address.")]
+pub struct WorkerArgs {
+    /// Address to receive records on (also serves /health and /metrics).
+    #[arg(long, default_value = "127.0.0.1:8900")]
+    listen: SocketAddr,
+    /// Output directory for traces.
+    #[arg(long)]
+    out: PathBuf,
+    /// Where received records are kept (default: OUT/spool).
+    #[arg(long)]
+    spool: Option<PathBuf>,
+    #[command(flatten)]
+    live: LiveArgs,
+}
+
+/// Reconstruction options shared by the worker and local mode.
+#[derive(Args, Clone)]
+pub struct LiveArgs {
+    /// How traces are built.
+    #[arg(long, value_enum, default_value = "prefix-merge")]
+    pub strategy: StrategyArg,
+    /// Finish a session (write its traces) once none of its calls has ended for this many
+    /// seconds.
+    #[arg(long, default_value_t = 60)]
+    pub session_idle: u64,
+}
+
+impl LiveArgs {
+    pub fn options(&self) -> LiveOptions {
+        LiveOptions {
+            strategy: self.strategy.into(),
+            session_idle: Duration::from_secs(self.session_idle),
+            ..LiveOptions::default()
+        }
+    }
+}
+
+struct WorkerMetrics {
+    registry: Registry,
+    received: IntCounter,
+    duplicates: IntCounter,
+    rejected: IntCounter,
+    reconstructed: IntCounter,
+    open_sessions: IntGauge,
+    sessions_finished: IntCounter,
+    traces: IntCounter,
+    merge_ratio: Gauge,
+    violations: IntCounter,
+    backlog: IntGauge,
+    ingest_lag: Histogram,
+}
+
+impl WorkerMetrics {
+    fn new() -> WorkerMetrics {
+        let registry = Registry::new();
+        let counter = |name: &str, help: &str| {
+            let c = IntCounter::new(name, help).expect("valid counter");
+            registry.register(Box::new(c.clone())).expect("unique");
+            c
+        };
+        let gauge = |name: &str, help: &str| {
+            let g = IntGauge::new(name, help).expect("valid gauge");
+            registry.register(Box::new(g.clone())).expect("unique");
+            g
+        };
+        let merge_ratio = Gauge::new(
+            "tokentap_worker_merge_ratio",
+            "Request-level traces per emitted trace, over finished sessions",
+        )
+        .expect("valid gauge");
+        registry
+            .register(Box::new(merge_ratio.clone()))
+            .expect("unique");
+        let ingest_lag = Histogram::with_opts(
+            HistogramOpts::new(
+                "tokentap_worker_ingest_lag_seconds",
+                "From a call's end at the proxy to its record being durable at the worker",
+            )
+            .buckets(vec![
+                0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 300.0, 3600.0,
+            ]),
+        )
+        .expect("valid histogram");
+        registry
+            .register(Box::new(ingest_lag.clone()))
+            .expect("unique");
+        WorkerMetrics {
+            received: counter(
+                "tokentap_worker_records_received_total",
+                "Records received, duplicates included",
+            ),
+            duplicates: counter(
+                "tokentap_worker_duplicates_dropped_total",
+                "Received records whose id the worker already had",
+            ),
+            rejected: counter(
+                "tokentap_worker_rejected_lines_total",
+                "Received lines that were not valid records",
+            ),
+            reconstructed: counter(
+                "tokentap_worker_records_reconstructed_total",
+                "Records fed to reconstruction",
+            ),
+            open_sessions: gauge(
+                "tokentap_worker_open_sessions",
+                "Sessions with records but no traces written yet",
+            ),
+            sessions_finished: counter(
+                "tokentap_worker_sessions_finished_total",
+                "Sessions whose traces were written",
+            ),
+            traces: counter("tokentap_worker_traces_emitted_total", "Traces written"),
+            violations: counter(
+                "tokentap_worker_faithfulness_violations_total",
+                "Faithfulness violations found in written traces (should stay 0)",
+            ),
+            backlog: gauge(
+                "tokentap_worker_reconstruct_backlog_records",
+                "Records durable in the worker's spool but not yet reconstructed",
+            ),
+            merge_ratio,
+            ingest_lag,
+            registry,
+        }
+    }
+
+    /// Brings the reconstruction figures up to `s` (counters only move forward).
+    fn observe(&self, s: &LiveStats, last: &mut LiveStats) {
+        self.reconstructed
+            .inc_by(s.records.saturating_sub(last.records));
+        self.sessions_finished
+            .inc_by(s.sessions_finished.saturating_sub(last.sessions_finished));
+        self.traces
+            .inc_by(s.traces_emitted.saturating_sub(last.traces_emitted));
+        self.violations
+            .inc_by(s.violations.saturating_sub(last.violations));
+        self.open_sessions.set(s.open_sessions as i64);
+        self.merge_ratio.set(s.merge_ratio());
+        *last = *s;
+    }
+}
+
+struct Ingest {
+    writer: SpoolWriter,
+    seen: HashSet<String>,
+    /// Records made durable since start (for the backlog gauge).
+    accepted: u64,
+}
+
+#[derive(Clone)]
+struct AppState {
+    ingest: Arc<Mutex<Ingest>>,
+    metrics: Arc<WorkerMetrics>,
+}
+
+pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    let spool = args.spool.clone().unwrap_or_else(|| args.out.join("spool"));
+    std::fs::create_dir_all(&args.out)?;
+    // Every id already received: a redelivery after a restart is still a duplicate.
+    let mut seen = HashSet::new();
+    if spool.exists() {
+        for item in SpoolReader::open(&spool)? {
+            if let SpoolItem::Record(e) = item? {
+                seen.insert(e.record.record_id);
+            }
+        }
+    }
+    let writer = SpoolWriter::open(
+        &spool,
+        SpoolConfig {
+            // The ack promises durability; batches are synced explicitly before it.
+            fsync: FsyncPolicy::Never,
+            ..SpoolConfig::default()
+        },
+    )
+    .with_context(|| format!("opening the worker's spool at {}", spool.display()))?;
+    tracing::info!(records = seen.len(), spool = %spool.display(), "worker spool opened");
+    let metrics = Arc::new(WorkerMetrics::new());
+    let ingest = Arc::new(Mutex::new(Ingest {
+        writer,
+        seen,
+        accepted: 0,
+    }));
+
+    let stop = Arc::new(AtomicBool::new(false));
+    let live = LiveReconstructor::open(&spool, &args.out, args.live.options())
+        .with_context(|| format!("opening the output at {}", args.out.display()))?;
+    let live_thread = {
+        let (stop, metrics, ingest) = (stop.clone(), metrics.clone(), ingest.clone());
+        std::thread::Builder::new()
+            .name("reconstruct".into())
+            .spawn(move || reconstruct_loop(live, &stop, &metrics, &ingest))?
+    };
+
+    let state = AppState {
+        ingest,
+        metrics: metrics.clone(),
+    };
+    let app = Router::new()
+        .route(SHIP_PATH, post(receive))
+        .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(render_metrics))
+        .with_state(state);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(async {
+        let listener = tokio::net::TcpListener::bind(args.listen)
+            .await
+            .with_context(|| format!("listening on {}", args.listen))?;
+        tracing::info!(listen = %listener.local_addr()?, out = %args.out.display(), "tokentap worker ready");
+        axum::serve(listener, app)
+            .with_graceful_shutdown(shutdown_signal())
+            .await?;
+        anyhow::Ok(())
+    })?;
+    stop.store(true, Ordering::Relaxed);
+    live_thread
+        .join()
+        .map_err(|_| anyhow::anyhow!("the reconstruction thread panicked"))??;
+    tracing::info!("tokentap worker stopped");
+    Ok(())
+}
+
+fn reconstruct_loop(
+    mut live: LiveReconstructor,
+    stop: &AtomicBool,
+    metrics: &WorkerMetrics,
+    ingest: &Mutex<Ingest>,
+) -> anyhow::Result<()> {
+    let mut last = LiveStats::default();
+    let result = live.run(
+        |_| stop.load(Ordering::Relaxed),
+        |s| {
+            metrics.observe(s, &mut last);
+            let accepted = ingest.lock().map_or(0, |i| i.accepted);
+            metrics
+                .backlog
+                .set(accepted.saturating_sub(s.records + s.replayed_skipped) as i64);
+        },
+    );
+    if let Err(e) = &result {
+        tracing::error!(error = %e, "reconstruction stopped");
+    }
+    Ok(result?)
+}
+
+async fn receive(State(state): State<AppState>, body: Bytes) -> Response {
+    let received_at = unix_ms();
+    let mut ack = ShipAck::default();
+    let mut records: Vec<CaptureRecord> = Vec::new();
+    for (i, line) in body.split(|b| *b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        match decode_line::<CaptureRecord>(line) {
+            Ok(r) => records.push(r),
+            Err(e) => {
+                ack.rejected += 1;
+                if ack.errors.len() < 5 {
+                    ack.errors.push(format!("line {}: {e}", i + 1));
+                }
+            }
+        }
+    }
+    let metrics = state.metrics.clone();
+    let ingest = state.ingest.clone();
+    let result = tokio::task::spawn_blocking(move || -> anyhow::Result<ShipAck> {
+        let mut ingest = ingest
+            .lock()
+            .map_err(|_| anyhow::anyhow!("ingest lock poisoned"))?;
+        let mut fresh = Vec::with_capacity(records.len());
+        let mut batch_ids = HashSet::new();
+        for r in records {
+            if ingest.seen.contains(&r.record_id) || !batch_ids.insert(r.record_id.clone()) {
+                ack.duplicates += 1;
+            } else {
+                fresh.push(r);
+            }
+        }
+        if !fresh.is_empty() {
+            // Durable before the ack: the proxy moves its cursor past these on a 200.
+            ingest.writer.append_batch(&fresh)?;
+            ingest.writer.sync()?;
+        }
+        ack.accepted = fresh.len() as u64;
+        ingest.accepted += ack.accepted;
+        for r in &fresh {
+            metrics
+                .ingest_lag
+                .observe(received_at.saturating_sub(r.ended_at_unix_ms) as f64 / 1000.0);
+        }
+        ingest.seen.extend(fresh.into_iter().map(|r| r.record_id));
+        Ok(ack)
+    })
+    .await;
+    let m = &state.metrics;
+    match result {
+        Ok(Ok(ack)) => {
+            m.received.inc_by(ack.accepted + ack.duplicates);
+            m.duplicates.inc_by(ack.duplicates);
+            m.rejected.inc_by(ack.rejected);
+            Json(ack).into_response()
+        }
+        Ok(Err(e)) => {
+            tracing::error!(error = %e, "could not persist a received batch");
+            (
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("could not persist the batch: {e}"),
+            )
+                .into_response()
+        }
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
+}
+
+async fn render_metrics(State(state): State<AppState>) -> Response {
+    let mut out = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&state.metrics.registry.gather(), &mut out);
+    ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response()
+}
+
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutting down: finishing in-flight batches, checkpointing reconstruction");
+}
+
+fn unix_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
