@@ -16,5 +16,6 @@ pub mod sse;
 pub mod tee;
 pub mod tokentap;
 pub mod transparent;
+pub mod worker;
 
 pub use tokentap_schema::{CaptureRecord, ErrorKind, SessionSource, TokenSource};

@@ -123,6 +123,50 @@ pub enum Tokens {
     /// Deterministic stand-in ids (one per character, code point + 3), for tests where the
     /// ids' meaning does not matter.
     Fake,
+    /// The same stand-in ids under a toy chat template that renders history the way the
+    /// model sampled it (each message `[1] role \n content [2]`, assistant tool calls in their
+    /// sampled text form, then `[1] assistant \n`), so a conversation's prompts extend each
+    /// other with the sampled ids, as with a real model whose template round-trips.
+    FakeChat,
+}
+
+/// Start-of-message id of [`Tokens::FakeChat`]; its end-of-message id is [`END_OF_TURN`].
+pub const FAKE_CHAT_START: u32 = 1;
+
+/// The text of a message's content: a string, or its text parts joined.
+fn content_text(content: &Value) -> String {
+    match content {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+fn fake_chat_prompt(req: &Value) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for m in req["messages"].as_array().into_iter().flatten() {
+        ids.push(FAKE_CHAT_START);
+        ids.extend(fake_ids(m["role"].as_str().unwrap_or("")));
+        ids.extend(fake_ids("\n"));
+        let mut text = content_text(&m["content"]);
+        for call in m["tool_calls"].as_array().into_iter().flatten() {
+            let f = &call["function"];
+            let args = f["arguments"]
+                .as_str()
+                .and_then(|a| serde_json::from_str(a).ok())
+                .unwrap_or(Value::Null);
+            text.push_str(&tool_call_text(f["name"].as_str().unwrap_or(""), &args));
+        }
+        ids.extend(fake_ids(&text));
+        ids.push(END_OF_TURN);
+    }
+    ids.push(FAKE_CHAT_START);
+    ids.extend(fake_ids("assistant\n"));
+    ids
 }
 
 /// A tokenized reply: ids with their text pieces.
@@ -148,6 +192,7 @@ impl Tokens {
                     .await
             }
             Tokens::Fake => fake_ids(&req["messages"].to_string()),
+            Tokens::FakeChat => fake_chat_prompt(req),
         }
     }
 
@@ -179,7 +224,7 @@ impl Tokens {
                         .collect(),
                 }
             }
-            Tokens::Fake => text
+            Tokens::Fake | Tokens::FakeChat => text
                 .chars()
                 .map(|c| (c as u32 + 3, c.to_string()))
                 .collect(),

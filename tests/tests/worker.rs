@@ -1,0 +1,169 @@
+//! The proxy ships records to a reconstruction worker (`--ship-to`); the worker is killed
+//! (SIGKILL) in the middle of the stream and restarted. Nothing may be lost or repeated: the
+//! worker's spool holds each of the proxy's records exactly once, and its traces cover each
+//! record exactly once, faithfully, with append-only conversations merged.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokentap_e2e::procs::http_client;
+use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens};
+use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
+use tokentap_e2e::worker::Worker;
+use tokentap_reconstruct::output::read_traces_jsonl;
+use tokentap_reconstruct::{verify, RecordDigest};
+use tokentap_schema::{SessionReport, SplitCause};
+
+const SESSIONS: usize = 4;
+const TURNS: usize = 8;
+
+async fn chat(
+    client: &reqwest::Client,
+    proxy: &Tokentap,
+    session: &str,
+    messages: &[Value],
+) -> String {
+    let r = client
+        .post(proxy.chat_url())
+        .header("x-tokentap-session", session)
+        .json(&json!({"model": "m", "messages": messages, "max_tokens": 64}))
+        .send()
+        .await
+        .expect("calling the proxy");
+    assert!(r.status().is_success(), "{}", r.status());
+    let v: Value = r.json().await.unwrap();
+    v["choices"][0]["message"]["content"]
+        .as_str()
+        .unwrap()
+        .to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_mid_stream_loses_and_repeats_nothing() {
+    let backend = ScriptedBackend::start(
+        Tokens::FakeChat,
+        Arc::new(|_req: &Value, i| Reply::Text(format!("answer {i}"))),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("worker-out");
+    let mut worker = Worker::start(&out, &["--session-idle", "4"]).await;
+    let proxy = Tokentap::start(
+        TokentapConfig::new(&backend.url, "vllm")
+            .arg("--ship-to")
+            .arg(&worker.url),
+    )
+    .await;
+    let client = http_client();
+    let mut conversations: Vec<Vec<Value>> = (0..SESSIONS)
+        .map(|s| vec![json!({"role": "user", "content": format!("task {s}")})])
+        .collect();
+    for turn in 0..TURNS {
+        for (s, messages) in conversations.iter_mut().enumerate() {
+            let answer = chat(&client, &proxy, &format!("conv-{s}"), messages).await;
+            messages.push(json!({"role": "assistant", "content": answer}));
+            messages.push(json!({"role": "user", "content": format!("go on ({turn})")}));
+        }
+        if turn == 2 {
+            // Let some records reach the worker, then kill it without warning.
+            proxy.wait_records(SESSIONS * 3).await;
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            worker.kill();
+        }
+        if turn == 5 {
+            worker.restart().await;
+        }
+    }
+    let sent = proxy.wait_records(SESSIONS * TURNS).await;
+    assert_eq!(sent.len(), SESSIONS * TURNS);
+
+    // Every record reaches the worker's spool exactly once.
+    let worker_spool = out.join("spool");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let received = loop {
+        let r = read_spool(&worker_spool);
+        if r.len() >= sent.len() || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    let sent_ids: HashSet<&str> = sent.iter().map(|r| r.record_id.as_str()).collect();
+    let mut received_ids: Vec<&str> = received.iter().map(|r| r.record_id.as_str()).collect();
+    received_ids.sort();
+    let unique: HashSet<&str> = received_ids.iter().copied().collect();
+    assert_eq!(
+        unique.len(),
+        received_ids.len(),
+        "a record was stored twice"
+    );
+    assert_eq!(unique, sent_ids, "worker log:\n{}", worker.log_tail(30));
+
+    // Sessions go idle after 4 s; their traces are written then.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let reports: Vec<SessionReport> = loop {
+        let text = std::fs::read_to_string(out.join("sessions.jsonl")).unwrap_or_default();
+        let reports: Vec<SessionReport> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let sessions: HashSet<&str> = reports.iter().map(|r| r.session_id.as_str()).collect();
+        if sessions.len() >= SESSIONS {
+            break reports;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "sessions finished: {sessions:?}; worker log:\n{}",
+            worker.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(reports.iter().all(|r| r.faithfulness.violations == 0));
+    let metric = worker
+        .metric("tokentap_worker_sessions_finished_total")
+        .await;
+    assert!(metric.is_some_and(|m| m >= 1.0), "{metric:?}");
+    assert!(
+        worker.terminate().await,
+        "the worker did not stop on SIGTERM"
+    );
+
+    let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
+    let trace_ids: HashSet<&str> = traces.iter().map(|t| t.trace_id.as_str()).collect();
+    assert_eq!(trace_ids.len(), traces.len(), "a trace was written twice");
+    let mut in_traces: Vec<&str> = traces
+        .iter()
+        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
+        .collect();
+    in_traces.sort();
+    assert_eq!(in_traces, received_ids, "each record in exactly one trace");
+    let digests: HashMap<String, RecordDigest> = sent
+        .iter()
+        .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
+        .collect();
+    let f = verify(&traces, &digests);
+    assert_eq!(f.violations, 0, "{:?}", f.examples);
+    assert_eq!(
+        f.trainable_tokens,
+        sent.iter()
+            .map(|r| r.completion_token_ids.as_ref().unwrap().len() as u64)
+            .sum::<u64>(),
+        "every sampled token is trainable"
+    );
+    // Append-only conversations: one trace each, all turns merged.
+    for s in 0..SESSIONS {
+        let mine: Vec<_> = traces
+            .iter()
+            .filter(|t| t.session_id == format!("conv-{s}"))
+            .collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "conv-{s}: {:?}",
+            mine.iter().map(|t| t.started_by).collect::<Vec<_>>()
+        );
+        assert_eq!(mine[0].calls.len(), TURNS);
+        assert_eq!(mine[0].started_by, SplitCause::SessionStart);
+    }
+}
