@@ -178,10 +178,26 @@ pub async fn run_qwen(
     prompt: &str,
     yolo: bool,
 ) -> HarnessRun {
+    run_qwen_with_memory(dirs, server, wire, api_key, model, prompt, yolo, false).await
+}
+
+/// [`run_qwen`], with Qwen Code's managed auto-memory on or off (on: after the turn, a
+/// memory-extraction subagent makes calls of its own with a prompt of its own).
+#[allow(clippy::too_many_arguments)]
+pub async fn run_qwen_with_memory(
+    dirs: &HarnessDirs,
+    server: &str,
+    wire: Wire,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+    yolo: bool,
+    memory: bool,
+) -> HarnessRun {
     let (a, exe) = Artefacts::require_harness("qwen");
     let settings = json!({
         "privacy": {"usageStatisticsEnabled": false},
-        "memory": {"enableManagedAutoMemory": false, "enableManagedAutoDream": false}
+        "memory": {"enableManagedAutoMemory": memory, "enableManagedAutoDream": false}
     });
     dirs.write(".qwen/settings.json", &settings.to_string());
     let mut cmd = harness_command(&a, &exe, dirs);

@@ -25,6 +25,11 @@ impl LlamaServer {
     /// `llama-server -m $TOKENTAP_MODEL_TINY --host 127.0.0.1 --port P -c CTX -np 1 -a tiny --jinja`,
     /// healthy. Fails the test (with a pointer to `scripts/setup`) if the artefacts are missing.
     pub async fn start(ctx: u32) -> LlamaServer {
+        LlamaServer::start_with(ctx, &[]).await
+    }
+
+    /// The same, with extra llama-server arguments.
+    pub async fn start_with(ctx: u32, extra: &[&str]) -> LlamaServer {
         let a = Artefacts::require_llama();
         let dir = tempfile::tempdir().expect("temp dir");
         let mut last_err = String::new();
@@ -37,7 +42,8 @@ impl LlamaServer {
                 .args(["--host", "127.0.0.1", "--port"])
                 .arg(port.to_string())
                 .args(["-c", &ctx.to_string(), "-np", "1", "-a", "tiny", "--jinja"])
-                .args(["--threads", "2"]);
+                .args(["--threads", "2"])
+                .args(extra);
             let mut child = spawn_guarded(cmd, &log, KillScope::Process, "llama-server")
                 .unwrap_or_else(|e| panic!("starting {}: {e}", a.llama_server.display()));
             let url = format!("http://127.0.0.1:{port}");
@@ -67,6 +73,20 @@ impl LlamaServer {
     pub async fn shared() -> &'static LlamaServer {
         static SHARED: OnceCell<LlamaServer> = OnceCell::const_new();
         SHARED.get_or_init(|| LlamaServer::start(32768)).await
+    }
+
+    /// A llama-server (context 32768) whose chat template renders assistant tool calls back
+    /// into the history exactly as sampled (`tests/fixtures/chatml-hermes-tools.jinja`), shared
+    /// by the tests in this process.
+    pub async fn shared_with_tool_template() -> &'static LlamaServer {
+        static SHARED: OnceCell<LlamaServer> = OnceCell::const_new();
+        const TEMPLATE: &str = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/fixtures/chatml-hermes-tools.jinja"
+        );
+        SHARED
+            .get_or_init(|| LlamaServer::start_with(32768, &["--chat-template-file", TEMPLATE]))
+            .await
     }
 
     pub fn tokenizer(&self) -> LlamaTokenizer {

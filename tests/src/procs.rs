@@ -153,6 +153,16 @@ impl ChildGuard {
         }
     }
 
+    /// SIGTERM to the child alone, then waits (bounded); true if it exited within `limit`.
+    pub async fn terminate(&mut self, limit: Duration) -> bool {
+        let Some(c) = self.child.as_ref() else {
+            return true;
+        };
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+        self.wait_limited(limit).await.is_some()
+    }
+
     pub fn kill(&mut self) {
         if let Some(mut c) = self.child.take() {
             if self.scope == KillScope::Group {

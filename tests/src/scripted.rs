@@ -236,12 +236,32 @@ fn fake_ids(text: &str) -> Vec<u32> {
     text.chars().map(|c| c as u32 + 3).collect()
 }
 
-/// The text form of a tool call, as a Hermes-style model would sample it.
+/// The text form of a tool call, as a Hermes-style model (Qwen2.5) samples it: JSON with
+/// Python's `json.dumps` separators (`", "`, `": "`), which is also how its chat template
+/// (`tojson`) renders the call back into the history.
 pub fn tool_call_text(name: &str, arguments: &Value) -> String {
     format!(
         "<tool_call>\n{}\n</tool_call>",
-        json!({"name": name, "arguments": arguments})
+        python_json(&json!({"name": name, "arguments": arguments}))
     )
+}
+
+/// `json.dumps(v)` with default separators (ASCII-only input assumed, as in the tests).
+fn python_json(v: &Value) -> String {
+    match v {
+        Value::Array(items) => format!(
+            "[{}]",
+            items.iter().map(python_json).collect::<Vec<_>>().join(", ")
+        ),
+        Value::Object(map) => format!(
+            "{{{}}}",
+            map.iter()
+                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), python_json(v)))
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+        other => other.to_string(),
+    }
 }
 
 struct Shared {

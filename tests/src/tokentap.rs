@@ -123,6 +123,12 @@ impl Tokentap {
         self.child.log_tail(n)
     }
 
+    /// Stops the proxy with SIGTERM (its shutdown path: spool drained, downstream flushed);
+    /// true if it exited within 20 s.
+    pub async fn terminate(&mut self) -> bool {
+        self.child.terminate(Duration::from_secs(20)).await
+    }
+
     /// Whether the proxy process is still running.
     pub fn is_running(&mut self) -> bool {
         self.child.try_wait().is_none()

@@ -65,9 +65,7 @@ impl Worker {
         let Some(mut c) = self.child.take() else {
             return true;
         };
-        // SAFETY: plain kill(2) on our own child.
-        unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
-        c.wait_limited(Duration::from_secs(20)).await.is_some()
+        c.terminate(Duration::from_secs(20)).await
     }
 
     pub fn log_tail(&self, n: usize) -> String {
