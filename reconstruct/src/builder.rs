@@ -114,6 +114,14 @@ impl Tip {
         }
     }
 
+    fn held_bytes(&self) -> usize {
+        self.completion.as_ref().map_or(0, |c| c.capacity() * 4)
+            + self.logprobs.as_ref().map_or(0, |l| l.capacity() * 4)
+            + self.messages_json.capacity()
+            + self.tools_json.capacity()
+            + self.record_id.capacity()
+    }
+
     fn sampled(&self) -> &[u32] {
         self.completion.as_deref().unwrap_or(&[])
     }
@@ -148,6 +156,14 @@ impl Chain {
     }
 
     /// Whether `prompt` starts with the tip's prompt followed by the tip's sampled ids.
+    fn held_bytes(&self) -> usize {
+        self.tokens.capacity() * 4
+            + self.mask.capacity()
+            + self.logprobs.capacity() * 4
+            + self.calls.capacity() * std::mem::size_of::<TraceCall>()
+            + self.tip.held_bytes()
+    }
+
     fn continues_with(&self, prompt: &[u32]) -> bool {
         prompt[self.tokens.len()..].starts_with(self.tip.sampled())
     }
@@ -248,6 +264,23 @@ impl SessionBuilder {
     /// Tokens held by open chains.
     pub fn open_tokens(&self) -> usize {
         self.chains.iter().map(|c| c.tokens.len()).sum()
+    }
+
+    /// Heap bytes held for this session: open chains, traces closed but not yet emitted, and
+    /// the record ids seen (an accounting of capacities, not an allocator measurement).
+    pub fn held_bytes(&self) -> usize {
+        let done: usize = self
+            .done
+            .iter()
+            .map(|t| {
+                (t.prompt_ids.capacity() + t.response_ids.capacity() + t.logprobs.capacity()) * 4
+                    + t.loss_mask.capacity()
+                    + t.messages_json.capacity()
+                    + t.tools_json.capacity()
+            })
+            .sum();
+        let seen: usize = self.seen.iter().map(|id| id.capacity() + 32).sum();
+        self.chains.iter().map(Chain::held_bytes).sum::<usize>() + done + seen
     }
 
     /// Feeds the next record of the session. A record id seen before is counted and ignored.

@@ -6,10 +6,12 @@
 //!   mode), finishing sessions when told or when idle.
 //! - [`live`]: following a spool as it grows, with checkpoints (worker and local mode).
 //! - [`output`]: JSONL and Parquet files.
+//! - [`synthetic`]: made-up sessions for benchmarks and tests.
 
 pub mod builder;
 pub mod live;
 pub mod output;
+pub mod synthetic;
 pub mod verify;
 
 use std::collections::HashMap;
@@ -100,6 +102,21 @@ impl Reconstructor {
     /// Tokens held by open chains, over all open sessions.
     pub fn open_tokens(&self) -> usize {
         self.open.values().map(|s| s.builder.open_tokens()).sum()
+    }
+
+    /// Heap bytes held by open sessions (see [`SessionBuilder::held_bytes`]), with the
+    /// per-record digests kept for the faithfulness check.
+    pub fn held_bytes(&self) -> usize {
+        self.open
+            .values()
+            .map(|s| {
+                s.builder.held_bytes()
+                    + s.digests
+                        .keys()
+                        .map(|k| k.capacity() + std::mem::size_of::<RecordDigest>() + 48)
+                        .sum::<usize>()
+            })
+            .sum()
     }
 
     /// Finishes the sessions whose latest record ended before `before_unix_ms`.

@@ -162,49 +162,9 @@ impl Sim {
     }
 }
 
+/// A record with the given ids and no token data yet.
 pub fn record(session: &str, n: u64) -> CaptureRecord {
-    CaptureRecord {
-        schema_version: CAPTURE_SCHEMA_VERSION,
-        record_id: format!("{session}-rec-{n:06}"),
-        session_id: session.to_string(),
-        session_source: SessionSource::Header,
-        seq: n,
-        started_at_unix_ms: 1_000 + n,
-        ended_at_unix_ms: 1_000 + n,
-        wire_api: WireApi::ChatCompletions,
-        request: HarnessRequest {
-            method: "POST".into(),
-            path: "/v1/chat/completions".into(),
-            query: None,
-            headers: Default::default(),
-            body_bytes: 0,
-            body: None,
-            body_text: None,
-        },
-        backend_request: None,
-        normalizations: vec![],
-        backend: BackendInfo {
-            kind: BackendKind::Vllm,
-            url: "http://127.0.0.1:1".into(),
-            model: "m".into(),
-            policy_version: None,
-            synthetic_stream: false,
-        },
-        prompt_token_ids: None,
-        completion_token_ids: None,
-        logprobs: None,
-        token_provenance: TokenProvenance {
-            prompt: TokenSource::EngineResponse,
-            completion: TokenSource::EngineResponse,
-            gaps: vec![],
-        },
-        finish_reason: None,
-        message: None,
-        usage: None,
-        timings: Timings::default(),
-        response_status: 200,
-        error: None,
-    }
+    tokentap_reconstruct::synthetic::record(session, &format!("{session}-rec-{n:06}"), n)
 }
 
 pub fn simulate(steps: &[Step], seed: u64, drops_eot: bool) -> Sim {

@@ -11,6 +11,7 @@ mod body;
 mod instant_backend;
 mod load;
 mod proxy_child;
+mod reconstruct;
 mod report;
 mod translate;
 mod transparent;
@@ -43,6 +44,9 @@ pub enum BenchCmd {
     /// Translation cost per call of each wire API on the real harness requests: parse, and
     /// render an answer whole and streamed (in-process, single thread).
     Translate(translate::TranslateBenchArgs),
+    /// Trace reconstruction: merge ratio, tokens/s per core (linearity over session length),
+    /// memory per open session, on synthetic long sessions and optionally a recorded spool.
+    Reconstruct(reconstruct::ReconstructBenchArgs),
 }
 
 #[derive(Args)]
@@ -140,6 +144,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Proxy(args) => bench_proxy(args),
         BenchCmd::Transparent(args) => transparent::run(args),
         BenchCmd::Translate(args) => translate::run(args),
+        BenchCmd::Reconstruct(args) => reconstruct::run(args),
     }
 }
 
