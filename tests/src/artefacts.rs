@@ -178,6 +178,13 @@ impl Artefacts {
         (a, bin)
     }
 
+    /// The setup venv's Python (with pandas, pyarrow and Hugging Face `datasets`).
+    pub fn require_python() -> PathBuf {
+        let py = cache_dir().join("venv/bin/python");
+        require_file(&py, "the setup venv's python");
+        py
+    }
+
     /// PATH for harness processes: setup's directories first, then the system's.
     pub fn harness_path(&self) -> String {
         let mut parts: Vec<String> = self
