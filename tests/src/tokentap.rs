@@ -18,6 +18,8 @@ pub struct TokentapConfig {
     pub backend: String,
     pub backend_kind: &'static str,
     pub extra_args: Vec<String>,
+    /// Use this spool (e.g. a killed proxy's, to restart on it) instead of a fresh one.
+    pub spool: Option<PathBuf>,
 }
 
 impl TokentapConfig {
@@ -26,6 +28,7 @@ impl TokentapConfig {
             backend: backend.into(),
             backend_kind,
             extra_args: Vec::new(),
+            spool: None,
         }
     }
 
@@ -51,7 +54,10 @@ impl Tokentap {
     pub async fn start(config: TokentapConfig) -> Tokentap {
         let bin = tokentap_bin();
         let dir = tempfile::tempdir().expect("temp dir");
-        let spool = dir.path().join("spool");
+        let spool = config
+            .spool
+            .clone()
+            .unwrap_or_else(|| dir.path().join("spool"));
         let mut last_err = String::new();
         for _attempt in 0..3 {
             let port = free_port();
@@ -127,6 +133,11 @@ impl Tokentap {
     /// true if it exited within 20 s.
     pub async fn terminate(&mut self) -> bool {
         self.child.terminate(Duration::from_secs(20)).await
+    }
+
+    /// SIGKILL: no shutdown path runs (the spool keeps what was written).
+    pub fn kill(&mut self) {
+        self.child.kill();
     }
 
     /// Whether the proxy process is still running.

@@ -1,5 +1,6 @@
 //! The proxy ships records to a reconstruction worker (`--ship-to`); the worker is killed
-//! (SIGKILL) in the middle of the stream and restarted. Nothing may be lost or repeated: the
+//! (SIGKILL) in the middle of the stream and restarted, and so is the proxy (restarted on its
+//! spool, so its shipper resumes from its cursor). Nothing may be lost or repeated: the
 //! worker's spool holds each of the proxy's records exactly once, and its traces cover each
 //! record exactly once, faithfully, with append-only conversations merged.
 
@@ -41,7 +42,7 @@ async fn chat(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_killed_mid_stream_loses_and_repeats_nothing() {
+async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
     let backend = ScriptedBackend::start(
         Tokens::FakeChat,
         Arc::new(|_req: &Value, i| Reply::Text(format!("answer {i}"))),
@@ -50,12 +51,11 @@ async fn a_worker_killed_mid_stream_loses_and_repeats_nothing() {
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("worker-out");
     let mut worker = Worker::start(&out, &["--session-idle", "4"]).await;
-    let proxy = Tokentap::start(
-        TokentapConfig::new(&backend.url, "vllm")
-            .arg("--ship-to")
-            .arg(&worker.url),
-    )
-    .await;
+    let config = TokentapConfig::new(&backend.url, "vllm")
+        .arg("--ship-to")
+        .arg(&worker.url);
+    let mut proxy = Tokentap::start(config.clone()).await;
+    let mut retired = Vec::new();
     let client = http_client();
     let mut conversations: Vec<Vec<Value>> = (0..SESSIONS)
         .map(|s| vec![json!({"role": "user", "content": format!("task {s}")})])
@@ -74,6 +74,17 @@ async fn a_worker_killed_mid_stream_loses_and_repeats_nothing() {
         }
         if turn == 5 {
             worker.restart().await;
+        }
+        if turn == 6 {
+            // Every answered call is in the spool; then the proxy dies without warning and
+            // comes back on the same spool.
+            proxy.wait_records(SESSIONS * 7).await;
+            let spool = proxy.spool.clone();
+            proxy.kill();
+            let mut again = config.clone();
+            again.spool = Some(spool);
+            // The killed proxy's temp dir holds the spool: keep it to the end of the test.
+            retired.push(std::mem::replace(&mut proxy, Tokentap::start(again).await));
         }
     }
     let sent = proxy.wait_records(SESSIONS * TURNS).await;
