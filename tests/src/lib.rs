@@ -15,6 +15,7 @@ pub mod scripted;
 pub mod sse;
 pub mod tee;
 pub mod tokentap;
+pub mod traces;
 pub mod transparent;
 pub mod worker;
 

@@ -256,3 +256,19 @@ pub fn http_client() -> reqwest::Client {
         .build()
         .expect("reqwest client")
 }
+
+/// The value of an unlabelled metric on `{base}/metrics`, if present.
+pub async fn metric(base: &str, name: &str) -> Option<f64> {
+    let text = http_client()
+        .get(format!("{base}/metrics"))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()?;
+    text.lines().find_map(|l| {
+        let (n, v) = l.split_once(' ')?;
+        (n == name).then(|| v.trim().parse().ok()).flatten()
+    })
+}

@@ -104,16 +104,7 @@ impl Tokentap {
 
     /// The value of an unlabelled metric on `/metrics`, if present.
     pub async fn metric(&self, name: &str) -> Option<f64> {
-        let text = reqwest::get(format!("{}/metrics", self.url))
-            .await
-            .ok()?
-            .text()
-            .await
-            .ok()?;
-        text.lines().find_map(|l| {
-            let (n, v) = l.split_once(' ')?;
-            (n == name).then(|| v.trim().parse().ok()).flatten()
-        })
+        crate::procs::metric(&self.url, name).await
     }
 
     pub fn chat_url(&self) -> String {

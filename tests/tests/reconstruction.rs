@@ -5,13 +5,13 @@
 //! are exactly the sampled ids; side calls with their own prompt form their own chains.
 
 use std::collections::HashMap;
-use std::time::{Duration, Instant};
 
 use serde_json::json;
 use tokentap_e2e::harness::{run_pi, run_qwen_with_memory, HarnessDirs, HarnessRun, Wire};
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::scripted::{tool_round_trip, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::{tokentap_cli, Tokentap, TokentapConfig};
+use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::CaptureRecord;
 use tokentap_reconstruct::output::{read_traces_jsonl, read_traces_parquet};
 use tokentap_reconstruct::{verify, RecordDigest};
@@ -62,25 +62,7 @@ async fn session(
     let sessions: std::collections::HashSet<&str> =
         records.iter().map(|r| r.session_id.as_str()).collect();
     let out = tokentap.spool.join("traces");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let reports: Vec<SessionReport> = loop {
-        let text = std::fs::read_to_string(out.join("sessions.jsonl")).unwrap_or_default();
-        let reports: Vec<SessionReport> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        if reports.len() >= sessions.len() {
-            break reports;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{what}: {} of {} sessions reconstructed; proxy log:\n{}",
-            reports.len(),
-            sessions.len(),
-            tokentap.log_tail(30)
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    let reports = wait_session_reports(&out, sessions.len(), || tokentap.log_tail(30)).await;
     let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
     Session {
         records,

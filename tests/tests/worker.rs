@@ -12,10 +12,11 @@ use serde_json::{json, Value};
 use tokentap_e2e::procs::http_client;
 use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
+use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::worker::Worker;
 use tokentap_reconstruct::output::read_traces_jsonl;
 use tokentap_reconstruct::{verify, RecordDigest};
-use tokentap_schema::{SessionReport, SplitCause};
+use tokentap_schema::SplitCause;
 
 const SESSIONS: usize = 4;
 const TURNS: usize = 8;
@@ -112,24 +113,7 @@ async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
     assert_eq!(unique, sent_ids, "worker log:\n{}", worker.log_tail(30));
 
     // Sessions go idle after 4 s; their traces are written then.
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let reports: Vec<SessionReport> = loop {
-        let text = std::fs::read_to_string(out.join("sessions.jsonl")).unwrap_or_default();
-        let reports: Vec<SessionReport> = text
-            .lines()
-            .map(|l| serde_json::from_str(l).unwrap())
-            .collect();
-        let sessions: HashSet<&str> = reports.iter().map(|r| r.session_id.as_str()).collect();
-        if sessions.len() >= SESSIONS {
-            break reports;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "sessions finished: {sessions:?}; worker log:\n{}",
-            worker.log_tail(30)
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let reports = wait_session_reports(&out, SESSIONS, || worker.log_tail(30)).await;
     assert!(reports.iter().all(|r| r.faithfulness.violations == 0));
     let metric = worker
         .metric("tokentap_worker_sessions_finished_total")
