@@ -41,4 +41,16 @@ mod tests {
             "capture-record.schema.json is stale: run `tokentap schema > capture-schema/capture-record.schema.json`"
         );
     }
+
+    /// Likewise for a trace row: `tokentap schema --trace > capture-schema/trace.schema.json`.
+    #[test]
+    fn committed_trace_schema_is_current() {
+        let committed: serde_json::Value =
+            serde_json::from_str(include_str!("../trace.schema.json")).unwrap();
+        assert_eq!(
+            committed,
+            trace_json_schema(),
+            "trace.schema.json is stale: run `tokentap schema --trace > capture-schema/trace.schema.json`"
+        );
+    }
 }

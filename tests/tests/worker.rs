@@ -162,3 +162,97 @@ async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
         assert_eq!(mine[0].started_by, SplitCause::SessionStart);
     }
 }
+
+/// The ingest contract: a batch is acked with what was new, what was a redelivery and what was
+/// not a record; `tokentap ship` resumes from its cursor and, without it, resends everything,
+/// which the worker drops as duplicates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_worker_acks_new_duplicate_and_rejected_lines_and_ship_resumes() {
+    use tokentap_e2e::tokentap::tokentap_cli;
+    use tokentap_reconstruct::synthetic::LongSession;
+    use tokentap_schema::ndjson::encode_line;
+    use tokentap_schema::ship::ShipAck;
+    use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::start(&dir.path().join("out"), &["--session-idle", "600"]).await;
+    let shape = LongSession {
+        calls: 6,
+        first_prompt: 50,
+        last_prompt: 100,
+        sampled: 4,
+        subagent_every: 0,
+        subagent_calls: 0,
+        subagent_prompt: 0,
+    };
+    let records = shape.records("ingest", 5);
+    let mut body = Vec::new();
+    for r in &records[..3] {
+        encode_line(r, &mut body).unwrap();
+    }
+    let client = http_client();
+    let post = |body: Vec<u8>| {
+        let client = client.clone();
+        let url = format!("{}/v1/records", worker.url);
+        async move {
+            let r = client.post(url).body(body).send().await.unwrap();
+            assert!(r.status().is_success(), "{}", r.status());
+            r.json::<ShipAck>().await.unwrap()
+        }
+    };
+    let first = post(body.clone()).await;
+    assert_eq!(
+        (first.accepted, first.duplicates, first.rejected),
+        (3, 0, 0)
+    );
+    let mut again = body.clone();
+    again.extend_from_slice(b"{\"not\": \"a record\"}\n");
+    let second = post(again).await;
+    assert_eq!(
+        (second.accepted, second.duplicates, second.rejected),
+        (0, 3, 1)
+    );
+    assert!(
+        second.errors[0].starts_with("line 4:"),
+        "{:?}",
+        second.errors
+    );
+    assert_eq!(
+        worker
+            .metric("tokentap_worker_duplicates_dropped_total")
+            .await,
+        Some(3.0)
+    );
+    assert_eq!(
+        worker
+            .metric("tokentap_worker_records_received_total")
+            .await,
+        Some(6.0)
+    );
+
+    // `tokentap ship` of a spool holding all six: three new, three already there.
+    let spool = dir.path().join("proxy-spool");
+    let mut w = SpoolWriter::open(&spool, SpoolConfig::default()).unwrap();
+    w.append_batch(&records).unwrap();
+    w.sync().unwrap();
+    drop(w);
+    let s = spool.to_str().unwrap();
+    let ship = tokentap_cli(&["ship", "--spool", s, "--to", &worker.url]).await;
+    assert!(ship.success, "{}", ship.stderr);
+    assert!(ship.stdout.contains("shipped 3 records"), "{}", ship.stdout);
+    assert!(ship.stdout.contains("3 duplicates"), "{}", ship.stdout);
+    // From the cursor: nothing left to send.
+    let ship = tokentap_cli(&["ship", "--spool", s, "--to", &worker.url]).await;
+    assert!(
+        ship.stdout.contains("shipped 0 records in 0 batches"),
+        "{}",
+        ship.stdout
+    );
+    // Without it: everything again, all of it dropped as duplicates.
+    std::fs::remove_file(spool.join("ship-cursor.json")).unwrap();
+    let ship = tokentap_cli(&["ship", "--spool", s, "--to", &worker.url]).await;
+    assert!(ship.stdout.contains("shipped 0 records"), "{}", ship.stdout);
+    assert!(ship.stdout.contains("6 duplicates"), "{}", ship.stdout);
+    let stored = read_spool(&dir.path().join("out/spool"));
+    assert_eq!(stored.len(), 6);
+}
