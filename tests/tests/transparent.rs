@@ -350,6 +350,30 @@ async fn harness_without_base_url(
         assert_eq!(r.response_status, 200, "{:?}", r.error);
         assert_complete_token_data(r);
     }
+    // Local mode: `tokentap run` reconstructed the run in-process and, the run being over,
+    // wrote every session's traces before exiting.
+    let traces =
+        tokentap_reconstruct::output::read_traces_jsonl(&spool.join("traces/traces.jsonl"))
+            .unwrap_or_else(|e| panic!("{exe}: no traces written by tokentap run: {e}"));
+    let digests = records
+        .iter()
+        .map(|r| {
+            (
+                r.record_id.clone(),
+                tokentap_reconstruct::RecordDigest::of(r),
+            )
+        })
+        .collect();
+    let f = tokentap_reconstruct::verify(&traces, &digests);
+    assert_eq!(f.violations, 0, "{exe}: {:?}", f.examples);
+    let mut in_traces: Vec<&str> = traces
+        .iter()
+        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
+        .collect();
+    in_traces.sort();
+    let mut ids: Vec<&str> = records.iter().map(|r| r.record_id.as_str()).collect();
+    ids.sort();
+    assert_eq!(in_traces, ids, "{exe}: each record in exactly one trace");
     no_leftovers(&session);
     records
 }
