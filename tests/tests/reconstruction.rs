@@ -7,9 +7,11 @@
 use std::collections::HashMap;
 
 use serde_json::json;
-use tokentap_e2e::harness::{run_pi, run_qwen_with_memory, HarnessDirs, HarnessRun, Wire};
+use tokentap_e2e::harness::{
+    run_pi, run_qwen, run_qwen_with_memory, HarnessDirs, HarnessRun, Wire,
+};
 use tokentap_e2e::llama::LlamaServer;
-use tokentap_e2e::scripted::{tool_round_trip, ScriptedBackend, Tokens};
+use tokentap_e2e::scripted::{tool_round_trip, Reply, Script, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::{tokentap_cli, Tokentap, TokentapConfig};
 use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::CaptureRecord;
@@ -26,26 +28,18 @@ struct Session {
     traces: Vec<Trace>,
     reports: Vec<SessionReport>,
     tokentap: Tokentap,
+    dirs: HarnessDirs,
 }
 
 /// Runs `run` against tokentap in front of the scripted tool loop, waits for the proxy's
 /// in-process reconstruction to finish every session, and returns records and traces.
 async fn session(
     what: &str,
-    tool: &str,
+    script: Script,
     run: impl AsyncFnOnce(&HarnessDirs, &str) -> HarnessRun,
 ) -> Session {
     let llama = LlamaServer::shared_with_tool_template().await;
-    let backend = ScriptedBackend::start(
-        Tokens::Llama(llama.tokenizer()),
-        tool_round_trip(
-            tool,
-            json!({"command": format!("echo hi > {MARKER_FILE}")}),
-            FINAL_TEXT,
-            "ok",
-        ),
-    )
-    .await;
+    let backend = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), script).await;
     let tokentap = Tokentap::start(
         TokentapConfig::new(backend.url.clone(), "vllm")
             .arg("--session-idle")
@@ -54,10 +48,6 @@ async fn session(
     .await;
     let dirs = HarnessDirs::new();
     run(&dirs, &tokentap.url).await.assert_success(what);
-    assert!(
-        dirs.work().join(MARKER_FILE).exists(),
-        "{what}: the scripted tool call did not run"
-    );
     let records = tokentap.wait_records(backend.requests().len()).await;
     let sessions: std::collections::HashSet<&str> =
         records.iter().map(|r| r.session_id.as_str()).collect();
@@ -69,10 +59,29 @@ async fn session(
         traces,
         reports,
         tokentap,
+        dirs,
     }
 }
 
+/// The scripted shell round trip: call `tool` once, then answer [`FINAL_TEXT`].
+fn tool_loop(tool: &str) -> Script {
+    tool_round_trip(
+        tool,
+        json!({"command": format!("echo hi > {MARKER_FILE}")}),
+        FINAL_TEXT,
+        "ok",
+    )
+}
+
 /// What holds for every reconstruction: faithful, complete, each record once.
+/// The harness really ran the scripted shell call in its working directory.
+fn assert_tool_ran(what: &str, s: &Session) {
+    assert!(
+        s.dirs.work().join(MARKER_FILE).exists(),
+        "{what}: the scripted tool call did not run"
+    );
+}
+
 fn assert_faithful(what: &str, s: &Session) {
     let digests: HashMap<String, RecordDigest> = s
         .records
@@ -119,7 +128,6 @@ fn conversation<'a>(what: &str, s: &'a Session) -> &'a Trace {
 /// two sampled spans, and the whole equal to the last call's prompt plus its answer.
 fn assert_merged_tool_loop(what: &str, s: &Session, t: &Trace) {
     assert!(t.calls.len() >= 2, "{what}: {:?}", t.calls);
-    assert_eq!(t.started_by, SplitCause::SessionStart, "{what}");
     let last = s
         .records
         .iter()
@@ -153,7 +161,7 @@ fn assert_merged_tool_loop(what: &str, s: &Session, t: &Trace) {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_tool_loop_reconstructs_as_one_merged_trace() {
     let what = "pi";
-    let s = session(what, "bash", async |d, url| {
+    let s = session(what, tool_loop("bash"), async |d, url| {
         run_pi(
             d,
             url,
@@ -173,6 +181,7 @@ async fn heavy_pi_tool_loop_reconstructs_as_one_merged_trace() {
     );
     assert_eq!(s.traces.len(), 1, "{:?}", s.reports);
     let t = conversation(what, &s);
+    assert_eq!(t.started_by, SplitCause::SessionStart, "{what}");
     assert_merged_tool_loop(what, &s, t);
     assert_eq!(s.reports[0].stats.merged_calls, 1);
 
@@ -212,12 +221,8 @@ async fn heavy_pi_tool_loop_reconstructs_as_one_merged_trace() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_qwen_code_session_reconstructs_into_its_chains() {
     let what = "qwen";
-    // Managed auto-memory on: when Qwen Code runs its memory-extraction agent (a forked agent
-    // with its own system prompt), those calls extend no chain of the conversation and must
-    // form chains of their own. (The version tested makes no extraction call under `-p` with
-    // this scripted turn; the check below holds either way.)
-    let s = session(what, "run_shell_command", async |d, url| {
-        run_qwen_with_memory(
+    let s = session(what, tool_loop("run_shell_command"), async |d, url| {
+        run_qwen(
             d,
             url,
             Wire::ChatCompletions,
@@ -225,25 +230,62 @@ async fn heavy_qwen_code_session_reconstructs_into_its_chains() {
             "m",
             PROMPT,
             true,
+        )
+        .await
+    })
+    .await;
+    assert_tool_ran(what, &s);
+    assert_faithful(what, &s);
+    assert_eq!(s.traces.len(), 1, "{:?}", s.reports);
+    let t = conversation(what, &s);
+    assert_eq!(t.started_by, SplitCause::SessionStart, "{what}");
+    assert_merged_tool_loop(what, &s, t);
+}
+
+/// Qwen Code's managed auto-memory: after a turn that ends on the user's query, a forked
+/// memory-extraction agent (its own system prompt, the conversation as extra history) makes
+/// calls of its own. Here the main turn is a plain answer (the extractor runs only after a turn
+/// that ends on the user's query, not on a tool result) and the extractor gets the scripted
+/// shell call: its calls extend no chain of the conversation, so they form a second chain, in
+/// which its tool loop merges.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_qwen_code_memory_extraction_is_a_second_chain() {
+    let what = "qwen (auto-memory)";
+    let loop_ = tool_loop("run_shell_command");
+    let script: Script = std::sync::Arc::new(move |req, i| {
+        if i == 0 {
+            Reply::text("A token is a unit of text.")
+        } else {
+            loop_(req, i)
+        }
+    });
+    let s = session(what, script, async |d, url| {
+        run_qwen_with_memory(
+            d,
+            url,
+            Wire::ChatCompletions,
+            "sk-e2e-recon-qwen-mem",
+            "m",
+            "What is a token?",
+            true,
             true,
         )
         .await
     })
     .await;
+    // The main answer, then the extractor's tool call and its follow-up (the extractor runs
+    // its shell in the memory directory, not the project).
+    assert_eq!(s.records.len(), 3, "{:?}", s.reports);
     assert_faithful(what, &s);
-    let t = conversation(what, &s);
-    assert_merged_tool_loop(what, &s, t);
-    for other in s.traces.iter().filter(|o| o.trace_id != t.trace_id) {
-        assert_eq!(other.started_by, SplitCause::NewPrefix, "{what}: {other:?}");
-        assert!(
-            !other.prompt_ids.starts_with(&t.prompt_ids),
-            "{what}: a side chain that extends the conversation should have merged"
-        );
-    }
-    let report = s
-        .reports
+    assert_eq!(s.traces.len(), 2, "{:?}", s.reports);
+    let main = s
+        .traces
         .iter()
-        .find(|r| r.session_id == t.session_id)
+        .find(|t| t.started_by == SplitCause::SessionStart)
         .unwrap();
-    assert_eq!(report.stats.traces as usize, s.traces.len());
+    assert_eq!(main.calls.len(), 1);
+    let extractor = conversation(what, &s);
+    assert_eq!(extractor.started_by, SplitCause::NewPrefix);
+    assert_merged_tool_loop(what, &s, extractor);
+    assert!(!extractor.prompt_ids.starts_with(&main.prompt_ids));
 }
