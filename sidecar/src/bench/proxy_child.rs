@@ -40,7 +40,11 @@ impl ProxyChild {
             .args(["--backend-kind", "vllm", "--backend-model", MODEL])
             .args(["--threads", &threads.to_string()])
             .arg("--spool")
-            .arg(&spool);
+            .arg(&spool)
+            // The proxy alone: in-process reconstruction is a separate consumer of the spool
+            // (about 0.5 ms of one core per 143 KB record, mostly JSON parsing), measured by
+            // `tokentap bench reconstruct`.
+            .arg("--no-reconstruct");
         if !capture {
             cmd.arg("--no-capture");
         }

@@ -249,7 +249,7 @@ impl Report {
             );
         }
         println!(
-            "  proxy:    tokentap proxy --backend-kind vllm --threads {} (capture on: spool in a temp dir, fsync 100ms)",
+            "  proxy:    tokentap proxy --backend-kind vllm --threads {} --no-reconstruct (capture on: spool in a temp dir, fsync 100ms)",
             c.proxy_threads
         );
         if !self.latency.is_empty() {
