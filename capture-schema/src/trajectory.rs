@@ -19,12 +19,13 @@ use crate::chat::FinishReason;
 pub const TRAJECTORY_SCHEMA_VERSION: u32 = 1;
 
 /// How a session's calls become traces.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case")]
 pub enum Strategy {
     /// One trace per call: its prompt, and its sampled tokens as the response.
     PerRequest,
     /// Calls whose prompts extend the previous call's prompt and answer become one trace.
+    #[default]
     PrefixMerge,
 }
 

@@ -1,0 +1,8 @@
+//! The rollout node: trainers submit tasks, the node runs harness samples under capture,
+//! reconstructs, evaluates and returns rewarded trajectories. See docs/rollout-design.md.
+//!
+//! - [`task`]: what is submitted and what is tracked per sample.
+//! - [`store`]: the durable state (redb) that survives node restarts.
+
+pub mod store;
+pub mod task;

@@ -1,0 +1,212 @@
+//! What a trainer submits (a [`TaskSpec`]) and what the node tracks for each of its samples.
+
+use serde::{Deserialize, Serialize};
+
+/// One task: a GRPO group of `num_samples` runs of one harness on one workspace.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TaskSpec {
+    /// The trainer's id for the task (the group id of its samples).
+    pub task_id: String,
+    /// What the agent is asked to do.
+    pub instruction: String,
+    pub workspace: Workspace,
+    pub harness: Harness,
+    #[serde(default = "one")]
+    pub num_samples: u32,
+    #[serde(default)]
+    pub sampling: Sampling,
+    #[serde(default)]
+    pub budgets: Budgets,
+    pub evaluator: Evaluator,
+    /// `prefix-merge` (default) or `per-request`.
+    #[serde(default)]
+    pub strategy: tokentap_schema::Strategy,
+    #[serde(default)]
+    pub policy_version: Option<String>,
+    /// Higher runs first.
+    #[serde(default)]
+    pub priority: i32,
+    #[serde(default)]
+    pub callback_url: Option<String>,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// Where a sample's working copy comes from.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", deny_unknown_fields)]
+pub enum Workspace {
+    /// A local directory, copied.
+    Dir {
+        path: String,
+        #[serde(default)]
+        setup: Option<String>,
+    },
+    /// A git repository at a commit, exported without history.
+    Git {
+        url: String,
+        commit: String,
+        #[serde(default)]
+        setup: Option<String>,
+    },
+}
+
+/// Which harness runs the task.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "name", deny_unknown_fields)]
+pub enum Harness {
+    Codex,
+    ClaudeCode,
+    QwenCode,
+    Pi,
+    /// Any CLI: `{instruction}` in the arguments is replaced by the instruction.
+    Command {
+        argv: Vec<String>,
+    },
+}
+
+/// Sampling parameters passed to the engine for every call of the sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Sampling {
+    #[serde(default)]
+    pub temperature: Option<f64>,
+    #[serde(default)]
+    pub top_p: Option<f64>,
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+}
+
+/// Time limits, in seconds.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Budgets {
+    /// The whole sample: INIT + RUN + POST_RUN.
+    #[serde(default = "default_session_s")]
+    pub session_s: u64,
+    /// The harness process group; killed when it runs over.
+    #[serde(default = "default_agent_s")]
+    pub agent_s: u64,
+}
+
+fn default_session_s() -> u64 {
+    3600
+}
+
+fn default_agent_s() -> u64 {
+    1800
+}
+
+impl Default for Budgets {
+    fn default() -> Self {
+        Budgets {
+            session_s: default_session_s(),
+            agent_s: default_agent_s(),
+        }
+    }
+}
+
+/// How a finished sample is scored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case", tag = "kind", deny_unknown_fields)]
+pub enum Evaluator {
+    /// A command run in a fresh copy of the final workspace: exit 0 → 1.0, else 0.0, unless it
+    /// writes a number to `$TOKENTAP_REWARD_FILE`.
+    Command {
+        command: String,
+        /// Test files restored from the original workspace before the command runs.
+        #[serde(default)]
+        test_files: Vec<String>,
+    },
+    /// SWE-bench style: reward 1 only when every FAIL_TO_PASS and PASS_TO_PASS test passes.
+    Swebench {
+        test_command: String,
+        fail_to_pass: Vec<String>,
+        pass_to_pass: Vec<String>,
+        #[serde(default)]
+        test_files: Vec<String>,
+    },
+    /// 1 when the harness exited 0 within its budget.
+    SessionCompleted,
+}
+
+/// Where a sample is in the pipeline.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Stage {
+    Queued,
+    Init,
+    Run,
+    PostRun,
+    Done,
+}
+
+/// How a sample ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case", tag = "status")]
+pub enum Outcome {
+    Completed { reward: f64 },
+    Timeout { reward: f64, reason: String },
+    Error { reason: String },
+    Cancelled,
+}
+
+/// One sample of a rollout, as stored.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    pub sample_id: String,
+    pub rollout_id: String,
+    pub index: u32,
+    pub stage: Stage,
+    /// Starts of INIT, RUN, POST_RUN and the end, unix ms (0 = not yet).
+    pub stage_started_ms: [u64; 4],
+    /// Times this sample was started (a node restart re-runs what was running).
+    pub attempt: u32,
+    pub outcome: Option<Outcome>,
+}
+
+/// What `POST /v1/rollouts` creates.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Rollout {
+    pub rollout_id: String,
+    pub submitted_ms: u64,
+    pub spec: TaskSpec,
+    pub cancelled: bool,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_minimal_task_parses_with_defaults() {
+        let spec: TaskSpec = serde_json::from_value(serde_json::json!({
+            "task_id": "t1",
+            "instruction": "fix the failing test",
+            "workspace": {"dir": {"path": "/tmp/project"}},
+            "harness": {"name": "pi"},
+            "evaluator": {"kind": "command", "command": "python3 -m unittest"}
+        }))
+        .unwrap();
+        assert_eq!(spec.num_samples, 1);
+        assert_eq!(spec.budgets, Budgets::default());
+        assert_eq!(spec.strategy, tokentap_schema::Strategy::PrefixMerge);
+        assert_eq!(spec.harness, Harness::Pi);
+    }
+
+    #[test]
+    fn unknown_fields_are_refused() {
+        let err = serde_json::from_value::<TaskSpec>(serde_json::json!({
+            "task_id": "t1", "instruction": "x",
+            "workspace": {"dir": {"path": "/tmp"}},
+            "harness": {"name": "pi"},
+            "evaluator": {"kind": "session-completed"},
+            "num_sampels": 4
+        }))
+        .unwrap_err();
+        assert!(err.to_string().contains("num_sampels"), "{err}");
+    }
+}
