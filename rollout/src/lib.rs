@@ -3,6 +3,8 @@
 //!
 //! - [`task`]: what is submitted and what is tracked per sample.
 //! - [`store`]: the durable state (redb) that survives node restarts.
+//! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 
+pub mod pipeline;
 pub mod store;
 pub mod task;

@@ -1,0 +1,302 @@
+//! The staged pipeline: INIT (working copy + set-up) → RUN (the harness, in its own process
+//! group, killed at its budget) → POST_RUN (evaluate, reward, record the outcome). Each stage
+//! has its own bounded pool, so slow agents never starve set-up or evaluation.
+//!
+//! Work in progress (issue 6): capture, reconstruction and the harness presets other than
+//! `command` come next; see docs/rollout-design.md.
+
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::Arc;
+use std::time::{Duration, SystemTime, UNIX_EPOCH};
+
+use tokio::process::Command;
+use tokio::sync::{mpsc, Mutex, Notify};
+
+use crate::store::{Store, StoreError};
+use crate::task::{Evaluator, Harness, Outcome, Rollout, Sample, Stage, Workspace};
+
+/// How a node runs its stages.
+#[derive(Debug, Clone)]
+pub struct PipelineConfig {
+    /// Per-sample directories live here.
+    pub data_dir: PathBuf,
+    pub init_workers: usize,
+    pub run_workers: usize,
+    pub post_workers: usize,
+    /// Restarts a sample survives before it is failed.
+    pub max_attempts: u32,
+}
+
+/// A sample on its way through the stages.
+struct Job {
+    rollout: Arc<Rollout>,
+    sample: Sample,
+    dir: PathBuf,
+    /// What RUN saw, for POST_RUN.
+    run: Option<RunResult>,
+}
+
+#[derive(Debug, Clone)]
+struct RunResult {
+    exit_code: Option<i32>,
+    timed_out: bool,
+}
+
+/// The running pipeline; `submit` queues a rollout's samples.
+pub struct Pipeline {
+    store: Arc<Store>,
+    init_tx: mpsc::Sender<Job>,
+    /// Woken whenever a sample ends (long-polling readers of the results log wait on it).
+    pub finished: Arc<Notify>,
+}
+
+pub fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+impl Pipeline {
+    /// Starts the pools and re-queues what a previous run of the node left unfinished.
+    pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
+        let finished = Arc::new(Notify::new());
+        let (init_tx, init_rx) = mpsc::channel::<Job>(1024);
+        let (run_tx, run_rx) = mpsc::channel::<Job>(config.run_workers.max(1));
+        let (post_tx, post_rx) = mpsc::channel::<Job>(1024);
+        let (init_rx, run_rx, post_rx) = (
+            Arc::new(Mutex::new(init_rx)),
+            Arc::new(Mutex::new(run_rx)),
+            Arc::new(Mutex::new(post_rx)),
+        );
+        for _ in 0..config.init_workers.max(1) {
+            let (rx, tx, store, cfg) = (
+                init_rx.clone(),
+                run_tx.clone(),
+                store.clone(),
+                config.clone(),
+            );
+            tokio::spawn(async move {
+                while let Some(mut job) = next(&rx).await {
+                    if let Err(e) = init(&store, &cfg, &mut job).await {
+                        fail(&store, &job, format!("init: {e}"));
+                        continue;
+                    }
+                    let _ = tx.send(job).await;
+                }
+            });
+        }
+        for _ in 0..config.run_workers.max(1) {
+            let (rx, tx, store) = (run_rx.clone(), post_tx.clone(), store.clone());
+            tokio::spawn(async move {
+                while let Some(mut job) = next(&rx).await {
+                    match run(&store, &mut job).await {
+                        Ok(()) => {
+                            let _ = tx.send(job).await;
+                        }
+                        Err(e) => fail(&store, &job, format!("run: {e}")),
+                    }
+                }
+            });
+        }
+        for _ in 0..config.post_workers.max(1) {
+            let (rx, store, finished) = (post_rx.clone(), store.clone(), finished.clone());
+            tokio::spawn(async move {
+                while let Some(job) = next(&rx).await {
+                    match post_run(&store, &job).await {
+                        Ok(outcome) => {
+                            let _ = store.finish(&job.sample.sample_id, outcome, now_ms());
+                        }
+                        Err(e) => fail(&store, &job, format!("post-run: {e}")),
+                    }
+                    finished.notify_waiters();
+                }
+            });
+        }
+        let pipeline = Pipeline {
+            store: store.clone(),
+            init_tx,
+            finished,
+        };
+        for (rollout, sample) in store.recover(config.max_attempts, now_ms())? {
+            pipeline
+                .enqueue(Arc::new(rollout), sample, &config.data_dir)
+                .await;
+        }
+        Ok(pipeline)
+    }
+
+    /// Queues every sample of a freshly stored rollout.
+    pub async fn submit(&self, rollout: Rollout, samples: Vec<Sample>, data_dir: &Path) {
+        let rollout = Arc::new(rollout);
+        for s in samples {
+            self.enqueue(rollout.clone(), s, data_dir).await;
+        }
+    }
+
+    async fn enqueue(&self, rollout: Arc<Rollout>, sample: Sample, data_dir: &Path) {
+        let dir = data_dir.join("samples").join(&sample.sample_id);
+        let _ = self
+            .init_tx
+            .send(Job {
+                rollout,
+                sample,
+                dir,
+                run: None,
+            })
+            .await;
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+}
+
+async fn next(rx: &Mutex<mpsc::Receiver<Job>>) -> Option<Job> {
+    rx.lock().await.recv().await
+}
+
+fn fail(store: &Store, job: &Job, reason: String) {
+    tracing::warn!(sample = %job.sample.sample_id, %reason, "sample failed");
+    let _ = store.finish(&job.sample.sample_id, Outcome::Error { reason }, now_ms());
+}
+
+async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<()> {
+    let current = store.sample(&job.sample.sample_id)?;
+    if current.stage == Stage::Done {
+        anyhow::bail!("already ended (cancelled?)");
+    }
+    job.sample = store.set_stage(&job.sample.sample_id, Stage::Init, now_ms())?;
+    let work = job.dir.join("work");
+    if work.exists() {
+        tokio::fs::remove_dir_all(&work).await?;
+    }
+    tokio::fs::create_dir_all(&job.dir).await?;
+    let setup = match &job.rollout.spec.workspace {
+        Workspace::Dir { path, setup } => {
+            copy_dir(Path::new(path), &work).await?;
+            setup.clone()
+        }
+        Workspace::Git { .. } => anyhow::bail!("git workspaces are not built yet"),
+    };
+    if let Some(setup) = setup {
+        let status = Command::new("sh")
+            .args(["-c", &setup])
+            .current_dir(&work)
+            .stdin(Stdio::null())
+            .status()
+            .await?;
+        if !status.success() {
+            anyhow::bail!(format!("set-up `{setup}` failed: {status}"));
+        }
+    }
+    Ok(())
+}
+
+async fn run(store: &Store, job: &mut Job) -> anyhow::Result<()> {
+    job.sample = store.set_stage(&job.sample.sample_id, Stage::Run, now_ms())?;
+    let spec = &job.rollout.spec;
+    let Harness::Command { argv } = &spec.harness else {
+        anyhow::bail!("only the `command` harness preset is built yet");
+    };
+    let argv: Vec<String> = argv
+        .iter()
+        .map(|a| a.replace("{instruction}", &spec.instruction))
+        .collect();
+    let Some((exe, args)) = argv.split_first() else {
+        anyhow::bail!("empty command");
+    };
+    let log = std::fs::File::create(job.dir.join("agent.log"))?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .current_dir(job.dir.join("work"))
+        .env("TOKENTAP_SESSION", &job.sample.sample_id)
+        .stdin(Stdio::null())
+        .stdout(log.try_clone()?)
+        .stderr(log)
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()?;
+    let pgid = child.id().map(|p| p as i32);
+    let budget = Duration::from_secs(spec.budgets.agent_s);
+    let result = match tokio::time::timeout(budget, child.wait()).await {
+        Ok(status) => RunResult {
+            exit_code: status?.code(),
+            timed_out: false,
+        },
+        Err(_) => {
+            if let Some(pgid) = pgid {
+                // SAFETY: kill(2) on the process group this child leads.
+                unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            }
+            let _ = child.wait().await;
+            RunResult {
+                exit_code: None,
+                timed_out: true,
+            }
+        }
+    };
+    job.run = Some(result);
+    Ok(())
+}
+
+async fn post_run(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
+    store.set_stage(&job.sample.sample_id, Stage::PostRun, now_ms())?;
+    let run = job.run.clone().unwrap_or(RunResult {
+        exit_code: None,
+        timed_out: false,
+    });
+    let reward = match &job.rollout.spec.evaluator {
+        Evaluator::SessionCompleted => f64::from(u8::from(run.exit_code == Some(0))),
+        Evaluator::Command { command, .. } => {
+            let reward_file = job.dir.join("reward");
+            let status = Command::new("sh")
+                .args(["-c", command])
+                .current_dir(job.dir.join("work"))
+                .env("TOKENTAP_REWARD_FILE", &reward_file)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .status()
+                .await?;
+            match tokio::fs::read_to_string(&reward_file).await {
+                Ok(text) => text
+                    .trim()
+                    .parse::<f64>()
+                    .map_err(|e| anyhow::anyhow!("reward file: {e}"))?,
+                Err(_) => f64::from(u8::from(status.success())),
+            }
+        }
+        Evaluator::Swebench { .. } => {
+            anyhow::bail!("the swebench evaluator is not built yet")
+        }
+    };
+    Ok(if run.timed_out {
+        Outcome::Timeout {
+            reward: 0.0,
+            reason: format!(
+                "the agent ran over its {} s budget",
+                job.rollout.spec.budgets.agent_s
+            ),
+        }
+    } else {
+        Outcome::Completed { reward }
+    })
+}
+
+async fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
+    let status = Command::new("cp")
+        .arg("-a")
+        .arg(from)
+        .arg(to)
+        .status()
+        .await?;
+    if status.success() {
+        Ok(())
+    } else {
+        Err(std::io::Error::other(format!(
+            "copying {} failed: {status}",
+            from.display()
+        )))
+    }
+}

@@ -1,0 +1,100 @@
+//! The pipeline end to end with the `command` preset and evaluator: a tiny project with a
+//! failing test, one policy that fixes it (reward 1) and one that does not (reward 0), a
+//! hanging agent killed at its budget, samples running concurrently.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
+use tokentap_rollout::store::Store;
+use tokentap_rollout::task::{Outcome, Sample, TaskSpec};
+
+fn project(dir: &std::path::Path) {
+    std::fs::create_dir_all(dir).unwrap();
+    std::fs::write(dir.join("calc.py"), "def add(a, b):\n    return a - b\n").unwrap();
+    std::fs::write(
+        dir.join("test_calc.py"),
+        "import unittest\nfrom calc import add\n\nclass T(unittest.TestCase):\n    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n",
+    )
+    .unwrap();
+}
+
+fn task(project: &std::path::Path, id: &str, script: &str, samples: u32, agent_s: u64) -> TaskSpec {
+    serde_json::from_value(serde_json::json!({
+        "task_id": id,
+        "instruction": "make the test pass",
+        "workspace": {"dir": {"path": project}},
+        "harness": {"name": "command", "argv": ["sh", "-c", script]},
+        "evaluator": {"kind": "command", "command": "python3 -m unittest -q"},
+        "num_samples": samples,
+        "budgets": {"agent_s": agent_s}
+    }))
+    .unwrap()
+}
+
+async fn wait_results(store: &Store, n: usize) -> Vec<Sample> {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let r = store.results_after(0, 1000).unwrap();
+        if r.len() >= n {
+            return r.into_iter().map(|(_, s)| s).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} samples ended",
+            r.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("project");
+    project(&proj);
+    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    let config = PipelineConfig {
+        data_dir: dir.path().join("data"),
+        init_workers: 2,
+        run_workers: 4,
+        post_workers: 2,
+        max_attempts: 2,
+    };
+    let pipeline = Pipeline::start(store.clone(), config.clone())
+        .await
+        .unwrap();
+    let fix = "sed -i 's/a - b/a + b/' calc.py";
+    for spec in [
+        task(&proj, "fixes", fix, 3, 60),
+        task(&proj, "does-nothing", "true", 2, 60),
+        task(&proj, "hangs", "sleep 30", 1, 1),
+    ] {
+        let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
+        pipeline.submit(rollout, samples, &config.data_dir).await;
+    }
+    let results = wait_results(&store, 6).await;
+    let by_task = |task: &str| -> Vec<Outcome> {
+        results
+            .iter()
+            .filter(|s| store.rollout(&s.rollout_id).unwrap().0.spec.task_id == task)
+            .map(|s| s.outcome.clone().unwrap())
+            .collect()
+    };
+    assert_eq!(
+        by_task("fixes"),
+        vec![Outcome::Completed { reward: 1.0 }; 3]
+    );
+    assert_eq!(
+        by_task("does-nothing"),
+        vec![Outcome::Completed { reward: 0.0 }; 2]
+    );
+    let hang = by_task("hangs");
+    assert!(
+        matches!(&hang[..], [Outcome::Timeout { reward, reason }] if *reward == 0.0 && reason.contains("1 s budget")),
+        "{hang:?}"
+    );
+    // Each sample worked in its own copy: the original project is untouched.
+    let original = std::fs::read_to_string(proj.join("calc.py")).unwrap();
+    assert!(original.contains("a - b"));
+}
