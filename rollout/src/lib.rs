@@ -4,7 +4,9 @@
 //! - [`task`]: what is submitted and what is tracked per sample.
 //! - [`store`]: the durable state (redb) that survives node restarts.
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
+//! - [`api`]: the HTTP control plane of `tokentap serve`.
 
+pub mod api;
 pub mod pipeline;
 pub mod store;
 pub mod task;

@@ -5,9 +5,10 @@
 //! Work in progress (issue 6): capture, reconstruction and the harness presets other than
 //! `command` come next; see docs/rollout-design.md.
 
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use tokio::process::Command;
@@ -47,6 +48,8 @@ struct RunResult {
 pub struct Pipeline {
     store: Arc<Store>,
     init_tx: mpsc::Sender<Job>,
+    /// Process groups of the agents running now, by sample id.
+    running: Arc<StdMutex<HashMap<String, i32>>>,
     /// Woken whenever a sample ends (long-polling readers of the results log wait on it).
     pub finished: Arc<Notify>,
 }
@@ -61,6 +64,7 @@ impl Pipeline {
     /// Starts the pools and re-queues what a previous run of the node left unfinished.
     pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
         let finished = Arc::new(Notify::new());
+        let running: Arc<StdMutex<HashMap<String, i32>>> = Arc::default();
         let (init_tx, init_rx) = mpsc::channel::<Job>(1024);
         let (run_tx, run_rx) = mpsc::channel::<Job>(config.run_workers.max(1));
         let (post_tx, post_rx) = mpsc::channel::<Job>(1024);
@@ -78,19 +82,26 @@ impl Pipeline {
             );
             tokio::spawn(async move {
                 while let Some(mut job) = next(&rx).await {
-                    if let Err(e) = init(&store, &cfg, &mut job).await {
-                        fail(&store, &job, format!("init: {e}"));
-                        continue;
+                    match init(&store, &cfg, &mut job).await {
+                        Ok(true) => {
+                            let _ = tx.send(job).await;
+                        }
+                        Ok(false) => {} // ended while queued (cancelled)
+                        Err(e) => fail(&store, &job, format!("init: {e}")),
                     }
-                    let _ = tx.send(job).await;
                 }
             });
         }
         for _ in 0..config.run_workers.max(1) {
-            let (rx, tx, store) = (run_rx.clone(), post_tx.clone(), store.clone());
+            let (rx, tx, store, running) = (
+                run_rx.clone(),
+                post_tx.clone(),
+                store.clone(),
+                running.clone(),
+            );
             tokio::spawn(async move {
                 while let Some(mut job) = next(&rx).await {
-                    match run(&store, &mut job).await {
+                    match run(&store, &running, &mut job).await {
                         Ok(()) => {
                             let _ = tx.send(job).await;
                         }
@@ -116,6 +127,7 @@ impl Pipeline {
         let pipeline = Pipeline {
             store: store.clone(),
             init_tx,
+            running,
             finished,
         };
         for (rollout, sample) in store.recover(config.max_attempts, now_ms())? {
@@ -150,6 +162,17 @@ impl Pipeline {
     pub fn store(&self) -> &Store {
         &self.store
     }
+
+    /// Kills the agents of these samples (a cancelled rollout); they end `cancelled`.
+    pub fn cancel_running(&self, samples: &[Sample]) {
+        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
+        for s in samples {
+            if let Some(pgid) = running.get(&s.sample_id) {
+                // SAFETY: kill(2) on a process group one of our agents leads.
+                unsafe { libc::kill(-pgid, libc::SIGKILL) };
+            }
+        }
+    }
 }
 
 async fn next(rx: &Mutex<mpsc::Receiver<Job>>) -> Option<Job> {
@@ -161,10 +184,11 @@ fn fail(store: &Store, job: &Job, reason: String) {
     let _ = store.finish(&job.sample.sample_id, Outcome::Error { reason }, now_ms());
 }
 
-async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<()> {
+/// Prepares the working copy; false when the sample ended while queued.
+async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<bool> {
     let current = store.sample(&job.sample.sample_id)?;
     if current.stage == Stage::Done {
-        anyhow::bail!("already ended (cancelled?)");
+        return Ok(false);
     }
     job.sample = store.set_stage(&job.sample.sample_id, Stage::Init, now_ms())?;
     let work = job.dir.join("work");
@@ -190,10 +214,14 @@ async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Re
             anyhow::bail!(format!("set-up `{setup}` failed: {status}"));
         }
     }
-    Ok(())
+    Ok(true)
 }
 
-async fn run(store: &Store, job: &mut Job) -> anyhow::Result<()> {
+async fn run(
+    store: &Store,
+    running: &StdMutex<HashMap<String, i32>>,
+    job: &mut Job,
+) -> anyhow::Result<()> {
     job.sample = store.set_stage(&job.sample.sample_id, Stage::Run, now_ms())?;
     let spec = &job.rollout.spec;
     let Harness::Command { argv } = &spec.harness else {
@@ -218,6 +246,12 @@ async fn run(store: &Store, job: &mut Job) -> anyhow::Result<()> {
         .kill_on_drop(true)
         .spawn()?;
     let pgid = child.id().map(|p| p as i32);
+    if let Some(pgid) = pgid {
+        running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(job.sample.sample_id.clone(), pgid);
+    }
     let budget = Duration::from_secs(spec.budgets.agent_s);
     let result = match tokio::time::timeout(budget, child.wait()).await {
         Ok(status) => RunResult {
@@ -236,12 +270,19 @@ async fn run(store: &Store, job: &mut Job) -> anyhow::Result<()> {
             }
         }
     };
+    running
+        .lock()
+        .unwrap_or_else(|e| e.into_inner())
+        .remove(&job.sample.sample_id);
     job.run = Some(result);
     Ok(())
 }
 
 async fn post_run(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
     store.set_stage(&job.sample.sample_id, Stage::PostRun, now_ms())?;
+    if store.rollout(&job.sample.rollout_id)?.0.cancelled {
+        return Ok(Outcome::Cancelled);
+    }
     let run = job.run.clone().unwrap_or(RunResult {
         exit_code: None,
         timed_out: false,

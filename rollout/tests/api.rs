@@ -1,0 +1,196 @@
+//! The control plane over HTTP: bearer token, submit, long-poll results, show, cancel, and
+//! errors in one JSON shape.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokentap_rollout::api::{router, ApiState};
+use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
+use tokentap_rollout::store::Store;
+
+const TOKEN: &str = "node-secret";
+
+async fn node(dir: &std::path::Path) -> String {
+    let store = Arc::new(Store::open(&dir.join("node.redb")).unwrap());
+    let config = PipelineConfig {
+        data_dir: dir.join("data"),
+        init_workers: 1,
+        run_workers: 2,
+        post_workers: 1,
+        max_attempts: 2,
+    };
+    let pipeline = Arc::new(Pipeline::start(store, config.clone()).await.unwrap());
+    let app = router(ApiState {
+        pipeline,
+        data_dir: config.data_dir,
+        token: Some(TOKEN.into()),
+    });
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    url
+}
+
+fn task(dir: &std::path::Path, script: &str) -> Value {
+    std::fs::create_dir_all(dir.join("project")).unwrap();
+    json!({
+        "task_id": "t",
+        "instruction": "write ok",
+        "workspace": {"dir": {"path": dir.join("project")}},
+        "harness": {"name": "command", "argv": ["sh", "-c", script]},
+        "evaluator": {"kind": "command", "command": "test -f ok"},
+        "num_samples": 2
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_poll_show_and_cancel_over_http() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = node(dir.path()).await;
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+
+    let r = http
+        .post(format!("{url}/v1/rollouts"))
+        .json(&task(dir.path(), "touch ok"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "unauthorized");
+
+    let r = http
+        .post(format!("{url}/v1/rollouts"))
+        .bearer_auth(TOKEN)
+        .json(&json!({"task_id": "t"}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 400);
+    let e: Value = r.json().await.unwrap();
+    assert_eq!(e["error"]["type"], "invalid_task");
+    assert!(
+        e["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("missing field"),
+        "{e}"
+    );
+
+    let r = http
+        .post(format!("{url}/v1/rollouts"))
+        .bearer_auth(TOKEN)
+        .json(&task(dir.path(), "touch ok"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let accepted: Value = r.json().await.unwrap();
+    let id = accepted["rollout_id"].as_str().unwrap().to_owned();
+    assert_eq!(accepted["samples"].as_array().unwrap().len(), 2);
+
+    // Long poll until both samples are in.
+    let mut after = 0;
+    let mut seen = Vec::new();
+    while seen.len() < 2 {
+        let page: Value = http
+            .get(format!("{url}/v1/results?after={after}&wait=20"))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        after = page["next"].as_u64().unwrap();
+        for item in page["results"].as_array().unwrap() {
+            seen.push(item["sample"].clone());
+        }
+    }
+    for s in &seen {
+        assert_eq!(
+            s["outcome"],
+            json!({"status": "completed", "reward": 1.0}),
+            "{s}"
+        );
+    }
+    let shown: Value = http
+        .get(format!("{url}/v1/rollouts/{id}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(shown["status"], "done");
+
+    // A rollout that hangs is cancelled: its running agents are killed, all samples end.
+    let mut hang = task(dir.path(), "sleep 60");
+    hang["task_id"] = json!("hang");
+    let r: Value = http
+        .post(format!("{url}/v1/rollouts"))
+        .bearer_auth(TOKEN)
+        .json(&hang)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let hang_id = r["rollout_id"].as_str().unwrap().to_owned();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let r = http
+        .delete(format!("{url}/v1/rollouts/{hang_id}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+    let page: Value = http
+        .get(format!("{url}/v1/results?after={after}&wait=20"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut outcomes: Vec<Value> = page["results"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["sample"]["outcome"].clone())
+        .collect();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while outcomes.len() < 2 && std::time::Instant::now() < deadline {
+        let more: Value = http
+            .get(format!("{url}/v1/results?after={}&wait=5", page["next"]))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        outcomes = more["results"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|i| i["sample"]["outcome"].clone())
+            .collect();
+        if outcomes.len() < 2 {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+    assert_eq!(outcomes, vec![json!({"status": "cancelled"}); 2]);
+
+    let r = http
+        .get(format!("{url}/v1/rollouts/ro-nope"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 404);
+}
