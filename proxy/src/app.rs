@@ -237,6 +237,11 @@ impl CaptureService {
         }
     }
 
+    /// Calls begun so far in `session` (each ends in exactly one record).
+    pub fn session_calls(&self, session: &str) -> u64 {
+        self.sessions.calls(session)
+    }
+
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
     }

@@ -158,6 +158,9 @@ impl CallCapture {
     }
 }
 
+/// Called by the spool writer with each batch it has appended.
+pub type RecordObserver = Box<dyn FnMut(&[CaptureRecord]) + Send>;
+
 /// Where finished records go.
 #[derive(Clone)]
 pub enum RecordSink {
@@ -176,7 +179,17 @@ const MAX_BATCH: usize = 256;
 impl RecordSink {
     /// Starts the spool writer thread. Dropping every sender drains the queue, syncs the spool
     /// and ends the thread; join the handle to wait for that.
-    pub fn spool(mut writer: SpoolWriter, metrics: Arc<Metrics>) -> (RecordSink, JoinHandle<()>) {
+    pub fn spool(writer: SpoolWriter, metrics: Arc<Metrics>) -> (RecordSink, JoinHandle<()>) {
+        RecordSink::spool_observed(writer, metrics, None)
+    }
+
+    /// Like [`RecordSink::spool`], and `observer` sees every batch once it is appended (a
+    /// rollout node indexes its samples' records this way instead of re-reading the spool).
+    pub fn spool_observed(
+        mut writer: SpoolWriter,
+        metrics: Arc<Metrics>,
+        mut observer: Option<RecordObserver>,
+    ) -> (RecordSink, JoinHandle<()>) {
         let (tx, mut rx) = mpsc::channel::<CaptureRecord>(SINK_QUEUE);
         metrics.spool_bytes.set(writer.total_bytes() as i64);
         let handle = std::thread::Builder::new()
@@ -209,7 +222,12 @@ impl RecordSink {
                             }
                         }
                         match writer.append_batch(&batch) {
-                            Ok(_) => metrics.records_written.inc_by(batch.len() as u64),
+                            Ok(_) => {
+                                metrics.records_written.inc_by(batch.len() as u64);
+                                if let Some(observe) = observer.as_mut() {
+                                    observe(&batch);
+                                }
+                            }
                             Err(e) => {
                                 tracing::error!(error = %e, records = batch.len(), "spool append failed; records lost");
                                 metrics.spool_write_errors.inc();

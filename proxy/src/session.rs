@@ -119,6 +119,12 @@ impl SessionCounters {
         *n += 1;
         seq
     }
+
+    /// Calls begun so far in the session `id`.
+    pub fn calls(&self, id: &str) -> u64 {
+        let map = self.next.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(id).copied().unwrap_or(0)
+    }
 }
 
 #[cfg(test)]

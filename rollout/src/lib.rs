@@ -5,8 +5,10 @@
 //! - [`store`]: the durable state (redb) that survives node restarts.
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
+//! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 
 pub mod api;
+pub mod capture;
 pub mod pipeline;
 pub mod store;
 pub mod task;

@@ -14,11 +14,17 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 use tokio::process::Command;
 use tokio::sync::{mpsc, Mutex, Notify};
 
+use crate::capture::NodeCapture;
 use crate::store::{Store, StoreError};
-use crate::task::{Evaluator, Harness, Outcome, Rollout, Sample, Stage, Workspace};
+use tokentap_reconstruct::{build_all, verify, RecordDigest};
+use tokentap_schema::Trace;
+
+use crate::task::{
+    Evaluator, Harness, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace,
+};
 
 /// How a node runs its stages.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct PipelineConfig {
     /// Per-sample directories live here.
     pub data_dir: PathBuf,
@@ -27,6 +33,8 @@ pub struct PipelineConfig {
     pub post_workers: usize,
     /// Restarts a sample survives before it is failed.
     pub max_attempts: u32,
+    /// Where samples' model calls are captured (None: not captured, no trajectories).
+    pub capture: Option<Arc<NodeCapture>>,
 }
 
 /// A sample on its way through the stages.
@@ -93,15 +101,16 @@ impl Pipeline {
             });
         }
         for _ in 0..config.run_workers.max(1) {
-            let (rx, tx, store, running) = (
+            let (rx, tx, store, running, capture) = (
                 run_rx.clone(),
                 post_tx.clone(),
                 store.clone(),
                 running.clone(),
+                config.capture.clone(),
             );
             tokio::spawn(async move {
                 while let Some(mut job) = next(&rx).await {
-                    match run(&store, &running, &mut job).await {
+                    match run(&store, &running, capture.as_deref(), &mut job).await {
                         Ok(()) => {
                             let _ = tx.send(job).await;
                         }
@@ -111,10 +120,15 @@ impl Pipeline {
             });
         }
         for _ in 0..config.post_workers.max(1) {
-            let (rx, store, finished) = (post_rx.clone(), store.clone(), finished.clone());
+            let (rx, store, finished, capture) = (
+                post_rx.clone(),
+                store.clone(),
+                finished.clone(),
+                config.capture.clone(),
+            );
             tokio::spawn(async move {
                 while let Some(job) = next(&rx).await {
-                    match post_run(&store, &job).await {
+                    match post_run(&store, capture.as_deref(), &job).await {
                         Ok(outcome) => {
                             let _ = store.finish(&job.sample.sample_id, outcome, now_ms());
                         }
@@ -220,6 +234,7 @@ async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Re
 async fn run(
     store: &Store,
     running: &StdMutex<HashMap<String, i32>>,
+    capture: Option<&NodeCapture>,
     job: &mut Job,
 ) -> anyhow::Result<()> {
     job.sample = store.set_stage(&job.sample.sample_id, Stage::Run, now_ms())?;
@@ -235,10 +250,20 @@ async fn run(
         anyhow::bail!("empty command");
     };
     let log = std::fs::File::create(job.dir.join("agent.log"))?;
-    let mut child = Command::new(exe)
+    let session = &job.sample.sample_id;
+    let mut cmd = Command::new(exe);
+    if let Some(c) = capture {
+        c.index.watch(session);
+        // The key is a placeholder: the node's engine credentials never reach the agent.
+        cmd.env("OPENAI_BASE_URL", c.openai_base(session))
+            .env("OPENAI_API_KEY", "tokentap")
+            .env("ANTHROPIC_BASE_URL", c.anthropic_base(session))
+            .env("ANTHROPIC_API_KEY", "tokentap");
+    }
+    let mut child = cmd
         .args(args)
         .current_dir(job.dir.join("work"))
-        .env("TOKENTAP_SESSION", &job.sample.sample_id)
+        .env("TOKENTAP_SESSION", session)
         .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -278,8 +303,71 @@ async fn run(
     Ok(())
 }
 
-async fn post_run(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
+async fn post_run(
+    store: &Store,
+    capture: Option<&NodeCapture>,
+    job: &Job,
+) -> anyhow::Result<Outcome> {
     store.set_stage(&job.sample.sample_id, Stage::PostRun, now_ms())?;
+    let outcome = evaluate(store, job).await?;
+    if let Some(c) = capture {
+        let summary = trajectory(c, job, &outcome).await?;
+        store.set_trajectory(&job.sample.sample_id, summary)?;
+    }
+    Ok(outcome)
+}
+
+/// The sample's records → traces with the outcome's reward, in `traces.jsonl` of its
+/// directory. A sample that did not complete keeps its traces with reward 0 and every mask
+/// bit cleared: nothing of it is trained on, but nothing captured is lost.
+async fn trajectory(
+    capture: &NodeCapture,
+    job: &Job,
+    outcome: &Outcome,
+) -> anyhow::Result<TrajectorySummary> {
+    let session = &job.sample.sample_id;
+    let (records, complete) = capture.collect(session, Duration::from_secs(30)).await;
+    let strategy = job.rollout.spec.strategy;
+    let mut traces: Vec<Trace> = build_all(&records, strategy)
+        .into_iter()
+        .flat_map(|s| s.traces)
+        .collect();
+    let digests: HashMap<String, RecordDigest> = records
+        .iter()
+        .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
+        .collect();
+    let faithfulness = verify(&traces, &digests);
+    let (reward, keep_mask) = match outcome {
+        Outcome::Completed { reward } => (*reward, true),
+        _ => (0.0, false),
+    };
+    for t in &mut traces {
+        t.reward = Some(reward);
+        if !keep_mask {
+            t.loss_mask.iter_mut().for_each(|m| *m = 0);
+        }
+    }
+    let path = job.dir.join("traces.jsonl");
+    let mut out = Vec::new();
+    for t in &traces {
+        serde_json::to_writer(&mut out, t)?;
+        out.push(b'\n');
+    }
+    tokio::fs::write(&path, out).await?;
+    Ok(TrajectorySummary {
+        path: path.display().to_string(),
+        calls: records.len() as u32,
+        traces: traces.len() as u32,
+        trainable_tokens: traces
+            .iter()
+            .map(|t| t.loss_mask.iter().filter(|m| **m == 1).count() as u64)
+            .sum(),
+        faithfulness_violations: faithfulness.violations,
+        complete,
+    })
+}
+
+async fn evaluate(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
     if store.rollout(&job.sample.rollout_id)?.0.cancelled {
         return Ok(Outcome::Cancelled);
     }

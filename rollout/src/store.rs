@@ -77,6 +77,7 @@ impl Store {
                 stage_started_ms: [0; 4],
                 attempt: 0,
                 outcome: None,
+                trajectory: None,
             })
             .collect();
         let tx = self.db.begin_write()?;
@@ -186,6 +187,16 @@ impl Store {
         }
         tx.commit()?;
         Ok(cursor)
+    }
+
+    /// Attaches a sample's trajectory summary.
+    pub fn set_trajectory(
+        &self,
+        sample_id: &str,
+        trajectory: crate::task::TrajectorySummary,
+    ) -> Result<(), StoreError> {
+        self.update(sample_id, |s| s.trajectory = Some(trajectory))
+            .map(|_| ())
     }
 
     /// Finished samples after `cursor`, oldest first, at most `limit`.

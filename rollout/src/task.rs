@@ -166,6 +166,21 @@ pub struct Sample {
     /// Times this sample was started (a node restart re-runs what was running).
     pub attempt: u32,
     pub outcome: Option<Outcome>,
+    /// What its captured calls became (absent when the node captures nothing).
+    #[serde(default)]
+    pub trajectory: Option<TrajectorySummary>,
+}
+
+/// A sample's traces, written to `traces.jsonl` in its directory.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrajectorySummary {
+    pub path: String,
+    pub calls: u32,
+    pub traces: u32,
+    pub trainable_tokens: u64,
+    pub faithfulness_violations: u64,
+    /// False when some call's record had not arrived when the sample was reconstructed.
+    pub complete: bool,
 }
 
 /// What `POST /v1/rollouts` creates.

@@ -19,6 +19,7 @@ async fn node(dir: &std::path::Path) -> String {
         run_workers: 2,
         post_workers: 1,
         max_attempts: 2,
+        capture: None,
     };
     let pipeline = Arc::new(Pipeline::start(store, config.clone()).await.unwrap());
     let app = router(ApiState {

@@ -60,6 +60,7 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
         run_workers: 4,
         post_workers: 2,
         max_attempts: 2,
+        capture: None,
     };
     let pipeline = Pipeline::start(store.clone(), config.clone())
         .await

@@ -1,0 +1,128 @@
+//! The node's capture: one in-process `CaptureService` on 127.0.0.1 shared by every sample,
+//! each sample its own session through the `/s/{sample_id}/v1` base URL. Records go to the
+//! node's spool as with `tokentap proxy`; the spool writer also hands each appended batch to an
+//! index of the samples running now, so POST_RUN gets a sample's records at once.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use tokentap_proxy::capture::RecordSink;
+use tokentap_proxy::CaptureService;
+use tokentap_schema::CaptureRecord;
+
+/// Records of the sessions being watched, as the spool writer appends them.
+#[derive(Default)]
+pub struct SessionIndex {
+    watched: Mutex<HashMap<String, Vec<CaptureRecord>>>,
+}
+
+impl SessionIndex {
+    /// Starts collecting `session`'s records (before its agent starts).
+    pub fn watch(&self, session: &str) {
+        self.lock().entry(session.to_owned()).or_default();
+    }
+
+    /// Stops collecting and returns what was collected.
+    pub fn take(&self, session: &str) -> Vec<CaptureRecord> {
+        self.lock().remove(session).unwrap_or_default()
+    }
+
+    pub fn count(&self, session: &str) -> usize {
+        self.lock().get(session).map_or(0, Vec::len)
+    }
+
+    fn observe(&self, batch: &[CaptureRecord]) {
+        let mut map = self.lock();
+        for r in batch {
+            if let Some(v) = map.get_mut(&r.session_id) {
+                v.push(r.clone());
+            }
+        }
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<CaptureRecord>>> {
+        self.watched.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// The observer to pass to [`RecordSink::spool_observed`].
+pub fn observer(index: Arc<SessionIndex>) -> tokentap_proxy::capture::RecordObserver {
+    Box::new(move |batch| index.observe(batch))
+}
+
+/// A running capture endpoint.
+pub struct NodeCapture {
+    pub service: Arc<CaptureService>,
+    pub index: Arc<SessionIndex>,
+    pub addr: SocketAddr,
+}
+
+impl NodeCapture {
+    /// Serves `service` on 127.0.0.1 (an ephemeral port) on the current tokio runtime.
+    pub async fn start(
+        service: CaptureService,
+        index: Arc<SessionIndex>,
+    ) -> std::io::Result<NodeCapture> {
+        let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
+        let addr = listener.local_addr()?;
+        let service = Arc::new(service);
+        let serving = service.clone();
+        // Held by the accept loop: capture stops when the runtime does.
+        let (_tx, watch) = tokio::sync::watch::channel(false);
+        tokio::spawn(async move {
+            let _keep = _tx;
+            while let Ok((conn, _)) = listener.accept().await {
+                let (service, watch) = (serving.clone(), watch.clone());
+                tokio::spawn(async move {
+                    let stream: pingora::protocols::Stream =
+                        Box::new(pingora::protocols::l4::stream::Stream::from(conn));
+                    service.serve_stream(stream, &watch).await;
+                });
+            }
+        });
+        Ok(NodeCapture {
+            service,
+            index,
+            addr,
+        })
+    }
+
+    /// The OpenAI base URL of a sample's session.
+    pub fn openai_base(&self, session: &str) -> String {
+        format!("http://{}/s/{session}/v1", self.addr)
+    }
+
+    /// The Anthropic base URL of a sample's session.
+    pub fn anthropic_base(&self, session: &str) -> String {
+        format!("http://{}/s/{session}", self.addr)
+    }
+
+    /// Every record of `session`: waits (up to `limit`) until each call the proxy began in the
+    /// session has its record, then stops watching it. Returns the records and whether all
+    /// arrived.
+    pub async fn collect(&self, session: &str, limit: Duration) -> (Vec<CaptureRecord>, bool) {
+        let deadline = tokio::time::Instant::now() + limit;
+        let complete = loop {
+            let begun = self.service.session_calls(session) as usize;
+            if self.index.count(session) >= begun {
+                break true;
+            }
+            if tokio::time::Instant::now() >= deadline {
+                break false;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        };
+        (self.index.take(session), complete)
+    }
+}
+
+/// Builds the spool sink with the index observing it.
+pub fn sink(
+    writer: tokentap_spool::SpoolWriter,
+    metrics: Arc<tokentap_proxy::metrics::Metrics>,
+    index: Arc<SessionIndex>,
+) -> (RecordSink, std::thread::JoinHandle<()>) {
+    RecordSink::spool_observed(writer, metrics, Some(observer(index)))
+}

@@ -1,0 +1,162 @@
+//! Samples under capture: the `command` preset's agent talks to the node's in-process capture
+//! through its per-sample base URL (here with curl, to the scripted-turn backend as the
+//! engine); POST_RUN reconstructs the sample's calls into traces carrying its reward. A sample
+//! that runs over its budget keeps its trajectory, with reward 0 and nothing trainable.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens, SCRIPTED_MODEL};
+use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
+use tokentap_proxy::metrics::Metrics;
+use tokentap_proxy::normalize::SystemLayout;
+use tokentap_proxy::{CaptureService, ProxyConfig};
+use tokentap_reconstruct::output::read_traces_jsonl;
+use tokentap_rollout::capture::{sink, NodeCapture, SessionIndex};
+use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
+use tokentap_rollout::store::Store;
+use tokentap_rollout::task::{Outcome, TaskSpec};
+use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+/// Two chat turns with curl; the second carries the first answer, as an agent would.
+fn agent(turns: usize, then: &str) -> String {
+    let mut script = String::new();
+    let mut messages = vec![json!({"role": "user", "content": "task"})];
+    for turn in 0..turns {
+        let body = json!({"model": "m", "messages": messages}).to_string();
+        script.push_str(&format!(
+            "curl -sS --max-time 20 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -H \"authorization: Bearer $OPENAI_API_KEY\" -d '{body}' > /dev/null && "
+        ));
+        messages.push(json!({"role": "assistant", "content": format!("answer to {} messages", messages.len())}));
+        messages.push(json!({"role": "user", "content": format!("go on {turn}")}));
+    }
+    script.push_str(then);
+    script
+}
+
+fn task(project: &std::path::Path, id: &str, script: &str, agent_s: u64) -> TaskSpec {
+    serde_json::from_value(json!({
+        "task_id": id,
+        "instruction": "chat",
+        "workspace": {"dir": {"path": project}},
+        "harness": {"name": "command", "argv": ["sh", "-c", script]},
+        "evaluator": {"kind": "session-completed"},
+        "budgets": {"agent_s": agent_s}
+    }))
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_come_back_with_rewarded_traces() {
+    let engine = ScriptedBackend::start(
+        Tokens::FakeChat,
+        Arc::new(|req: &Value, _| {
+            let n = req["messages"].as_array().map_or(0, Vec::len);
+            Reply::Text(format!("answer to {n} messages"))
+        }),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+
+    let metrics = Arc::new(Metrics::new());
+    let index = Arc::new(SessionIndex::default());
+    let writer = SpoolWriter::open(&dir.path().join("spool"), SpoolConfig::default()).unwrap();
+    let (record_sink, _spool_thread) = sink(writer, metrics.clone(), index.clone());
+    let backend: Arc<dyn backend::Backend> = Arc::from(
+        backend::build(BackendConfig {
+            kind: BackendKind::Vllm,
+            url: engine.url.clone(),
+            api_key: None,
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(30),
+        })
+        .unwrap(),
+    );
+    let service = CaptureService::new(
+        ProxyConfig {
+            max_body_bytes: 1 << 20,
+            synthetic_stream: false,
+            backend_model: Some(SCRIPTED_MODEL.into()),
+            policy_version: None,
+            system_layout: SystemLayout::AsSent,
+            fixed_session: None,
+        },
+        backend,
+        record_sink,
+        metrics,
+    );
+    let capture = Arc::new(NodeCapture::start(service, index).await.unwrap());
+
+    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    let config = PipelineConfig {
+        data_dir: dir.path().join("data"),
+        init_workers: 1,
+        run_workers: 2,
+        post_workers: 1,
+        max_attempts: 2,
+        capture: Some(capture),
+    };
+    let pipeline = Pipeline::start(store.clone(), config.clone())
+        .await
+        .unwrap();
+    for spec in [
+        task(&project, "talks", &agent(2, "true"), 60),
+        task(&project, "overruns", &agent(1, "sleep 30"), 2),
+    ] {
+        let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
+        pipeline.submit(rollout, samples, &config.data_dir).await;
+    }
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let results = loop {
+        let r = store.results_after(0, 10).unwrap();
+        if r.len() == 2 {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "{r:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    for (_, s) in results {
+        let task = store.rollout(&s.rollout_id).unwrap().0.spec.task_id;
+        let t = s
+            .trajectory
+            .clone()
+            .unwrap_or_else(|| panic!("{task}: no trajectory"));
+        assert!(t.complete, "{task}: {t:?}");
+        assert_eq!(t.faithfulness_violations, 0, "{task}");
+        let traces = read_traces_jsonl(std::path::Path::new(&t.path)).unwrap();
+        match task.as_str() {
+            "talks" => {
+                assert_eq!(s.outcome, Some(Outcome::Completed { reward: 1.0 }));
+                assert_eq!((t.calls, t.traces), (2, 1), "the two turns merge");
+                assert_eq!(traces[0].reward, Some(1.0));
+                assert_eq!(traces[0].calls.len(), 2);
+                let sampled: u64 = traces[0]
+                    .calls
+                    .iter()
+                    .map(|c| u64::from(c.sampled_len))
+                    .sum();
+                assert_eq!(t.trainable_tokens, sampled);
+                assert_eq!(
+                    traces[0].session_id, s.sample_id,
+                    "the sample is the session"
+                );
+            }
+            "overruns" => {
+                assert!(
+                    matches!(s.outcome, Some(Outcome::Timeout { reward, .. }) if reward == 0.0)
+                );
+                assert_eq!((t.calls, t.traces, t.trainable_tokens), (1, 1, 0));
+                assert_eq!(traces[0].reward, Some(0.0));
+                assert!(traces[0].loss_mask.iter().all(|m| *m == 0));
+                assert!(
+                    !traces[0].response_ids.is_empty(),
+                    "what was captured is kept"
+                );
+            }
+            other => panic!("{other}"),
+        }
+    }
+}
