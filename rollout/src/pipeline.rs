@@ -276,6 +276,12 @@ async fn run(
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .insert(job.sample.sample_id.clone(), pgid);
+        // A cancel that came while the sample was in INIT, or just before the line above,
+        // found no process group to kill: look again now that it is registered.
+        if store.rollout(&job.sample.rollout_id)?.0.cancelled {
+            // SAFETY: kill(2) on the process group this child leads.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        }
     }
     let budget = Duration::from_secs(spec.budgets.agent_s);
     let result = match tokio::time::timeout(budget, child.wait()).await {
