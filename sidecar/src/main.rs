@@ -7,6 +7,7 @@ mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
 mod run_cmd;
+mod serve_cmd;
 mod ship;
 mod worker_cmd;
 
@@ -45,6 +46,9 @@ enum Command {
     /// Inspect the capture records in a spool.
     #[command(subcommand)]
     Records(records_cmd::RecordsCmd),
+    /// A rollout node (in progress): tasks in over HTTP, samples run under capture, rewarded
+    /// trajectories out.
+    Serve(serve_cmd::ServeArgs),
     /// Receive records shipped by proxies (--ship-to) and rebuild trajectories as they arrive.
     Worker(worker_cmd::WorkerArgs),
     /// Ship a spool's records to a worker (what `proxy --ship-to` does, for an existing spool).
@@ -81,6 +85,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
+        Command::Serve(args) => serve_cmd::run(args).map(|()| ok),
         Command::Worker(args) => worker_cmd::run(args).map(|()| ok),
         Command::Ship(args) => ship::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),

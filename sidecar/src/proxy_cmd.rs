@@ -156,6 +156,15 @@ impl CaptureArgs {
         &self,
         fixed_session: Option<String>,
     ) -> anyhow::Result<(CaptureService, Option<std::thread::JoinHandle<()>>)> {
+        self.build_observed(fixed_session, None)
+    }
+
+    /// [`CaptureArgs::build`], with `observer` seeing every batch the spool writer appends.
+    pub fn build_observed(
+        &self,
+        fixed_session: Option<String>,
+        observer: Option<tokentap_proxy::capture::RecordObserver>,
+    ) -> anyhow::Result<(CaptureService, Option<std::thread::JoinHandle<()>>)> {
         let args = self;
         let backend_config = BackendConfig {
             kind: args.backend_kind.into(),
@@ -182,7 +191,7 @@ impl CaptureArgs {
                 },
             )
             .with_context(|| format!("opening the spool at {}", args.spool.display()))?;
-            let (sink, handle) = RecordSink::spool(writer, metrics.clone());
+            let (sink, handle) = RecordSink::spool_observed(writer, metrics.clone(), observer);
             (sink, Some(handle))
         };
         let config = ProxyConfig {
