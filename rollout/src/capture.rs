@@ -89,13 +89,8 @@ impl NodeCapture {
         })
     }
 
-    /// The OpenAI base URL of a sample's session.
-    pub fn openai_base(&self, session: &str) -> String {
-        format!("http://{}/s/{session}/v1", self.addr)
-    }
-
-    /// The Anthropic base URL of a sample's session.
-    pub fn anthropic_base(&self, session: &str) -> String {
+    /// The capture root of a sample's session (the Anthropic base URL; OpenAI's adds `/v1`).
+    pub fn server(&self, session: &str) -> String {
         format!("http://{}/s/{session}", self.addr)
     }
 

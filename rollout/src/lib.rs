@@ -6,9 +6,15 @@
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
+//! - [`evaluate`]: rewards from the final workspace.
+//! - [`preset`]: how each harness is configured and launched.
+//! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
 pub mod api;
 pub mod capture;
+pub mod evaluate;
 pub mod pipeline;
+pub mod preset;
 pub mod store;
 pub mod task;
+pub mod workspace;

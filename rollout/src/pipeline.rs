@@ -1,13 +1,9 @@
 //! The staged pipeline: INIT (working copy + set-up) → RUN (the harness, in its own process
 //! group, killed at its budget) → POST_RUN (evaluate, reward, record the outcome). Each stage
 //! has its own bounded pool, so slow agents never starve set-up or evaluation.
-//!
-//! Work in progress (issue 6): capture, reconstruction and the harness presets other than
-//! `command` come next; see docs/rollout-design.md.
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
@@ -15,13 +11,14 @@ use tokio::process::Command;
 use tokio::sync::{mpsc, Mutex, Notify};
 
 use crate::capture::NodeCapture;
+use crate::evaluate::{self, EvalPaths};
+use crate::preset::{self, HarnessEnv};
 use crate::store::{Store, StoreError};
+use crate::workspace;
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
-use crate::task::{
-    Evaluator, Harness, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace,
-};
+use crate::task::{Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace};
 
 /// How a node runs its stages.
 #[derive(Clone)]
@@ -35,6 +32,33 @@ pub struct PipelineConfig {
     pub max_attempts: u32,
     /// Where samples' model calls are captured (None: not captured, no trajectories).
     pub capture: Option<Arc<NodeCapture>>,
+    /// Samples prepared ahead of a free RUN slot (prewarmed working copies).
+    pub prewarm: usize,
+    /// PATH for harnesses (node and the harness binaries first).
+    pub harness_path: String,
+    /// The model name harnesses are told to use (the capture maps it to the engine's).
+    pub harness_model: String,
+    /// Send harnesses' non-loopback HTTP(S) to a dead local proxy.
+    pub block_egress: bool,
+}
+
+impl PipelineConfig {
+    /// A node's defaults for everything but where its data lives.
+    pub fn new(data_dir: PathBuf) -> PipelineConfig {
+        PipelineConfig {
+            data_dir,
+            init_workers: 2,
+            run_workers: 4,
+            post_workers: 2,
+            max_attempts: 3,
+            capture: None,
+            prewarm: 2,
+            harness_path: std::env::var("PATH")
+                .unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
+            harness_model: "tokentap-policy".into(),
+            block_egress: false,
+        }
+    }
 }
 
 /// A sample on its way through the stages.
@@ -74,7 +98,7 @@ impl Pipeline {
         let finished = Arc::new(Notify::new());
         let running: Arc<StdMutex<HashMap<String, i32>>> = Arc::default();
         let (init_tx, init_rx) = mpsc::channel::<Job>(1024);
-        let (run_tx, run_rx) = mpsc::channel::<Job>(config.run_workers.max(1));
+        let (run_tx, run_rx) = mpsc::channel::<Job>(config.prewarm.max(1));
         let (post_tx, post_rx) = mpsc::channel::<Job>(1024);
         let (init_rx, run_rx, post_rx) = (
             Arc::new(Mutex::new(init_rx)),
@@ -101,16 +125,16 @@ impl Pipeline {
             });
         }
         for _ in 0..config.run_workers.max(1) {
-            let (rx, tx, store, running, capture) = (
+            let (rx, tx, store, running, cfg) = (
                 run_rx.clone(),
                 post_tx.clone(),
                 store.clone(),
                 running.clone(),
-                config.capture.clone(),
+                config.clone(),
             );
             tokio::spawn(async move {
                 while let Some(mut job) = next(&rx).await {
-                    match run(&store, &running, capture.as_deref(), &mut job).await {
+                    match run(&store, &cfg, &running, &mut job).await {
                         Ok(()) => {
                             let _ = tx.send(job).await;
                         }
@@ -120,15 +144,15 @@ impl Pipeline {
             });
         }
         for _ in 0..config.post_workers.max(1) {
-            let (rx, store, finished, capture) = (
+            let (rx, store, finished, cfg) = (
                 post_rx.clone(),
                 store.clone(),
                 finished.clone(),
-                config.capture.clone(),
+                config.clone(),
             );
             tokio::spawn(async move {
                 while let Some(job) = next(&rx).await {
-                    match post_run(&store, capture.as_deref(), &job).await {
+                    match post_run(&store, &cfg, &job).await {
                         Ok(outcome) => {
                             let _ = store.finish(&job.sample.sample_id, outcome, now_ms());
                         }
@@ -199,72 +223,89 @@ fn fail(store: &Store, job: &Job, reason: String) {
 }
 
 /// Prepares the working copy; false when the sample ended while queued.
-async fn init(store: &Store, _cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<bool> {
+async fn init(store: &Store, cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<bool> {
     let current = store.sample(&job.sample.sample_id)?;
     if current.stage == Stage::Done {
         return Ok(false);
     }
     job.sample = store.set_stage(&job.sample.sample_id, Stage::Init, now_ms())?;
-    let work = job.dir.join("work");
-    if work.exists() {
-        tokio::fs::remove_dir_all(&work).await?;
-    }
     tokio::fs::create_dir_all(&job.dir).await?;
-    let setup = match &job.rollout.spec.workspace {
-        Workspace::Dir { path, setup } => {
-            copy_dir(Path::new(path), &work).await?;
-            setup.clone()
-        }
-        Workspace::Git { .. } => anyhow::bail!("git workspaces are not built yet"),
+    let spec = &job.rollout.spec;
+    let original = workspace::snapshot(&spec.workspace, &rollout_dir(cfg, &job.rollout)).await?;
+    let setup = match &spec.workspace {
+        Workspace::Dir { setup, .. } | Workspace::Git { setup, .. } => setup.as_deref(),
     };
-    if let Some(setup) = setup {
-        let status = Command::new("sh")
-            .args(["-c", &setup])
-            .current_dir(&work)
-            .stdin(Stdio::null())
-            .status()
-            .await?;
-        if !status.success() {
-            anyhow::bail!(format!("set-up `{setup}` failed: {status}"));
+    workspace::working_copy(
+        &original,
+        &job.dir.join("work"),
+        setup,
+        &job.dir.join("setup.log"),
+    )
+    .await?;
+    for d in ["home", "tmp"] {
+        let d = job.dir.join(d);
+        if d.exists() {
+            tokio::fs::remove_dir_all(&d).await?;
         }
+        tokio::fs::create_dir_all(&d).await?;
     }
     Ok(true)
 }
 
+fn rollout_dir(cfg: &PipelineConfig, rollout: &Rollout) -> PathBuf {
+    cfg.data_dir.join("rollouts").join(&rollout.rollout_id)
+}
+
+/// What is left of the sample's session budget (from the start of INIT).
+fn session_left(job: &Job) -> Duration {
+    let started = job.sample.stage_started_ms[0];
+    let used = Duration::from_millis(now_ms().saturating_sub(started));
+    Duration::from_secs(job.rollout.spec.budgets.session_s).saturating_sub(used)
+}
+
 async fn run(
     store: &Store,
+    cfg: &PipelineConfig,
     running: &StdMutex<HashMap<String, i32>>,
-    capture: Option<&NodeCapture>,
     job: &mut Job,
 ) -> anyhow::Result<()> {
     job.sample = store.set_stage(&job.sample.sample_id, Stage::Run, now_ms())?;
     let spec = &job.rollout.spec;
-    let Harness::Command { argv } = &spec.harness else {
-        anyhow::bail!("only the `command` harness preset is built yet");
+    let session = job.sample.sample_id.clone();
+    let server = match &cfg.capture {
+        Some(c) => {
+            c.index.watch(&session);
+            c.server(&session)
+        }
+        None => preset::DEAD_PROXY.to_owned(),
     };
-    let argv: Vec<String> = argv
-        .iter()
-        .map(|a| a.replace("{instruction}", &spec.instruction))
-        .collect();
-    let Some((exe, args)) = argv.split_first() else {
-        anyhow::bail!("empty command");
+    let env = HarnessEnv {
+        home: job.dir.join("home"),
+        work: job.dir.join("work"),
+        tmp: job.dir.join("tmp"),
+        path: cfg.harness_path.clone(),
+        server,
+        // A placeholder: the engine's credentials never reach the agent.
+        api_key: "tokentap".into(),
+        model: cfg.harness_model.clone(),
+        block_egress: cfg.block_egress,
     };
-    let log = std::fs::File::create(job.dir.join("agent.log"))?;
-    let session = &job.sample.sample_id;
-    let mut cmd = Command::new(exe);
-    if let Some(c) = capture {
-        c.index.watch(session);
-        // The key is a placeholder: the node's engine credentials never reach the agent.
-        cmd.env("OPENAI_BASE_URL", c.openai_base(session))
-            .env("OPENAI_API_KEY", "tokentap")
-            .env("ANTHROPIC_BASE_URL", c.anthropic_base(session))
-            .env("ANTHROPIC_API_KEY", "tokentap");
+    if let Some(exe) = preset::executable(&spec.harness) {
+        if preset::on_path(exe, &env.path).is_none() {
+            anyhow::bail!(
+                "the {exe} harness is not installed on the node's harness path ({})",
+                env.path
+            );
+        }
     }
+    let log = std::fs::File::create(job.dir.join("agent.log"))?;
+    let mut cmd = Command::from(preset::for_sample(
+        &spec.harness,
+        &env,
+        &spec.instruction,
+        &session,
+    )?);
     let mut child = cmd
-        .args(args)
-        .current_dir(job.dir.join("work"))
-        .env("TOKENTAP_SESSION", session)
-        .stdin(Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .process_group(0)
@@ -283,24 +324,24 @@ async fn run(
             unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
     }
-    let budget = Duration::from_secs(spec.budgets.agent_s);
+    let budget = Duration::from_secs(spec.budgets.agent_s).min(session_left(job));
     let result = match tokio::time::timeout(budget, child.wait()).await {
         Ok(status) => RunResult {
             exit_code: status?.code(),
             timed_out: false,
         },
-        Err(_) => {
-            if let Some(pgid) = pgid {
-                // SAFETY: kill(2) on the process group this child leads.
-                unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            }
-            let _ = child.wait().await;
-            RunResult {
-                exit_code: None,
-                timed_out: true,
-            }
-        }
+        Err(_) => RunResult {
+            exit_code: None,
+            timed_out: true,
+        },
     };
+    if let Some(pgid) = pgid {
+        // At the budget the whole group goes; after a normal exit, so do the tools the agent
+        // left running in the background.
+        // SAFETY: kill(2) on the process group this child led.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+    }
+    let _ = child.wait().await;
     running
         .lock()
         .unwrap_or_else(|e| e.into_inner())
@@ -309,14 +350,10 @@ async fn run(
     Ok(())
 }
 
-async fn post_run(
-    store: &Store,
-    capture: Option<&NodeCapture>,
-    job: &Job,
-) -> anyhow::Result<Outcome> {
+async fn post_run(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Result<Outcome> {
     store.set_stage(&job.sample.sample_id, Stage::PostRun, now_ms())?;
-    let outcome = evaluate(store, job).await?;
-    if let Some(c) = capture {
+    let outcome = outcome(store, cfg, job).await?;
+    if let Some(c) = &cfg.capture {
         let summary = trajectory(c, job, &outcome).await?;
         store.set_trajectory(&job.sample.sample_id, summary)?;
     }
@@ -373,7 +410,7 @@ async fn trajectory(
     })
 }
 
-async fn evaluate(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
+async fn outcome(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Result<Outcome> {
     if store.rollout(&job.sample.rollout_id)?.0.cancelled {
         return Ok(Outcome::Cancelled);
     }
@@ -381,57 +418,33 @@ async fn evaluate(store: &Store, job: &Job) -> anyhow::Result<Outcome> {
         exit_code: None,
         timed_out: false,
     });
-    let reward = match &job.rollout.spec.evaluator {
-        Evaluator::SessionCompleted => f64::from(u8::from(run.exit_code == Some(0))),
-        Evaluator::Command { command, .. } => {
-            let reward_file = job.dir.join("reward");
-            let status = Command::new("sh")
-                .args(["-c", command])
-                .current_dir(job.dir.join("work"))
-                .env("TOKENTAP_REWARD_FILE", &reward_file)
-                .stdin(Stdio::null())
-                .stdout(Stdio::null())
-                .stderr(Stdio::null())
-                .status()
-                .await?;
-            match tokio::fs::read_to_string(&reward_file).await {
-                Ok(text) => text
-                    .trim()
-                    .parse::<f64>()
-                    .map_err(|e| anyhow::anyhow!("reward file: {e}"))?,
-                Err(_) => f64::from(u8::from(status.success())),
-            }
-        }
-        Evaluator::Swebench { .. } => {
-            anyhow::bail!("the swebench evaluator is not built yet")
-        }
-    };
-    Ok(if run.timed_out {
-        Outcome::Timeout {
+    let spec = &job.rollout.spec;
+    if run.timed_out {
+        // Not evaluated: the agent did not finish; its partial trajectory is still kept.
+        return Ok(Outcome::Timeout {
             reward: 0.0,
             reason: format!(
-                "the agent ran over its {} s budget",
-                job.rollout.spec.budgets.agent_s
+                "the agent ran over its budget ({} s agent, {} s session)",
+                spec.budgets.agent_s, spec.budgets.session_s
             ),
-        }
-    } else {
-        Outcome::Completed { reward }
-    })
-}
-
-async fn copy_dir(from: &Path, to: &Path) -> std::io::Result<()> {
-    let status = Command::new("cp")
-        .arg("-a")
-        .arg(from)
-        .arg(to)
-        .status()
-        .await?;
-    if status.success() {
-        Ok(())
-    } else {
-        Err(std::io::Error::other(format!(
-            "copying {} failed: {status}",
-            from.display()
-        )))
+        });
     }
+    let original = rollout_dir(cfg, &job.rollout).join("original");
+    let budget = Duration::from_secs(spec.budgets.eval_s)
+        .min(session_left(job))
+        .max(Duration::from_secs(1));
+    let evaluation = evaluate::evaluate(
+        &spec.evaluator,
+        run.exit_code == Some(0),
+        &EvalPaths {
+            work: &job.dir.join("work"),
+            original: &original,
+            sample_dir: &job.dir,
+        },
+        budget,
+    )
+    .await?;
+    let reward = evaluation.reward;
+    store.set_evaluation(&job.sample.sample_id, evaluation)?;
+    Ok(Outcome::Completed { reward })
 }

@@ -78,6 +78,7 @@ impl Store {
                 attempt: 0,
                 outcome: None,
                 trajectory: None,
+                evaluation: None,
             })
             .collect();
         let tx = self.db.begin_write()?;
@@ -196,6 +197,15 @@ impl Store {
         trajectory: crate::task::TrajectorySummary,
     ) -> Result<(), StoreError> {
         self.update(sample_id, |s| s.trajectory = Some(trajectory))
+            .map(|_| ())
+    }
+
+    pub fn set_evaluation(
+        &self,
+        sample_id: &str,
+        evaluation: crate::evaluate::Evaluation,
+    ) -> Result<(), StoreError> {
+        self.update(sample_id, |s| s.evaluation = Some(evaluation))
             .map(|_| ())
     }
 

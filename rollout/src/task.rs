@@ -90,6 +90,13 @@ pub struct Budgets {
     /// The harness process group; killed when it runs over.
     #[serde(default = "default_agent_s")]
     pub agent_s: u64,
+    /// Each evaluation command; killed when it runs over (the sample scores 0).
+    #[serde(default = "default_eval_s")]
+    pub eval_s: u64,
+}
+
+fn default_eval_s() -> u64 {
+    600
 }
 
 fn default_session_s() -> u64 {
@@ -105,6 +112,7 @@ impl Default for Budgets {
         Budgets {
             session_s: default_session_s(),
             agent_s: default_agent_s(),
+            eval_s: default_eval_s(),
         }
     }
 }
@@ -169,6 +177,9 @@ pub struct Sample {
     /// What its captured calls became (absent when the node captures nothing).
     #[serde(default)]
     pub trajectory: Option<TrajectorySummary>,
+    /// What the evaluator found (tests passed and failed, its log).
+    #[serde(default)]
+    pub evaluation: Option<crate::evaluate::Evaluation>,
 }
 
 /// A sample's traces, written to `traces.jsonl` in its directory.

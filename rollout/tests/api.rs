@@ -20,6 +20,7 @@ async fn node(dir: &std::path::Path) -> String {
         post_workers: 1,
         max_attempts: 2,
         capture: None,
+        ..PipelineConfig::new(std::path::PathBuf::new())
     };
     let pipeline = Arc::new(Pipeline::start(store, config.clone()).await.unwrap());
     let app = router(ApiState {

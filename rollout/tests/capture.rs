@@ -98,6 +98,7 @@ async fn samples_come_back_with_rewarded_traces() {
         post_workers: 1,
         max_attempts: 2,
         capture: Some(capture),
+        ..PipelineConfig::new(std::path::PathBuf::new())
     };
     let pipeline = Pipeline::start(store.clone(), config.clone())
         .await

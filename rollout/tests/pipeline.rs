@@ -1,6 +1,7 @@
 //! The pipeline end to end with the `command` preset and evaluator: a tiny project with a
 //! failing test, one policy that fixes it (reward 1) and one that does not (reward 0), a
-//! hanging agent killed at its budget, samples running concurrently.
+//! hanging agent killed at its budget, an agent that rewrites the test file (not rewarded when
+//! the task names its test files), samples running concurrently.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,12 +21,24 @@ fn project(dir: &std::path::Path) {
 }
 
 fn task(project: &std::path::Path, id: &str, script: &str, samples: u32, agent_s: u64) -> TaskSpec {
+    guarded_task(project, id, script, samples, agent_s, &[])
+}
+
+/// A task whose evaluation restores `test_files` from the original workspace first.
+fn guarded_task(
+    project: &std::path::Path,
+    id: &str,
+    script: &str,
+    samples: u32,
+    agent_s: u64,
+    test_files: &[&str],
+) -> TaskSpec {
     serde_json::from_value(serde_json::json!({
         "task_id": id,
         "instruction": "make the test pass",
         "workspace": {"dir": {"path": project}},
         "harness": {"name": "command", "argv": ["sh", "-c", script]},
-        "evaluator": {"kind": "command", "command": "python3 -m unittest -q"},
+        "evaluator": {"kind": "command", "command": "python3 -m unittest -q", "test_files": test_files},
         "num_samples": samples,
         "budgets": {"agent_s": agent_s}
     }))
@@ -48,6 +61,8 @@ async fn wait_results(store: &Store, n: usize) -> Vec<Sample> {
     }
 }
 
+const CHEAT: &str = "printf 'import unittest\\nclass T(unittest.TestCase):\\n    def test_add(self):\\n        pass\\n' > test_calc.py";
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
     let dir = tempfile::tempdir().unwrap();
@@ -61,6 +76,7 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
         post_workers: 2,
         max_attempts: 2,
         capture: None,
+        ..PipelineConfig::new(std::path::PathBuf::new())
     };
     let pipeline = Pipeline::start(store.clone(), config.clone())
         .await
@@ -70,11 +86,14 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
         task(&proj, "fixes", fix, 3, 60),
         task(&proj, "does-nothing", "true", 2, 60),
         task(&proj, "hangs", "sleep 30", 1, 1),
+        // Rewrites the test so that it passes without fixing anything.
+        guarded_task(&proj, "cheats", CHEAT, 1, 60, &["test_calc.py"]),
+        task(&proj, "cheats-unguarded", CHEAT, 1, 60),
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
         pipeline.submit(rollout, samples, &config.data_dir).await;
     }
-    let results = wait_results(&store, 6).await;
+    let results = wait_results(&store, 8).await;
     let by_task = |task: &str| -> Vec<Outcome> {
         results
             .iter()
@@ -90,9 +109,19 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
         by_task("does-nothing"),
         vec![Outcome::Completed { reward: 0.0 }; 2]
     );
+    assert_eq!(
+        by_task("cheats"),
+        vec![Outcome::Completed { reward: 0.0 }],
+        "the original test file is restored before evaluation"
+    );
+    assert_eq!(
+        by_task("cheats-unguarded"),
+        vec![Outcome::Completed { reward: 1.0 }],
+        "without test_files the cheat works: the guard is what stops it"
+    );
     let hang = by_task("hangs");
     assert!(
-        matches!(&hang[..], [Outcome::Timeout { reward, reason }] if *reward == 0.0 && reason.contains("1 s budget")),
+        matches!(&hang[..], [Outcome::Timeout { reward, reason }] if *reward == 0.0 && reason.contains("1 s agent")),
         "{hang:?}"
     );
     // Each sample worked in its own copy: the original project is untouched.

@@ -41,6 +41,20 @@ pub struct ServeArgs {
     /// Node restarts a running sample survives before it is failed.
     #[arg(long, default_value_t = 3)]
     max_attempts: u32,
+    /// Samples prepared (workspace copied, set-up run) ahead of a free agent slot.
+    #[arg(long, default_value_t = 2)]
+    prewarm: usize,
+    /// Directories searched first for harness binaries and node (colon-separated); the
+    /// node's PATH follows.
+    #[arg(long, env = "TOKENTAP_HARNESS_PATH")]
+    harness_path: Option<String>,
+    /// The model name harnesses are told to use (calls go to the engine's model).
+    #[arg(long, default_value = "tokentap-policy")]
+    harness_model: String,
+    /// Send harnesses' HTTP(S) beyond loopback to a dead local proxy (no telemetry or update
+    /// checks leave the node; the capture URL is loopback and unaffected).
+    #[arg(long)]
+    block_egress: bool,
     #[command(flatten)]
     capture: CaptureArgs,
 }
@@ -62,14 +76,18 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         .build()?;
     rt.block_on(async {
         let capture = Arc::new(NodeCapture::start(service, index).await?);
-        let config = PipelineConfig {
-            data_dir: args.data.clone(),
-            init_workers: args.init_workers,
-            run_workers: args.run_workers,
-            post_workers: args.post_workers,
-            max_attempts: args.max_attempts,
-            capture: Some(capture.clone()),
-        };
+        let mut config = PipelineConfig::new(args.data.clone());
+        config.init_workers = args.init_workers;
+        config.run_workers = args.run_workers;
+        config.post_workers = args.post_workers;
+        config.max_attempts = args.max_attempts;
+        config.capture = Some(capture.clone());
+        config.prewarm = args.prewarm;
+        config.harness_model = args.harness_model.clone();
+        config.block_egress = args.block_egress;
+        if let Some(extra) = &args.harness_path {
+            config.harness_path = format!("{extra}:{}", config.harness_path);
+        }
         let pipeline = Arc::new(Pipeline::start(store, config).await?);
         let app = router(ApiState {
             pipeline,

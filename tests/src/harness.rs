@@ -6,8 +6,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, ExitStatus};
 use std::time::Duration;
 
-use serde_json::json;
-
 use crate::artefacts::Artefacts;
 use crate::procs::{spawn_guarded_split, KillScope};
 
@@ -77,29 +75,29 @@ fn tail(s: &str, n: usize) -> &str {
     &s[start..]
 }
 
-/// A loopback port nothing listens on (discard).
-pub const DEAD_PROXY: &str = "http://127.0.0.1:9";
+pub use tokentap_rollout::preset::{Wire, DEAD_PROXY};
+use tokentap_rollout::preset::{self, CodexProvider, HarnessEnv, QwenOptions};
 
-/// A clean environment: HOME, PATH (setup's node 22 and harness bins first), locale.
+/// The preset environment for a run in `dirs` against `server`: setup's PATH, egress blocked
+/// (anything a harness tries to reach beyond loopback fails at a dead local proxy: the network
+/// rule).
+fn preset_env(a: &Artefacts, dirs: &HarnessDirs, server: &str, api_key: &str, model: &str) -> HarnessEnv {
+    HarnessEnv {
+        home: dirs.home(),
+        work: dirs.work(),
+        tmp: dirs.dir.path().to_owned(),
+        path: a.harness_path(),
+        server: server.to_owned(),
+        api_key: api_key.to_owned(),
+        model: model.to_owned(),
+        block_egress: true,
+    }
+}
+
+/// A clean environment: HOME, PATH (setup's node 22 and harness bins first), locale, egress
+/// blocked.
 pub fn harness_command(a: &Artefacts, exe: &Path, dirs: &HarnessDirs) -> Command {
-    let mut cmd = Command::new(exe);
-    cmd.env_clear()
-        .env("HOME", dirs.home())
-        .env("PATH", a.harness_path())
-        .env("LANG", "C.UTF-8")
-        .env("TERM", "dumb")
-        .env("NO_COLOR", "1")
-        // Anything a harness tries to reach beyond loopback fails at a dead local proxy
-        // (the network rule), instead of leaving the machine.
-        .env("NO_PROXY", "127.0.0.1,localhost")
-        .env("no_proxy", "127.0.0.1,localhost")
-        .env("HTTPS_PROXY", DEAD_PROXY)
-        .env("HTTP_PROXY", DEAD_PROXY)
-        .env("https_proxy", DEAD_PROXY)
-        .env("http_proxy", DEAD_PROXY)
-        .env("TMPDIR", dirs.dir.path())
-        .current_dir(dirs.work());
-    cmd
+    preset_env(a, dirs, "", "", "").command(exe)
 }
 
 pub async fn run(cmd: Command, dirs: &HarnessDirs, what: &str) -> HarnessRun {
@@ -117,27 +115,7 @@ pub async fn run(cmd: Command, dirs: &HarnessDirs, what: &str) -> HarnessRun {
     }
 }
 
-/// The provider API a harness is set to speak.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Wire {
-    ChatCompletions,
-    Responses,
-    Messages,
-}
-
-impl Wire {
-    /// The path tokentap sees for a model call in this API.
-    pub fn path(self) -> &'static str {
-        match self {
-            Wire::ChatCompletions => "/v1/chat/completions",
-            Wire::Responses => "/v1/responses",
-            Wire::Messages => "/v1/messages",
-        }
-    }
-}
-
-/// Pi (`@mariozechner/pi-coding-agent`): `~/.pi/agent/models.json` names provider `x` at
-/// `server` speaking `wire` with `api_key`; runs `pi -p --provider x --model MODEL PROMPT`.
+/// Pi through its preset ([`preset::pi`]), speaking `wire` to `server`.
 pub async fn run_pi(
     dirs: &HarnessDirs,
     server: &str,
@@ -146,29 +124,12 @@ pub async fn run_pi(
     model: &str,
     prompt: &str,
 ) -> HarnessRun {
-    let (a, exe) = Artefacts::require_harness("pi");
-    // The Anthropic SDK appends `/v1/messages` itself; the OpenAI ones want the `/v1` base.
-    let (api, base_url) = match wire {
-        Wire::ChatCompletions => ("openai-completions", format!("{server}/v1")),
-        Wire::Responses => ("openai-responses", format!("{server}/v1")),
-        Wire::Messages => ("anthropic-messages", server.to_owned()),
-    };
-    let models = json!({"providers": {"x": {
-        "baseUrl": base_url,
-        "api": api,
-        "apiKey": api_key,
-        "compat": {"supportsDeveloperRole": false, "supportsReasoningEffort": false},
-        "models": [{"id": model, "contextWindow": 32768, "maxTokens": 4096}]
-    }}});
-    dirs.write(".pi/agent/models.json", &models.to_string());
-    let mut cmd = harness_command(&a, &exe, dirs);
-    cmd.args(["-p", "--provider", "x", "--model", model, prompt]);
+    let (a, _) = Artefacts::require_harness("pi");
+    let cmd = preset::pi(&preset_env(&a, dirs, server, api_key, model), wire, prompt).unwrap();
     run(cmd, dirs, "pi").await
 }
 
-/// Qwen Code (`@qwen-code/qwen-code`): `--auth-type openai | openai-responses | anthropic` with
-/// the matching `OPENAI_*` or `ANTHROPIC_*` variables, telemetry and managed memory off; runs
-/// `qwen --auth-type … [--yolo] PROMPT`.
+/// Qwen Code through its preset ([`preset::qwen`]), managed memory off.
 pub async fn run_qwen(
     dirs: &HarnessDirs,
     server: &str,
@@ -194,42 +155,13 @@ pub async fn run_qwen_with_memory(
     yolo: bool,
     memory: bool,
 ) -> HarnessRun {
-    let (a, exe) = Artefacts::require_harness("qwen");
-    let settings = json!({
-        "privacy": {"usageStatisticsEnabled": false},
-        "memory": {"enableManagedAutoMemory": memory, "enableManagedAutoDream": false}
-    });
-    dirs.write(".qwen/settings.json", &settings.to_string());
-    let mut cmd = harness_command(&a, &exe, dirs);
-    let auth_type = match wire {
-        Wire::ChatCompletions | Wire::Responses => {
-            cmd.env("OPENAI_BASE_URL", format!("{server}/v1"))
-                .env("OPENAI_API_KEY", api_key)
-                .env("OPENAI_MODEL", model);
-            if wire == Wire::Responses {
-                "openai-responses"
-            } else {
-                "openai"
-            }
-        }
-        Wire::Messages => {
-            cmd.env("ANTHROPIC_BASE_URL", server)
-                .env("ANTHROPIC_API_KEY", api_key)
-                .env("ANTHROPIC_MODEL", model);
-            "anthropic"
-        }
-    };
-    cmd.args(["--auth-type", auth_type]);
-    if yolo {
-        cmd.arg("--yolo");
-    }
-    cmd.arg(prompt);
+    let (a, _) = Artefacts::require_harness("qwen");
+    let options = QwenOptions { wire, yolo, memory };
+    let cmd = preset::qwen(&preset_env(&a, dirs, server, api_key, model), options, prompt).unwrap();
     run(cmd, dirs, "qwen").await
 }
 
-/// Codex CLI (`@openai/codex`): a custom provider `x` in `$CODEX_HOME/config.toml` speaking
-/// Responses at `server` (a custom provider sends the key and skips the WebSocket attempt);
-/// runs `codex exec --skip-git-repo-check -s danger-full-access PROMPT` with stdin closed.
+/// Codex CLI through its preset with a custom Responses provider ([`preset::codex`]).
 pub async fn run_codex(
     dirs: &HarnessDirs,
     server: &str,
@@ -237,36 +169,11 @@ pub async fn run_codex(
     model: &str,
     prompt: &str,
 ) -> HarnessRun {
-    let (a, exe) = Artefacts::require_harness("codex");
-    let config = format!(
-        r#"model = "{model}"
-model_provider = "x"
-check_for_update_on_startup = false
-
-[model_providers.x]
-name = "x"
-base_url = "{server}/v1"
-env_key = "X_KEY"
-wire_api = "responses"
-"#
-    );
-    dirs.write(".codex/config.toml", &config);
-    let mut cmd = harness_command(&a, &exe, dirs);
-    cmd.env("CODEX_HOME", dirs.home().join(".codex"))
-        .env("X_KEY", api_key)
-        .args([
-            "exec",
-            "--skip-git-repo-check",
-            "-s",
-            "danger-full-access",
-            prompt,
-        ])
-        .stdin(std::process::Stdio::null());
-    run(cmd, dirs, "codex").await
+    run_codex_with(dirs, server, api_key, model, prompt, CodexProvider::Custom).await
 }
 
-/// Codex CLI with its built-in `openai` provider pointed at `server` by `openai_base_url` and
-/// `OPENAI_API_KEY`: the set-up a user has when only the base URL changes.
+/// Codex CLI with its built-in `openai` provider pointed at `server` by `openai_base_url`:
+/// the set-up a user has when only the base URL changes.
 pub async fn run_codex_builtin(
     dirs: &HarnessDirs,
     server: &str,
@@ -274,30 +181,23 @@ pub async fn run_codex_builtin(
     model: &str,
     prompt: &str,
 ) -> HarnessRun {
-    let (a, exe) = Artefacts::require_harness("codex");
-    let config = format!(
-        r#"model = "{model}"
-openai_base_url = "{server}/v1"
-check_for_update_on_startup = false
-"#
-    );
-    dirs.write(".codex/config.toml", &config);
-    let mut cmd = harness_command(&a, &exe, dirs);
-    cmd.env("CODEX_HOME", dirs.home().join(".codex"))
-        .env("OPENAI_API_KEY", api_key)
-        .args([
-            "exec",
-            "--skip-git-repo-check",
-            "-s",
-            "danger-full-access",
-            prompt,
-        ])
-        .stdin(std::process::Stdio::null());
+    run_codex_with(dirs, server, api_key, model, prompt, CodexProvider::Builtin).await
+}
+
+async fn run_codex_with(
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+    provider: CodexProvider,
+) -> HarnessRun {
+    let (a, _) = Artefacts::require_harness("codex");
+    let cmd = preset::codex(&preset_env(&a, dirs, server, api_key, model), provider, prompt).unwrap();
     run(cmd, dirs, "codex").await
 }
 
-/// Claude Code (`@anthropic-ai/claude-code`): `ANTHROPIC_BASE_URL=server`, non-essential
-/// traffic off; runs `claude -p PROMPT --model MODEL`, allowing its Bash tool when `bash`.
+/// Claude Code through its preset ([`preset::claude`]), allowing its Bash tool when `bash`.
 pub async fn run_claude(
     dirs: &HarnessDirs,
     server: &str,
@@ -306,17 +206,8 @@ pub async fn run_claude(
     prompt: &str,
     bash: bool,
 ) -> HarnessRun {
-    let (a, exe) = Artefacts::require_harness("claude");
-    let mut cmd = harness_command(&a, &exe, dirs);
-    cmd.env("ANTHROPIC_BASE_URL", server)
-        .env("ANTHROPIC_API_KEY", api_key)
-        .env("CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC", "1")
-        .env("DISABLE_AUTOUPDATER", "1")
-        .env("DISABLE_TELEMETRY", "1")
-        .args(["-p", prompt, "--model", model])
-        .stdin(std::process::Stdio::null());
-    if bash {
-        cmd.args(["--allowedTools", "Bash"]);
-    }
+    let (a, _) = Artefacts::require_harness("claude");
+    let tools: &[&str] = if bash { &["Bash"] } else { &[] };
+    let cmd = preset::claude(&preset_env(&a, dirs, server, api_key, model), tools, prompt);
     run(cmd, dirs, "claude").await
 }

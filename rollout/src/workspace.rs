@@ -1,0 +1,276 @@
+//! Working copies. A rollout's workspace is exported once into a snapshot (`original/`): a
+//! directory copied, or a git repository's commit exported with `git archive`, so no history
+//! (and no future commit) comes along. The snapshot is then a one-commit repository of its
+//! own, so agents that like `git diff` have it. Each sample copies the snapshot into its own
+//! `work/`; evaluation runs in yet another fresh copy of the final `work/`, without `.git`,
+//! with the task's test files restored from the snapshot.
+
+use std::path::{Component, Path, PathBuf};
+use std::process::Stdio;
+
+use anyhow::{bail, Context};
+use tokio::process::Command;
+
+use crate::task::Workspace;
+
+/// The rollout's snapshot under `rollout_dir`, made on first use (concurrent samples of the
+/// same rollout race safely: each builds a private copy and the first rename wins).
+pub async fn snapshot(workspace: &Workspace, rollout_dir: &Path) -> anyhow::Result<PathBuf> {
+    let original = rollout_dir.join("original");
+    if original.exists() {
+        return Ok(original);
+    }
+    tokio::fs::create_dir_all(rollout_dir).await?;
+    let building = rollout_dir.join(format!("original.{}", uuid::Uuid::now_v7().simple()));
+    let result = export(workspace, &building).await;
+    if let Err(e) = result {
+        let _ = tokio::fs::remove_dir_all(&building).await;
+        return Err(e);
+    }
+    if tokio::fs::rename(&building, &original).await.is_err() {
+        // Another sample's snapshot got there first; it is the same export.
+        let _ = tokio::fs::remove_dir_all(&building).await;
+    }
+    Ok(original)
+}
+
+async fn export(workspace: &Workspace, to: &Path) -> anyhow::Result<()> {
+    match workspace {
+        Workspace::Dir { path, .. } => {
+            copy_tree(Path::new(path), to).await?;
+            // A directory's own history could hold the answer (later commits).
+            let git = to.join(".git");
+            if git.exists() {
+                tokio::fs::remove_dir_all(&git).await?;
+            }
+        }
+        Workspace::Git { url, commit, .. } => {
+            let clone = to.with_extension("clone");
+            run(
+                Command::new("git")
+                    .args(["clone", "--quiet", "--no-checkout", url])
+                    .arg(&clone),
+                "git clone",
+            )
+            .await?;
+            tokio::fs::create_dir_all(to).await?;
+            let tar = to.with_extension("tar");
+            let r = async {
+                run(
+                    Command::new("git")
+                        .arg("-C")
+                        .arg(&clone)
+                        .args(["archive", "--format=tar", "-o"])
+                        .arg(&tar)
+                        .arg(commit),
+                    "git archive",
+                )
+                .await?;
+                run(
+                    Command::new("tar").arg("-xf").arg(&tar).arg("-C").arg(to),
+                    "tar -x",
+                )
+                .await
+            }
+            .await;
+            let _ = tokio::fs::remove_file(&tar).await;
+            let _ = tokio::fs::remove_dir_all(&clone).await;
+            r.with_context(|| format!("exporting commit {commit} of {url}"))?;
+        }
+    }
+    // One commit, no history: `git diff` works for the agent, nothing else is in there.
+    let init = "git init -q && git add -A && git -c user.name=tokentap -c user.email=tokentap@localhost commit -q --allow-empty -m task";
+    if let Err(e) = run(Command::new("sh").args(["-c", init]).current_dir(to), "git init").await {
+        tracing::warn!(error = %e, "the workspace snapshot is not a git repository");
+        let _ = tokio::fs::remove_dir_all(to.join(".git")).await;
+    }
+    Ok(())
+}
+
+/// A sample's working copy of the snapshot, with the task's set-up command run in it.
+pub async fn working_copy(
+    original: &Path,
+    work: &Path,
+    setup: Option<&str>,
+    log: &Path,
+) -> anyhow::Result<()> {
+    if work.exists() {
+        tokio::fs::remove_dir_all(work).await?;
+    }
+    copy_tree(original, work).await?;
+    if let Some(setup) = setup {
+        let out = std::fs::File::create(log)?;
+        let status = Command::new("sh")
+            .args(["-c", setup])
+            .current_dir(work)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .status()
+            .await?;
+        if !status.success() {
+            bail!("set-up `{setup}` failed ({status}); see {}", log.display());
+        }
+    }
+    Ok(())
+}
+
+/// A fresh copy of the final `work` at `dest` for evaluation: no `.git`, and each of
+/// `test_files` put back as it is in `original` (or removed when the task had none there), so
+/// an agent that edited or added tests gains nothing.
+pub async fn evaluation_copy(
+    work: &Path,
+    original: &Path,
+    test_files: &[String],
+    dest: &Path,
+) -> anyhow::Result<()> {
+    if dest.exists() {
+        tokio::fs::remove_dir_all(dest).await?;
+    }
+    copy_tree(work, dest).await?;
+    let git = dest.join(".git");
+    if git.exists() {
+        tokio::fs::remove_dir_all(&git).await?;
+    }
+    for rel in test_files {
+        let rel = relative(rel)?;
+        let (from, to) = (original.join(rel), dest.join(rel));
+        match tokio::fs::symlink_metadata(&to).await {
+            Ok(m) if m.is_dir() => tokio::fs::remove_dir_all(&to).await?,
+            Ok(_) => tokio::fs::remove_file(&to).await?,
+            Err(_) => {}
+        }
+        if from.exists() {
+            if let Some(parent) = to.parent() {
+                tokio::fs::create_dir_all(parent).await?;
+            }
+            copy_tree(&from, &to).await?;
+        }
+    }
+    Ok(())
+}
+
+/// `rel` as a path inside the workspace; absolute paths and `..` are refused.
+pub fn relative(rel: &str) -> anyhow::Result<&Path> {
+    let p = Path::new(rel);
+    if rel.is_empty()
+        || p.components()
+            .any(|c| !matches!(c, Component::Normal(_) | Component::CurDir))
+    {
+        bail!("test file `{rel}` must be a relative path inside the workspace");
+    }
+    Ok(p)
+}
+
+/// `cp -a from to` (keeps modes, links and times; `to` must not exist).
+pub async fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
+    run(Command::new("cp").arg("-a").arg(from).arg(to), "cp -a")
+        .await
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))
+}
+
+async fn run(cmd: &mut Command, what: &str) -> anyhow::Result<()> {
+    let out = cmd.stdin(Stdio::null()).output().await?;
+    if !out.status.success() {
+        bail!(
+            "{what} failed ({}): {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr).trim()
+        );
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write(p: &Path, s: &str) {
+        std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+        std::fs::write(p, s).unwrap();
+    }
+
+    #[tokio::test]
+    async fn a_git_workspace_is_exported_at_its_commit_without_history() {
+        let dir = tempfile::tempdir().unwrap();
+        let repo = dir.path().join("repo");
+        write(&repo.join("a.txt"), "first");
+        let git = |args: &str| {
+            let ok = std::process::Command::new("sh")
+                .args(["-c", &format!("git -c user.name=t -c user.email=t@t {args}")])
+                .current_dir(&repo)
+                .status()
+                .unwrap()
+                .success();
+            assert!(ok, "git {args}");
+        };
+        git("init -q");
+        git("add -A");
+        git("commit -q -m one");
+        let first = String::from_utf8(
+            std::process::Command::new("git")
+                .args(["rev-parse", "HEAD"])
+                .current_dir(&repo)
+                .output()
+                .unwrap()
+                .stdout,
+        )
+        .unwrap();
+        write(&repo.join("a.txt"), "the answer, from the future");
+        git("commit -q -am two");
+
+        let ws = Workspace::Git {
+            url: repo.display().to_string(),
+            commit: first.trim().to_owned(),
+            setup: None,
+        };
+        let original = snapshot(&ws, &dir.path().join("rollout")).await.unwrap();
+        assert_eq!(
+            std::fs::read_to_string(original.join("a.txt")).unwrap(),
+            "first"
+        );
+        let log = std::process::Command::new("git")
+            .args(["log", "--all", "--format=%s"])
+            .current_dir(&original)
+            .output()
+            .unwrap();
+        assert_eq!(String::from_utf8_lossy(&log.stdout).trim(), "task");
+    }
+
+    #[tokio::test]
+    async fn the_evaluation_copy_restores_test_files_and_drops_git() {
+        let dir = tempfile::tempdir().unwrap();
+        let (original, work, eval) = (
+            dir.path().join("original"),
+            dir.path().join("work"),
+            dir.path().join("eval"),
+        );
+        write(&original.join("tests/test_x.py"), "real test");
+        write(&original.join("x.py"), "bug");
+        write(&work.join("tests/test_x.py"), "assert True");
+        write(&work.join("tests/conftest.py"), "cheat");
+        write(&work.join("x.py"), "fix");
+        write(&work.join(".git/HEAD"), "ref");
+        evaluation_copy(
+            &work,
+            &original,
+            &["tests/test_x.py".into(), "tests/conftest.py".into()],
+            &eval,
+        )
+        .await
+        .unwrap();
+        let read = |p: &str| std::fs::read_to_string(eval.join(p)).ok();
+        assert_eq!(read("tests/test_x.py").as_deref(), Some("real test"));
+        assert_eq!(read("tests/conftest.py"), None, "added by the agent");
+        assert_eq!(read("x.py").as_deref(), Some("fix"));
+        assert!(!eval.join(".git").exists());
+    }
+
+    #[test]
+    fn test_files_must_stay_inside_the_workspace() {
+        for bad in ["/etc/passwd", "../x", "a/../../x", ""] {
+            assert!(relative(bad).is_err(), "{bad}");
+        }
+        assert!(relative("tests/test_a.py").is_ok());
+    }
+}
