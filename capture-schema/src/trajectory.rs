@@ -123,6 +123,9 @@ pub struct Trace {
     /// The outcome reward, filled by an evaluator; absent until then.
     #[serde(default)]
     pub reward: Option<f64>,
+    /// The group the reward is relative to (a rollout node's task id: one GRPO group).
+    #[serde(default)]
+    pub group_id: Option<String>,
     /// Token data the trace lacks, each with a reason (never filled by re-tokenizing).
     #[serde(default)]
     pub gaps: Vec<String>,

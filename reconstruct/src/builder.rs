@@ -230,6 +230,7 @@ impl Chain {
             messages_json: self.tip.messages_json,
             tools_json: self.tip.tools_json,
             reward: None,
+            group_id: None,
             gaps: self.gaps,
         }
     }

@@ -145,7 +145,11 @@ async fn run_logged(
                 unsafe { libc::kill(-pgid, libc::SIGKILL) };
             }
             let _ = child.wait().await;
-            writeln!(out, "(killed at the {} s evaluation budget)", budget.as_secs())?;
+            writeln!(
+                out,
+                "(killed at the {} s evaluation budget)",
+                budget.as_secs()
+            )?;
             Ok(None)
         }
     }

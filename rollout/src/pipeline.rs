@@ -386,6 +386,7 @@ async fn trajectory(
     };
     for t in &mut traces {
         t.reward = Some(reward);
+        t.group_id = Some(job.rollout.spec.task_id.clone());
         if !keep_mask {
             t.loss_mask.iter_mut().for_each(|m| *m = 0);
         }

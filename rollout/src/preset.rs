@@ -371,10 +371,26 @@ mod tests {
         // The test runner's own variables (CARGO_*, HOME, PATH...) would leak without
         // env_clear; only what the preset sets may be there.
         let allowed = [
-            "HOME", "PATH", "LANG", "TERM", "NO_COLOR", "TMPDIR", "NO_PROXY", "no_proxy",
-            "HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy", "OPENAI_BASE_URL",
-            "OPENAI_API_KEY", "ANTHROPIC_BASE_URL", "ANTHROPIC_API_KEY", "TOKENTAP_SESSION",
-            "PWD", "SHLVL", "_",
+            "HOME",
+            "PATH",
+            "LANG",
+            "TERM",
+            "NO_COLOR",
+            "TMPDIR",
+            "NO_PROXY",
+            "no_proxy",
+            "HTTPS_PROXY",
+            "HTTP_PROXY",
+            "https_proxy",
+            "http_proxy",
+            "OPENAI_BASE_URL",
+            "OPENAI_API_KEY",
+            "ANTHROPIC_BASE_URL",
+            "ANTHROPIC_API_KEY",
+            "TOKENTAP_SESSION",
+            "PWD",
+            "SHLVL",
+            "_",
         ];
         assert!(!seen.is_empty());
         for k in &seen {
@@ -394,7 +410,10 @@ mod tests {
         let qwen = std::fs::read_to_string(env.home.join(".qwen/settings.json")).unwrap();
         assert!(qwen.contains(r#""usageStatisticsEnabled":false"#), "{qwen}");
         let codex = std::fs::read_to_string(env.home.join(".codex/config.toml")).unwrap();
-        assert!(codex.contains("check_for_update_on_startup = false"), "{codex}");
+        assert!(
+            codex.contains("check_for_update_on_startup = false"),
+            "{codex}"
+        );
     }
 
     #[test]

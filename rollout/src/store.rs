@@ -72,6 +72,7 @@ impl Store {
             .map(|index| Sample {
                 sample_id: format!("{}-{index}", rollout.rollout_id),
                 rollout_id: rollout.rollout_id.clone(),
+                task_id: rollout.spec.task_id.clone(),
                 index,
                 stage: Stage::Queued,
                 stage_started_ms: [0; 4],

@@ -167,6 +167,9 @@ pub enum Outcome {
 pub struct Sample {
     pub sample_id: String,
     pub rollout_id: String,
+    /// The task's id: the GRPO group this sample belongs to.
+    #[serde(default)]
+    pub task_id: String,
     pub index: u32,
     pub stage: Stage,
     /// Starts of INIT, RUN, POST_RUN and the end, unix ms (0 = not yet).

@@ -80,7 +80,12 @@ async fn export(workspace: &Workspace, to: &Path) -> anyhow::Result<()> {
     }
     // One commit, no history: `git diff` works for the agent, nothing else is in there.
     let init = "git init -q && git add -A && git -c user.name=tokentap -c user.email=tokentap@localhost commit -q --allow-empty -m task";
-    if let Err(e) = run(Command::new("sh").args(["-c", init]).current_dir(to), "git init").await {
+    if let Err(e) = run(
+        Command::new("sh").args(["-c", init]).current_dir(to),
+        "git init",
+    )
+    .await
+    {
         tracing::warn!(error = %e, "the workspace snapshot is not a git repository");
         let _ = tokio::fs::remove_dir_all(to.join(".git")).await;
     }
@@ -197,7 +202,10 @@ mod tests {
         write(&repo.join("a.txt"), "first");
         let git = |args: &str| {
             let ok = std::process::Command::new("sh")
-                .args(["-c", &format!("git -c user.name=t -c user.email=t@t {args}")])
+                .args([
+                    "-c",
+                    &format!("git -c user.name=t -c user.email=t@t {args}"),
+                ])
                 .current_dir(&repo)
                 .status()
                 .unwrap()

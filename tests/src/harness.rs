@@ -75,13 +75,19 @@ fn tail(s: &str, n: usize) -> &str {
     &s[start..]
 }
 
-pub use tokentap_rollout::preset::{Wire, DEAD_PROXY};
 use tokentap_rollout::preset::{self, CodexProvider, HarnessEnv, QwenOptions};
+pub use tokentap_rollout::preset::{Wire, DEAD_PROXY};
 
 /// The preset environment for a run in `dirs` against `server`: setup's PATH, egress blocked
 /// (anything a harness tries to reach beyond loopback fails at a dead local proxy: the network
 /// rule).
-fn preset_env(a: &Artefacts, dirs: &HarnessDirs, server: &str, api_key: &str, model: &str) -> HarnessEnv {
+fn preset_env(
+    a: &Artefacts,
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+) -> HarnessEnv {
     HarnessEnv {
         home: dirs.home(),
         work: dirs.work(),
@@ -157,7 +163,12 @@ pub async fn run_qwen_with_memory(
 ) -> HarnessRun {
     let (a, _) = Artefacts::require_harness("qwen");
     let options = QwenOptions { wire, yolo, memory };
-    let cmd = preset::qwen(&preset_env(&a, dirs, server, api_key, model), options, prompt).unwrap();
+    let cmd = preset::qwen(
+        &preset_env(&a, dirs, server, api_key, model),
+        options,
+        prompt,
+    )
+    .unwrap();
     run(cmd, dirs, "qwen").await
 }
 
@@ -193,7 +204,12 @@ async fn run_codex_with(
     provider: CodexProvider,
 ) -> HarnessRun {
     let (a, _) = Artefacts::require_harness("codex");
-    let cmd = preset::codex(&preset_env(&a, dirs, server, api_key, model), provider, prompt).unwrap();
+    let cmd = preset::codex(
+        &preset_env(&a, dirs, server, api_key, model),
+        provider,
+        prompt,
+    )
+    .unwrap();
     run(cmd, dirs, "codex").await
 }
 

@@ -7,16 +7,23 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokentap_e2e::artefacts::tokentap_bin;
+use tokentap_e2e::artefacts::Artefacts;
+use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::procs::{
     free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
 };
-use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens};
+use tokentap_e2e::scripted::{Reply, Script, ScriptedBackend, Tokens};
 
 const TOKEN: &str = "e2e-node-token";
 
 async fn node(dir: &std::path::Path, port: u16, engine: &str) -> ChildGuard {
+    node_with(dir, port, engine, &[]).await
+}
+
+async fn node_with(dir: &std::path::Path, port: u16, engine: &str, extra: &[&str]) -> ChildGuard {
     let mut cmd = Command::new(tokentap_bin());
     cmd.arg("serve")
+        .args(extra)
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--data")
         .arg(dir.join("node"))
@@ -66,9 +73,13 @@ async fn post(url: &str, body: &Value) -> Value {
 }
 
 async fn results(base: &str, after: u64, want: usize) -> Vec<Value> {
+    results_within(base, after, want, Duration::from_secs(60)).await
+}
+
+async fn results_within(base: &str, after: u64, want: usize, limit: Duration) -> Vec<Value> {
     let mut out = Vec::new();
     let mut after = after;
-    let deadline = std::time::Instant::now() + Duration::from_secs(60);
+    let deadline = std::time::Instant::now() + limit;
     while out.len() < want {
         assert!(
             std::time::Instant::now() < deadline,
@@ -161,4 +172,250 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
         assert_eq!(s["attempt"], 2, "re-run after the restart: {s}");
         assert_eq!(s["trajectory"]["calls"], 1, "{s}");
     }
+}
+
+/// The scripted policy for the repository's tasks: it calls the harness's shell tool once with
+/// the right fix for `calc`, a wrong one for `greet`, and a command that never ends for `hang`,
+/// then answers; calls without a shell tool (a harness's side requests) get a short answer.
+fn task_policy() -> Script {
+    std::sync::Arc::new(|req: &Value, _| {
+        let offered = |name: &str| {
+            req["tools"].as_array().is_some_and(|ts| {
+                ts.iter()
+                    .any(|t| t["function"]["name"].as_str() == Some(name))
+            })
+        };
+        let Some(tool) = ["bash", "run_shell_command"]
+            .into_iter()
+            .find(|t| offered(t))
+        else {
+            return Reply::text("ok");
+        };
+        let messages = req["messages"].as_array().cloned().unwrap_or_default();
+        let tool_results = messages.iter().filter(|m| m["role"] == "tool").count();
+        let user = messages
+            .iter()
+            .filter(|m| m["role"] == "user")
+            .map(|m| m["content"].to_string())
+            .collect::<String>();
+        let (file, command) = if user.contains("TASK calc") {
+            ("calc.py", "sed -i 's/a - b/a + b/' calc.py")
+        } else if user.contains("TASK greet") {
+            // Wrong: the test wants "Hello, Ada!".
+            ("greet.py", "sed -i 's/Hello /Hi /' greet.py")
+        } else {
+            ("calc.py", "sleep 600")
+        };
+        // Qwen Code refuses to let a command edit a file its read_file tool has not read in
+        // the session: read it first, by absolute path under the project root its prompt
+        // names, as a model would.
+        let reads_first = offered("read_file");
+        match (reads_first, tool_results) {
+            (true, 0) => Reply::tool_call(
+                "read_file",
+                json!({ "file_path": format!("{}/{file}", project_root(&req["messages"])) }),
+            ),
+            (false, 0) | (true, 1) => Reply::tool_call(tool, json!({ "command": command })),
+            _ => Reply::text("Done."),
+        }
+    })
+}
+
+/// The sample's working directory as the harness's prompt names it (`/…/samples/ID/work`).
+fn project_root(messages: &Value) -> String {
+    fn strings<'a>(v: &'a Value, out: &mut Vec<&'a str>) {
+        match v {
+            Value::String(s) => out.push(s),
+            Value::Array(a) => a.iter().for_each(|v| strings(v, out)),
+            Value::Object(o) => o.values().for_each(|v| strings(v, out)),
+            _ => {}
+        }
+    }
+    let mut texts = Vec::new();
+    strings(messages, &mut texts);
+    let path_char = |c: char| c.is_ascii_alphanumeric() || "/._-".contains(c);
+    for t in texts {
+        for (i, _) in t.match_indices("/work") {
+            let end = i + "/work".len();
+            if t[end..].starts_with(path_char) {
+                continue;
+            }
+            let start = t[..i].rfind(|c| !path_char(c)).map_or(0, |j| j + 1);
+            if t[start..].starts_with('/') {
+                return t[start..end].to_owned();
+            }
+        }
+    }
+    panic!("the prompt names no project root")
+}
+
+fn repo_task(name: &str, harness: &str, samples: u32, agent_s: u64) -> Value {
+    // The hanging task works on calc's project; the policy keys on the instruction.
+    let project = if name == "hang" { "calc" } else { name };
+    let dir = tokentap_e2e::artefacts::workspace_root()
+        .join("tests/fixtures/tasks")
+        .join(project);
+    json!({
+        "task_id": format!("{name}-{harness}"),
+        "instruction": format!("TASK {name}: make the failing unit test pass by fixing the code. Use the shell."),
+        "workspace": {"dir": {"path": dir}},
+        "harness": {"name": harness},
+        "num_samples": samples,
+        "budgets": {"agent_s": agent_s},
+        "evaluator": {
+            "kind": "command",
+            "command": "python3 -m unittest -q",
+            "test_files": [format!("test_{project}.py")]
+        }
+    })
+}
+
+/// The largest number of samples whose RUN stages overlapped.
+fn max_concurrent_runs(samples: &[Value]) -> usize {
+    let mut edges: Vec<(u64, i32)> = Vec::new();
+    for s in samples {
+        let t = &s["stage_started_ms"];
+        edges.push((t[1].as_u64().unwrap(), 1));
+        edges.push((t[2].as_u64().unwrap(), -1));
+    }
+    edges.sort();
+    let (mut now, mut max) = (0i32, 0i32);
+    for (_, d) in edges {
+        now += d;
+        max = max.max(now);
+    }
+    max as usize
+}
+
+fn read_traces(sample: &Value) -> Vec<Value> {
+    let path = sample["trajectory"]["path"].as_str().expect("a trajectory");
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// GRPO groups through the real Pi and Qwen Code binaries: 4 samples each of a task the policy
+/// fixes (reward 1) and one it gets wrong (reward 0), run concurrently by a `tokentap serve`
+/// node; every sample's tool loop comes back as a faithful merged trace carrying the reward
+/// and its group. A Pi whose tool never returns is killed at its budget and its partial
+/// trajectory is kept, masked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_rollout_groups_through_pi_and_qwen_code() {
+    let llama = LlamaServer::shared_with_tool_template().await;
+    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
+    let (a, _) = Artefacts::require_harness("pi");
+    Artefacts::require_harness("qwen");
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let harness_path = a.harness_path();
+    let _serve = node_with(
+        dir.path(),
+        port,
+        &engine.url,
+        &[
+            "--harness-path",
+            &harness_path,
+            "--block-egress",
+            "--run-workers",
+            "4",
+        ],
+    )
+    .await;
+    let mut expected = std::collections::HashMap::new();
+    for (task, harness, reward) in [
+        ("calc", "pi", 1.0),
+        ("greet", "pi", 0.0),
+        ("calc", "qwen-code", 1.0),
+        ("greet", "qwen-code", 0.0),
+    ] {
+        post(
+            &format!("{base}/v1/rollouts"),
+            &repo_task(task, harness, 4, 120),
+        )
+        .await;
+        expected.insert(format!("{task}-{harness}"), reward);
+    }
+    let hang = post(
+        &format!("{base}/v1/rollouts"),
+        &repo_task("hang", "pi", 1, 8),
+    )
+    .await;
+    let done = results_within(&base, 0, 17, Duration::from_secs(280)).await;
+
+    let mut per_group: std::collections::HashMap<String, usize> = Default::default();
+    for s in done
+        .iter()
+        .filter(|s| s["rollout_id"] != hang["rollout_id"])
+    {
+        let group = s["task_id"].as_str().unwrap().to_owned();
+        let reward = expected[&group];
+        *per_group.entry(group.clone()).or_default() += 1;
+        assert_eq!(
+            s["outcome"],
+            json!({"status": "completed", "reward": reward}),
+            "{s}\nagent log: {}",
+            std::fs::read_to_string(
+                dir.path()
+                    .join("node/samples")
+                    .join(s["sample_id"].as_str().unwrap())
+                    .join("agent.log")
+            )
+            .unwrap_or_default()
+        );
+        let t = &s["trajectory"];
+        assert_eq!(t["faithfulness_violations"], 0, "{s}");
+        assert_eq!(t["complete"], true, "{s}");
+        let traces = read_traces(s);
+        // The tool loop (tool call, then the answer) is one merged trace.
+        let main = traces
+            .iter()
+            .max_by_key(|t| t["calls"].as_array().unwrap().len())
+            .unwrap();
+        assert!(main["calls"].as_array().unwrap().len() >= 2, "{main}");
+        for t in &traces {
+            assert_eq!(t["reward"], reward, "{s}");
+            assert_eq!(t["group_id"], group, "{s}");
+            assert_eq!(t["session_id"], s["sample_id"]);
+        }
+        let trainable = main["loss_mask"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|m| **m == 1)
+            .count();
+        assert!(trainable > 0, "a completed sample keeps its mask");
+        // The evaluation saw the real test file, in a fresh copy.
+        assert!(s["evaluation"]["log"].is_string(), "{s}");
+    }
+    assert_eq!(per_group.len(), 4, "{per_group:?}");
+    assert!(per_group.values().all(|n| *n == 4), "{per_group:?}");
+    assert!(
+        max_concurrent_runs(&done) >= 2,
+        "samples ran one after another"
+    );
+
+    let hung = done
+        .iter()
+        .find(|s| s["rollout_id"] == hang["rollout_id"])
+        .expect("the hanging sample ended");
+    assert_eq!(hung["outcome"]["status"], "timeout", "{hung}");
+    let t = &hung["trajectory"];
+    assert_eq!(
+        t["calls"], 1,
+        "the tool call was captured before the hang: {hung}"
+    );
+    assert_eq!(
+        t["trainable_tokens"], 0,
+        "an unfinished sample is not trained on"
+    );
+    let traces = read_traces(hung);
+    assert_eq!(traces.len(), 1);
+    assert_eq!(traces[0]["reward"], 0.0);
+    assert!(
+        !traces[0]["response_ids"].as_array().unwrap().is_empty(),
+        "kept, masked"
+    );
 }
