@@ -1,7 +1,6 @@
 //! The node's HTTP control plane (`tokentap serve`): submit, inspect, cancel, and pull results.
 //! Every route but `/health` needs `Authorization: Bearer TOKEN` when a token is configured.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -21,19 +20,23 @@ use crate::task::TaskSpec;
 #[derive(Clone)]
 pub struct ApiState {
     pub pipeline: Arc<Pipeline>,
-    pub data_dir: PathBuf,
     pub token: Option<String>,
+    /// More Prometheus text for `/metrics` (the node's capture metrics).
+    pub extra_metrics: Option<Arc<dyn Fn() -> Vec<u8> + Send + Sync>>,
 }
 
 pub fn router(state: ApiState) -> Router {
     let guarded = Router::new()
         .route("/v1/rollouts", post(submit))
         .route("/v1/rollouts/{id}", get(show).delete(cancel))
+        .route("/v1/rollouts/{id}/events", get(events))
+        .route("/v1/samples/{id}/traces", get(sample_traces))
         .route("/v1/results", get(results))
         .route_layer(middleware::from_fn_with_state(state.clone(), bearer));
     Router::new()
         .merge(guarded)
         .route("/health", get(|| async { "ok" }))
+        .route("/metrics", get(metrics))
         .with_state(state)
 }
 
@@ -97,10 +100,7 @@ async fn submit(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
                 "rollout_id": rollout.rollout_id,
                 "samples": samples.iter().map(|s| &s.sample_id).collect::<Vec<_>>(),
             });
-            state
-                .pipeline
-                .submit(rollout, samples, &state.data_dir)
-                .await;
+            state.pipeline.submit(rollout, samples);
             (StatusCode::ACCEPTED, Json(body)).into_response()
         }
         Err(e) => store_error(e),
@@ -123,11 +123,8 @@ async fn show(State(state): State<ApiState>, Path(id): Path<String>) -> Response
 }
 
 async fn cancel(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    match state.pipeline.store().cancel(&id, now_ms()) {
-        Ok(running) => {
-            state.pipeline.cancel_running(&running);
-            Json(json!({"rollout_id": id, "stopping": running.len()})).into_response()
-        }
+    match state.pipeline.cancel(&id) {
+        Ok(running) => Json(json!({"rollout_id": id, "stopping": running})).into_response(),
         Err(e) => store_error(e),
     }
 }
@@ -152,6 +149,8 @@ async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -
     loop {
         // Registered before reading, so a result landing in between still wakes us.
         let notified = state.pipeline.finished.notified();
+        tokio::pin!(notified);
+        notified.as_mut().enable();
         match state
             .pipeline
             .store()
@@ -171,4 +170,127 @@ async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -
             Err(e) => return store_error(e),
         }
     }
+}
+
+async fn metrics(State(state): State<ApiState>) -> Response {
+    let mut body = state.pipeline.render_metrics();
+    if let Some(extra) = &state.extra_metrics {
+        body.extend(extra());
+    }
+    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], body).into_response()
+}
+
+/// A sample's trace rows (JSON Lines), once it has ended.
+async fn sample_traces(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
+    let sample = match state.pipeline.store().sample(&id) {
+        Ok(s) => s,
+        Err(e) => return store_error(e),
+    };
+    let Some(t) = sample.trajectory else {
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("sample {id} has no trajectory (yet)"),
+        );
+    };
+    match tokio::fs::read(&t.path).await {
+        Ok(body) => ([(header::CONTENT_TYPE, "application/jsonl")], body).into_response(),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            "io_error",
+            format!("reading {}: {e}", t.path),
+        ),
+    }
+}
+
+/// Server-sent events for one rollout: a `snapshot` of every sample first, then `stage` and
+/// `finished` events as they happen, and `done` when every sample has ended (the stream then
+/// closes). A reader that falls behind gets a fresh `snapshot`.
+async fn events(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
+    use axum::response::sse::{Event as Sse, KeepAlive};
+    // Subscribed before the snapshot, so nothing between the two is missed.
+    let rx = state.pipeline.events();
+    let pending = match snapshot(&state, &id) {
+        Ok(p) => p,
+        Err(e) => return store_error(e),
+    };
+    struct St {
+        state: ApiState,
+        id: String,
+        rx: tokio::sync::broadcast::Receiver<crate::pipeline::Event>,
+        /// Samples not ended yet; None before the first snapshot is sent.
+        pending: Option<std::collections::HashSet<String>>,
+        first: Option<(serde_json::Value, std::collections::HashSet<String>)>,
+        closed: bool,
+    }
+    let st = St {
+        state,
+        id,
+        rx,
+        pending: None,
+        first: Some(pending),
+        closed: false,
+    };
+    let stream = futures::stream::unfold(st, |mut st| async move {
+        use tokio::sync::broadcast::error::RecvError;
+        if st.closed {
+            return None;
+        }
+        if let Some((body, pending)) = st.first.take() {
+            st.pending = Some(pending);
+            let ev = Sse::default().event("snapshot").data(body.to_string());
+            return Some((Ok::<_, std::convert::Infallible>(ev), st));
+        }
+        if st.pending.as_ref().is_some_and(|p| p.is_empty()) {
+            st.closed = true;
+            let ev = Sse::default()
+                .event("done")
+                .data(json!({"rollout_id": st.id}).to_string());
+            return Some((Ok(ev), st));
+        }
+        loop {
+            match st.rx.recv().await {
+                Ok(ev) if ev.rollout_id() == st.id => {
+                    if let crate::pipeline::Event::Finished { sample_id, .. } = &ev {
+                        if let Some(p) = st.pending.as_mut() {
+                            p.remove(sample_id);
+                        }
+                    }
+                    let name = match &ev {
+                        crate::pipeline::Event::Stage { .. } => "stage",
+                        crate::pipeline::Event::Finished { .. } => "finished",
+                    };
+                    let data = serde_json::to_string(&ev).unwrap_or_default();
+                    return Some((Ok(Sse::default().event(name).data(data)), st));
+                }
+                Ok(_) => continue,
+                Err(RecvError::Lagged(_)) => match snapshot(&st.state, &st.id) {
+                    Ok((body, pending)) => {
+                        st.pending = Some(pending);
+                        let ev = Sse::default().event("snapshot").data(body.to_string());
+                        return Some((Ok(ev), st));
+                    }
+                    Err(_) => return None,
+                },
+                Err(RecvError::Closed) => return None,
+            }
+        }
+    });
+    axum::response::Sse::new(stream)
+        .keep_alive(KeepAlive::default())
+        .into_response()
+}
+
+/// The rollout with its samples, and the ids of those not ended yet.
+fn snapshot(
+    state: &ApiState,
+    id: &str,
+) -> Result<(serde_json::Value, std::collections::HashSet<String>), StoreError> {
+    let (rollout, samples) = state.pipeline.store().rollout(id)?;
+    let pending = samples
+        .iter()
+        .filter(|s| s.outcome.is_none())
+        .map(|s| s.sample_id.clone())
+        .collect();
+    Ok((json!({"rollout": rollout, "samples": samples}), pending))
 }

@@ -6,13 +6,17 @@
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
+//! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
+//! - [`metrics`]: per-stage Prometheus metrics.
 //! - [`evaluate`]: rewards from the final workspace.
 //! - [`preset`]: how each harness is configured and launched.
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
 pub mod api;
 pub mod capture;
+pub mod deliver;
 pub mod evaluate;
+pub mod metrics;
 pub mod pipeline;
 pub mod preset;
 pub mod store;

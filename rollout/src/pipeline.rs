@@ -2,16 +2,21 @@
 //! group, killed at its budget) → POST_RUN (evaluate, reward, record the outcome). Each stage
 //! has its own bounded pool, so slow agents never starve set-up or evaluation.
 
+use std::collections::BinaryHeap;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::{Duration, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use serde::Serialize;
 use tokio::process::Command;
-use tokio::sync::{mpsc, Mutex, Notify};
+use tokio::sync::{broadcast, mpsc, Mutex, Notify};
 
 use crate::capture::NodeCapture;
+use crate::deliver::{self, DeliveryPolicy};
 use crate::evaluate::{self, EvalPaths};
+use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
 use crate::store::{Store, StoreError};
 use crate::workspace;
@@ -40,6 +45,8 @@ pub struct PipelineConfig {
     pub harness_model: String,
     /// Send harnesses' non-loopback HTTP(S) to a dead local proxy.
     pub block_egress: bool,
+    /// How results are POSTed to callback URLs.
+    pub delivery: DeliveryPolicy,
 }
 
 impl PipelineConfig {
@@ -57,6 +64,7 @@ impl PipelineConfig {
                 .unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()),
             harness_model: "tokentap-policy".into(),
             block_egress: false,
+            delivery: DeliveryPolicy::default(),
         }
     }
 }
@@ -68,6 +76,8 @@ struct Job {
     dir: PathBuf,
     /// What RUN saw, for POST_RUN.
     run: Option<RunResult>,
+    /// When the job entered its current queue (for the time-waiting metric).
+    queued_at: Instant,
 }
 
 #[derive(Debug, Clone)]
@@ -76,12 +86,141 @@ struct RunResult {
     timed_out: bool,
 }
 
+/// Progress of a rollout's samples, as `GET /v1/rollouts/{id}/events` streams it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+#[serde(tag = "event", rename_all = "snake_case")]
+pub enum Event {
+    Stage {
+        rollout_id: String,
+        sample_id: String,
+        stage: Stage,
+        at_ms: u64,
+    },
+    Finished {
+        rollout_id: String,
+        sample_id: String,
+        outcome: Outcome,
+    },
+}
+
+impl Event {
+    pub fn rollout_id(&self) -> &str {
+        match self {
+            Event::Stage { rollout_id, .. } | Event::Finished { rollout_id, .. } => rollout_id,
+        }
+    }
+}
+
+/// What every stage worker shares.
+struct Shared {
+    store: Arc<Store>,
+    cfg: PipelineConfig,
+    /// Process groups of the agents running now, by sample id.
+    running: StdMutex<HashMap<String, i32>>,
+    events: broadcast::Sender<Event>,
+    finished: Arc<Notify>,
+    metrics: StageMetrics,
+}
+
+impl Shared {
+    fn enter(&self, job: &mut Job, stage: Stage) -> Result<(), StoreError> {
+        let at_ms = now_ms();
+        job.sample = self.store.set_stage(&job.sample.sample_id, stage, at_ms)?;
+        let _ = self.events.send(Event::Stage {
+            rollout_id: job.sample.rollout_id.clone(),
+            sample_id: job.sample.sample_id.clone(),
+            stage,
+            at_ms,
+        });
+        Ok(())
+    }
+
+    fn finish(&self, sample: &Sample, outcome: Outcome) {
+        if let Err(e) = self
+            .store
+            .finish(&sample.sample_id, outcome.clone(), now_ms())
+        {
+            tracing::error!(sample = %sample.sample_id, error = %e, "recording a sample's end");
+        }
+        self.metrics.ended(&outcome);
+        let _ = self.events.send(Event::Finished {
+            rollout_id: sample.rollout_id.clone(),
+            sample_id: sample.sample_id.clone(),
+            outcome,
+        });
+        self.finished.notify_waiters();
+    }
+
+    fn fail(&self, job: &Job, reason: String) {
+        tracing::warn!(sample = %job.sample.sample_id, %reason, "sample failed");
+        self.finish(&job.sample, Outcome::Error { reason });
+    }
+}
+
+/// Samples waiting for INIT: highest priority first, then in submission order.
+#[derive(Default)]
+struct InitQueue {
+    heap: StdMutex<BinaryHeap<Queued>>,
+    ready: Notify,
+    seq: AtomicU64,
+}
+
+struct Queued {
+    priority: i32,
+    seq: u64,
+    job: Job,
+}
+
+impl PartialEq for Queued {
+    fn eq(&self, o: &Self) -> bool {
+        (self.priority, self.seq) == (o.priority, o.seq)
+    }
+}
+impl Eq for Queued {}
+impl PartialOrd for Queued {
+    fn partial_cmp(&self, o: &Self) -> Option<std::cmp::Ordering> {
+        Some(self.cmp(o))
+    }
+}
+impl Ord for Queued {
+    fn cmp(&self, o: &Self) -> std::cmp::Ordering {
+        self.priority.cmp(&o.priority).then(o.seq.cmp(&self.seq))
+    }
+}
+
+impl InitQueue {
+    fn push(&self, job: Job) -> usize {
+        let q = Queued {
+            priority: job.rollout.spec.priority,
+            seq: self.seq.fetch_add(1, Ordering::Relaxed),
+            job,
+        };
+        let len = {
+            let mut heap = self.heap.lock().unwrap_or_else(|e| e.into_inner());
+            heap.push(q);
+            heap.len()
+        };
+        self.ready.notify_one();
+        len
+    }
+
+    async fn pop(&self) -> (Job, usize) {
+        loop {
+            {
+                let mut heap = self.heap.lock().unwrap_or_else(|e| e.into_inner());
+                if let Some(q) = heap.pop() {
+                    return (q.job, heap.len());
+                }
+            }
+            self.ready.notified().await;
+        }
+    }
+}
+
 /// The running pipeline; `submit` queues a rollout's samples.
 pub struct Pipeline {
-    store: Arc<Store>,
-    init_tx: mpsc::Sender<Job>,
-    /// Process groups of the agents running now, by sample id.
-    running: Arc<StdMutex<HashMap<String, i32>>>,
+    shared: Arc<Shared>,
+    init_queue: Arc<InitQueue>,
     /// Woken whenever a sample ends (long-polling readers of the results log wait on it).
     pub finished: Arc<Notify>,
 }
@@ -93,123 +232,163 @@ pub fn now_ms() -> u64 {
 }
 
 impl Pipeline {
-    /// Starts the pools and re-queues what a previous run of the node left unfinished.
+    /// Starts the pools and the callback deliverer, and re-queues what a previous run of the
+    /// node left unfinished.
     pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
         let finished = Arc::new(Notify::new());
-        let running: Arc<StdMutex<HashMap<String, i32>>> = Arc::default();
-        let (init_tx, init_rx) = mpsc::channel::<Job>(1024);
+        let shared = Arc::new(Shared {
+            store: store.clone(),
+            cfg: config.clone(),
+            running: StdMutex::default(),
+            events: broadcast::channel(4096).0,
+            finished: finished.clone(),
+            metrics: StageMetrics::new(),
+        });
+        let init_queue = Arc::new(InitQueue::default());
         let (run_tx, run_rx) = mpsc::channel::<Job>(config.prewarm.max(1));
         let (post_tx, post_rx) = mpsc::channel::<Job>(1024);
-        let (init_rx, run_rx, post_rx) = (
-            Arc::new(Mutex::new(init_rx)),
-            Arc::new(Mutex::new(run_rx)),
-            Arc::new(Mutex::new(post_rx)),
-        );
+        let (run_rx, post_rx) = (Arc::new(Mutex::new(run_rx)), Arc::new(Mutex::new(post_rx)));
         for _ in 0..config.init_workers.max(1) {
-            let (rx, tx, store, cfg) = (
-                init_rx.clone(),
-                run_tx.clone(),
-                store.clone(),
-                config.clone(),
-            );
+            let (queue, tx, sh) = (init_queue.clone(), run_tx.clone(), shared.clone());
             tokio::spawn(async move {
-                while let Some(mut job) = next(&rx).await {
-                    match init(&store, &cfg, &mut job).await {
+                loop {
+                    let (mut job, depth) = queue.pop().await;
+                    sh.metrics.depth(Stage::Queued, depth);
+                    sh.metrics.waited(Stage::Queued, job.queued_at);
+                    let t = Instant::now();
+                    let r = init(&sh, &mut job).await;
+                    sh.metrics.took(Stage::Init, t);
+                    match r {
                         Ok(true) => {
+                            job.queued_at = Instant::now();
+                            sh.metrics.inc_depth(Stage::Init);
                             let _ = tx.send(job).await;
                         }
                         Ok(false) => {} // ended while queued (cancelled)
-                        Err(e) => fail(&store, &job, format!("init: {e}")),
+                        Err(e) => sh.fail(&job, format!("init: {e:#}")),
                     }
                 }
             });
         }
         for _ in 0..config.run_workers.max(1) {
-            let (rx, tx, store, running, cfg) = (
-                run_rx.clone(),
-                post_tx.clone(),
-                store.clone(),
-                running.clone(),
-                config.clone(),
-            );
+            let (rx, tx, sh) = (run_rx.clone(), post_tx.clone(), shared.clone());
             tokio::spawn(async move {
                 while let Some(mut job) = next(&rx).await {
-                    match run(&store, &cfg, &running, &mut job).await {
+                    sh.metrics.dec_depth(Stage::Init);
+                    sh.metrics.waited(Stage::Init, job.queued_at);
+                    let t = Instant::now();
+                    let r = run(&sh, &mut job).await;
+                    sh.metrics.took(Stage::Run, t);
+                    match r {
                         Ok(()) => {
+                            job.queued_at = Instant::now();
+                            sh.metrics.inc_depth(Stage::Run);
                             let _ = tx.send(job).await;
                         }
-                        Err(e) => fail(&store, &job, format!("run: {e}")),
+                        Err(e) => sh.fail(&job, format!("run: {e:#}")),
                     }
                 }
             });
         }
         for _ in 0..config.post_workers.max(1) {
-            let (rx, store, finished, cfg) = (
-                post_rx.clone(),
-                store.clone(),
-                finished.clone(),
-                config.clone(),
-            );
+            let (rx, sh) = (post_rx.clone(), shared.clone());
             tokio::spawn(async move {
-                while let Some(job) = next(&rx).await {
-                    match post_run(&store, &cfg, &job).await {
-                        Ok(outcome) => {
-                            let _ = store.finish(&job.sample.sample_id, outcome, now_ms());
-                        }
-                        Err(e) => fail(&store, &job, format!("post-run: {e}")),
+                while let Some(mut job) = next(&rx).await {
+                    sh.metrics.dec_depth(Stage::Run);
+                    sh.metrics.waited(Stage::Run, job.queued_at);
+                    let t = Instant::now();
+                    let r = post_run(&sh, &mut job).await;
+                    sh.metrics.took(Stage::PostRun, t);
+                    match r {
+                        Ok(outcome) => sh.finish(&job.sample, outcome),
+                        Err(e) => sh.fail(&job, format!("post-run: {e:#}")),
                     }
-                    finished.notify_waiters();
                 }
             });
         }
+        tokio::spawn(deliver::run(
+            store.clone(),
+            finished.clone(),
+            config.delivery.clone(),
+        ));
         let pipeline = Pipeline {
-            store: store.clone(),
-            init_tx,
-            running,
+            shared,
+            init_queue,
             finished,
         };
         for (rollout, sample) in store.recover(config.max_attempts, now_ms())? {
-            pipeline
-                .enqueue(Arc::new(rollout), sample, &config.data_dir)
-                .await;
+            pipeline.enqueue(Arc::new(rollout), sample);
         }
         Ok(pipeline)
     }
 
     /// Queues every sample of a freshly stored rollout.
-    pub async fn submit(&self, rollout: Rollout, samples: Vec<Sample>, data_dir: &Path) {
+    pub fn submit(&self, rollout: Rollout, samples: Vec<Sample>) {
         let rollout = Arc::new(rollout);
         for s in samples {
-            self.enqueue(rollout.clone(), s, data_dir).await;
+            self.enqueue(rollout.clone(), s);
         }
     }
 
-    async fn enqueue(&self, rollout: Arc<Rollout>, sample: Sample, data_dir: &Path) {
-        let dir = data_dir.join("samples").join(&sample.sample_id);
-        let _ = self
-            .init_tx
-            .send(Job {
-                rollout,
-                sample,
-                dir,
-                run: None,
-            })
-            .await;
+    fn enqueue(&self, rollout: Arc<Rollout>, sample: Sample) {
+        let dir = self
+            .shared
+            .cfg
+            .data_dir
+            .join("samples")
+            .join(&sample.sample_id);
+        let depth = self.init_queue.push(Job {
+            rollout,
+            sample,
+            dir,
+            run: None,
+            queued_at: Instant::now(),
+        });
+        self.shared.metrics.depth(Stage::Queued, depth);
     }
 
     pub fn store(&self) -> &Store {
-        &self.store
+        &self.shared.store
     }
 
-    /// Kills the agents of these samples (a cancelled rollout); they end `cancelled`.
-    pub fn cancel_running(&self, samples: &[Sample]) {
-        let running = self.running.lock().unwrap_or_else(|e| e.into_inner());
-        for s in samples {
-            if let Some(pgid) = running.get(&s.sample_id) {
+    /// Progress events of every rollout, from now on.
+    pub fn events(&self) -> broadcast::Receiver<Event> {
+        self.shared.events.subscribe()
+    }
+
+    /// The stage metrics, in Prometheus text format.
+    pub fn render_metrics(&self) -> Vec<u8> {
+        self.shared.metrics.render()
+    }
+
+    /// Cancels a rollout: queued samples end at once, running agents are killed (their
+    /// samples end `cancelled` after POST_RUN keeps what they captured). Returns how many
+    /// were running.
+    pub fn cancel(&self, rollout_id: &str) -> Result<usize, StoreError> {
+        let (queued, running) = self.shared.store.cancel(rollout_id, now_ms())?;
+        for s in &queued {
+            self.shared.metrics.ended(&Outcome::Cancelled);
+            let _ = self.shared.events.send(Event::Finished {
+                rollout_id: s.rollout_id.clone(),
+                sample_id: s.sample_id.clone(),
+                outcome: Outcome::Cancelled,
+            });
+        }
+        if !queued.is_empty() {
+            self.finished.notify_waiters();
+        }
+        let pgids = self
+            .shared
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        for s in &running {
+            if let Some(pgid) = pgids.get(&s.sample_id) {
                 // SAFETY: kill(2) on a process group one of our agents leads.
                 unsafe { libc::kill(-pgid, libc::SIGKILL) };
             }
         }
+        Ok(running.len())
     }
 }
 
@@ -217,18 +396,14 @@ async fn next(rx: &Mutex<mpsc::Receiver<Job>>) -> Option<Job> {
     rx.lock().await.recv().await
 }
 
-fn fail(store: &Store, job: &Job, reason: String) {
-    tracing::warn!(sample = %job.sample.sample_id, %reason, "sample failed");
-    let _ = store.finish(&job.sample.sample_id, Outcome::Error { reason }, now_ms());
-}
-
 /// Prepares the working copy; false when the sample ended while queued.
-async fn init(store: &Store, cfg: &PipelineConfig, job: &mut Job) -> anyhow::Result<bool> {
-    let current = store.sample(&job.sample.sample_id)?;
+async fn init(sh: &Shared, job: &mut Job) -> anyhow::Result<bool> {
+    let current = sh.store.sample(&job.sample.sample_id)?;
     if current.stage == Stage::Done {
         return Ok(false);
     }
-    job.sample = store.set_stage(&job.sample.sample_id, Stage::Init, now_ms())?;
+    sh.enter(job, Stage::Init)?;
+    let cfg = &sh.cfg;
     tokio::fs::create_dir_all(&job.dir).await?;
     let spec = &job.rollout.spec;
     let original = workspace::snapshot(&spec.workspace, &rollout_dir(cfg, &job.rollout)).await?;
@@ -263,13 +438,9 @@ fn session_left(job: &Job) -> Duration {
     Duration::from_secs(job.rollout.spec.budgets.session_s).saturating_sub(used)
 }
 
-async fn run(
-    store: &Store,
-    cfg: &PipelineConfig,
-    running: &StdMutex<HashMap<String, i32>>,
-    job: &mut Job,
-) -> anyhow::Result<()> {
-    job.sample = store.set_stage(&job.sample.sample_id, Stage::Run, now_ms())?;
+async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
+    sh.enter(job, Stage::Run)?;
+    let (store, cfg, running) = (&sh.store, &sh.cfg, &sh.running);
     let spec = &job.rollout.spec;
     let session = job.sample.sample_id.clone();
     let server = match &cfg.capture {
@@ -350,12 +521,12 @@ async fn run(
     Ok(())
 }
 
-async fn post_run(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Result<Outcome> {
-    store.set_stage(&job.sample.sample_id, Stage::PostRun, now_ms())?;
-    let outcome = outcome(store, cfg, job).await?;
-    if let Some(c) = &cfg.capture {
+async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
+    sh.enter(job, Stage::PostRun)?;
+    let outcome = outcome(&sh.store, &sh.cfg, job).await?;
+    if let Some(c) = &sh.cfg.capture {
         let summary = trajectory(c, job, &outcome).await?;
-        store.set_trajectory(&job.sample.sample_id, summary)?;
+        sh.store.set_trajectory(&job.sample.sample_id, summary)?;
     }
     Ok(outcome)
 }

@@ -13,6 +13,23 @@ const ROLLOUTS: TableDefinition<&str, &[u8]> = TableDefinition::new("rollouts");
 const SAMPLES: TableDefinition<&str, &[u8]> = TableDefinition::new("samples");
 /// Results log: cursor → sample id, in the order samples finished.
 const RESULTS: TableDefinition<u64, &str> = TableDefinition::new("results");
+/// Callback deliveries still owed: sample id → [`OutboxEntry`]. Written in the same
+/// transaction that ends the sample, so a crash cannot lose a delivery.
+const OUTBOX: TableDefinition<&str, &[u8]> = TableDefinition::new("outbox");
+
+/// Deliveries due now (sample id, entry), and when the next later one is due.
+pub type OutboxDue = (Vec<(String, OutboxEntry)>, Option<u64>);
+
+/// A result still to be POSTed to its rollout's `callback_url`.
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct OutboxEntry {
+    pub url: String,
+    pub attempts: u32,
+    /// Not before this time (unix ms).
+    pub next_ms: u64,
+    #[serde(default)]
+    pub last_error: Option<String>,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -52,6 +69,7 @@ impl Store {
         tx.open_table(ROLLOUTS)?;
         tx.open_table(SAMPLES)?;
         tx.open_table(RESULTS)?;
+        tx.open_table(OUTBOX)?;
         tx.commit()?;
         Ok(Store { db })
     }
@@ -80,6 +98,7 @@ impl Store {
                 outcome: None,
                 trajectory: None,
                 evaluation: None,
+                callback: None,
             })
             .collect();
         let tx = self.db.begin_write()?;
@@ -186,6 +205,21 @@ impl Store {
             s.insert(sample_id, serde_json::to_vec(&sample)?.as_slice())?;
             cursor = results.last()?.map_or(1, |(k, _)| k.value() + 1);
             results.insert(cursor, sample_id)?;
+            let rollouts = tx.open_table(ROLLOUTS)?;
+            let rollout: Option<Rollout> = match rollouts.get(sample.rollout_id.as_str())? {
+                Some(v) => Some(serde_json::from_slice(v.value())?),
+                None => None,
+            };
+            if let Some(url) = rollout.and_then(|r| r.spec.callback_url) {
+                let entry = OutboxEntry {
+                    url,
+                    attempts: 0,
+                    next_ms: now_ms,
+                    last_error: None,
+                };
+                tx.open_table(OUTBOX)?
+                    .insert(sample_id, serde_json::to_vec(&entry)?.as_slice())?;
+            }
         }
         tx.commit()?;
         Ok(cursor)
@@ -232,9 +266,13 @@ impl Store {
         Ok(out)
     }
 
-    /// Marks a rollout cancelled and ends its samples that have not started; returns the
-    /// samples still running (the pipeline stops them).
-    pub fn cancel(&self, rollout_id: &str, now_ms: u64) -> Result<Vec<Sample>, StoreError> {
+    /// Marks a rollout cancelled and ends its samples that have not started; returns those
+    /// (ended now) and the samples still running (the pipeline stops them).
+    pub fn cancel(
+        &self,
+        rollout_id: &str,
+        now_ms: u64,
+    ) -> Result<(Vec<Sample>, Vec<Sample>), StoreError> {
         {
             let tx = self.db.begin_write()?;
             {
@@ -249,17 +287,18 @@ impl Store {
             tx.commit()?;
         }
         let (_, samples) = self.rollout(rollout_id)?;
-        let mut running = Vec::new();
+        let (mut queued, mut running) = (Vec::new(), Vec::new());
         for s in samples {
             match s.stage {
                 Stage::Queued => {
                     self.finish(&s.sample_id, Outcome::Cancelled, now_ms)?;
+                    queued.push(s);
                 }
                 Stage::Done => {}
                 _ => running.push(s),
             }
         }
-        Ok(running)
+        Ok((queued, running))
     }
 
     /// After a restart: samples that were in a stage are queued again, or failed once they
@@ -306,6 +345,60 @@ impl Store {
                 .then(sa.sample_id.cmp(&sb.sample_id))
         });
         Ok(queued)
+    }
+
+    /// Deliveries due at `now_ms`, soonest first, and when the next one after them is due.
+    pub fn outbox_due(
+        &self,
+        now_ms: u64,
+        limit: usize,
+    ) -> Result<OutboxDue, StoreError> {
+        let tx = self.db.begin_read()?;
+        let t = tx.open_table(OUTBOX)?;
+        let mut due = Vec::new();
+        let mut next: Option<u64> = None;
+        for item in t.iter()? {
+            let (k, v) = item?;
+            let e: OutboxEntry = serde_json::from_slice(v.value())?;
+            if e.next_ms <= now_ms && due.len() < limit {
+                due.push((k.value().to_owned(), e));
+            } else {
+                next = Some(next.map_or(e.next_ms, |n| n.min(e.next_ms)));
+            }
+        }
+        due.sort_by_key(|(_, e)| e.next_ms);
+        Ok((due, next))
+    }
+
+    /// Puts a delivery back for a later attempt.
+    pub fn outbox_retry(&self, sample_id: &str, entry: &OutboxEntry) -> Result<(), StoreError> {
+        let tx = self.db.begin_write()?;
+        tx.open_table(OUTBOX)?
+            .insert(sample_id, serde_json::to_vec(entry)?.as_slice())?;
+        tx.commit()?;
+        Ok(())
+    }
+
+    /// Ends a delivery (delivered, or given up with the reason) and notes it on the sample.
+    pub fn outbox_done(
+        &self,
+        sample_id: &str,
+        attempts: u32,
+        error: Option<String>,
+    ) -> Result<(), StoreError> {
+        {
+            let tx = self.db.begin_write()?;
+            tx.open_table(OUTBOX)?.remove(sample_id)?;
+            tx.commit()?;
+        }
+        self.update(sample_id, |s| {
+            s.callback = Some(crate::task::CallbackStatus {
+                delivered: error.is_none(),
+                attempts,
+                error,
+            })
+        })
+        .map(|_| ())
     }
 
     fn all_samples(&self) -> Result<Vec<Sample>, StoreError> {
@@ -439,8 +532,8 @@ mod tests {
         store
             .set_stage(&samples[1].sample_id, Stage::Init, 2)
             .unwrap();
-        let running = store.cancel(&r.rollout_id, 3).unwrap();
-        assert_eq!(running.len(), 1);
+        let (queued, running) = store.cancel(&r.rollout_id, 3).unwrap();
+        assert_eq!((queued.len(), running.len()), (2, 1));
         assert_eq!(running[0].sample_id, samples[1].sample_id);
         let (r, samples) = store.rollout(&r.rollout_id).unwrap();
         assert!(r.cancelled);

@@ -183,6 +183,19 @@ pub struct Sample {
     /// What the evaluator found (tests passed and failed, its log).
     #[serde(default)]
     pub evaluation: Option<crate::evaluate::Evaluation>,
+    /// The result's delivery to the rollout's `callback_url`, once it ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub callback: Option<CallbackStatus>,
+}
+
+/// How a result's callback delivery ended.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CallbackStatus {
+    pub delivered: bool,
+    pub attempts: u32,
+    /// Why it was given up (a 4xx other than 408/425/429, or too many attempts).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
 }
 
 /// A sample's traces, written to `traces.jsonl` in its directory.

@@ -25,7 +25,7 @@ async fn node(dir: &std::path::Path) -> String {
     let pipeline = Arc::new(Pipeline::start(store, config.clone()).await.unwrap());
     let app = router(ApiState {
         pipeline,
-        data_dir: config.data_dir,
+        extra_metrics: None,
         token: Some(TOKEN.into()),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

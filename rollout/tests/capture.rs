@@ -108,7 +108,7 @@ async fn samples_come_back_with_rewarded_traces() {
         task(&project, "overruns", &agent(1, "sleep 30"), 2),
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
-        pipeline.submit(rollout, samples, &config.data_dir).await;
+        pipeline.submit(rollout, samples);
     }
     let deadline = Instant::now() + Duration::from_secs(60);
     let results = loop {

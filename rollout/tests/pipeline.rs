@@ -91,7 +91,7 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
         task(&proj, "cheats-unguarded", CHEAT, 1, 60),
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
-        pipeline.submit(rollout, samples, &config.data_dir).await;
+        pipeline.submit(rollout, samples);
     }
     let results = wait_results(&store, 8).await;
     let by_task = |task: &str| -> Vec<Outcome> {

@@ -91,7 +91,10 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let pipeline = Arc::new(Pipeline::start(store, config).await?);
         let app = router(ApiState {
             pipeline,
-            data_dir: args.data.clone(),
+            extra_metrics: Some(Arc::new({
+                let service = capture.service.clone();
+                move || service.metrics().render()
+            })),
             token: args.token.clone(),
         });
         let listener = tokio::net::TcpListener::bind(args.listen)
