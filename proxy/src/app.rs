@@ -21,6 +21,7 @@ use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, Wir
 use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
 use crate::canonical::{GenerationAccumulator, GenerationEvent};
 use crate::capture::{CallCapture, RecordSink};
+use crate::gate::CallGate;
 use crate::metrics::Metrics;
 use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
@@ -120,6 +121,8 @@ pub struct CaptureService {
     sessions: SessionCounters,
     /// The layout `Auto` resolved to, once the engine answered the probe.
     resolved_layout: std::sync::OnceLock<SystemLayout>,
+    /// Admission before the engine (a rollout node's pause, sampling and policy version).
+    gate: Option<Arc<dyn CallGate>>,
 }
 
 #[async_trait]
@@ -163,7 +166,14 @@ impl CaptureService {
             metrics,
             sessions: SessionCounters::default(),
             resolved_layout: std::sync::OnceLock::new(),
+            gate: None,
         }
+    }
+
+    /// Puts `gate` in front of every engine call.
+    pub fn with_gate(mut self, gate: Arc<dyn CallGate>) -> Self {
+        self.gate = Some(gate);
+        self
     }
 
     /// The system-message layout for this engine; `Auto` asks the engine's template once.
@@ -510,6 +520,19 @@ impl CaptureService {
             });
         }
         call.backend.synthetic_stream = stream_to_harness && mode == CallMode::Whole;
+        // Held until this call is answered.
+        let _permit = match &self.gate {
+            Some(gate) => {
+                let session = call.session.as_ref().map(|(s, _)| s.id.clone());
+                let admission = gate.admit(session.as_deref(), &mut request).await;
+                call.normalizations.extend(admission.normalizations);
+                if admission.policy_version.is_some() {
+                    call.backend.policy_version = admission.policy_version;
+                }
+                admission.permit
+            }
+            None => None,
+        };
         call.backend_request = Some(request);
 
         // Generate.

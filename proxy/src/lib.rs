@@ -6,6 +6,7 @@ pub mod app;
 pub mod backend;
 pub mod canonical;
 pub mod capture;
+pub mod gate;
 pub mod metrics;
 pub mod normalize;
 pub mod redact;

@@ -32,6 +32,9 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/rollouts/{id}/events", get(events))
         .route("/v1/samples/{id}/traces", get(sample_traces))
         .route("/v1/results", get(results))
+        .route("/v1/admin/pause", post(pause))
+        .route("/v1/admin/resume", post(resume))
+        .route("/v1/admin/status", get(admin_status))
         .route_layer(middleware::from_fn_with_state(state.clone(), bearer));
     Router::new()
         .merge(guarded)
@@ -293,4 +296,63 @@ fn snapshot(
         .map(|s| s.sample_id.clone())
         .collect();
     Ok((json!({"rollout": rollout, "samples": samples}), pending))
+}
+
+#[derive(Deserialize)]
+struct PauseQuery {
+    /// Seconds to wait for calls in flight to finish, at most 600 (default 300).
+    #[serde(default = "default_pause_wait")]
+    wait: u64,
+}
+
+fn default_pause_wait() -> u64 {
+    300
+}
+
+fn no_gate() -> Response {
+    error(
+        StatusCode::CONFLICT,
+        "no_gate",
+        "this node has no capture gate (it runs without capture)",
+    )
+}
+
+/// Holds new generations; answers once the calls in flight have finished (`in_flight: 0`)
+/// or the wait ran out (`in_flight` > 0: ask again).
+async fn pause(State(state): State<ApiState>, Query(q): Query<PauseQuery>) -> Response {
+    let Some(gate) = state.pipeline.gate() else {
+        return no_gate();
+    };
+    let status = gate.pause(Duration::from_secs(q.wait.min(600))).await;
+    Json(status).into_response()
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct ResumeBody {
+    #[serde(default)]
+    policy_version: Option<String>,
+}
+
+/// Lets generations go on, under a new `policy_version` when given.
+async fn resume(State(state): State<ApiState>, body: axum::body::Bytes) -> Response {
+    let Some(gate) = state.pipeline.gate() else {
+        return no_gate();
+    };
+    let body: ResumeBody = if body.is_empty() {
+        ResumeBody::default()
+    } else {
+        match serde_json::from_slice(&body) {
+            Ok(b) => b,
+            Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
+        }
+    };
+    Json(gate.resume(body.policy_version)).into_response()
+}
+
+async fn admin_status(State(state): State<ApiState>) -> Response {
+    match state.pipeline.gate() {
+        Some(gate) => Json(gate.status()).into_response(),
+        None => no_gate(),
+    }
 }

@@ -8,6 +8,7 @@
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
 //! - [`metrics`]: per-stage Prometheus metrics.
+//! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
 //! - [`evaluate`]: rewards from the final workspace.
 //! - [`preset`]: how each harness is configured and launched.
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
@@ -16,6 +17,7 @@ pub mod api;
 pub mod capture;
 pub mod deliver;
 pub mod evaluate;
+pub mod gate;
 pub mod metrics;
 pub mod pipeline;
 pub mod preset;

@@ -16,6 +16,7 @@ use tokio::sync::{broadcast, mpsc, Mutex, Notify};
 use crate::capture::NodeCapture;
 use crate::deliver::{self, DeliveryPolicy};
 use crate::evaluate::{self, EvalPaths};
+use crate::gate::{NodeGate, SessionPolicy};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
 use crate::store::{Store, StoreError};
@@ -47,6 +48,8 @@ pub struct PipelineConfig {
     pub block_egress: bool,
     /// How results are POSTed to callback URLs.
     pub delivery: DeliveryPolicy,
+    /// The admission gate in the node's capture (pause/resume, task sampling).
+    pub gate: Option<Arc<NodeGate>>,
 }
 
 impl PipelineConfig {
@@ -65,6 +68,7 @@ impl PipelineConfig {
             harness_model: "tokentap-policy".into(),
             block_egress: false,
             delivery: DeliveryPolicy::default(),
+            gate: None,
         }
     }
 }
@@ -356,6 +360,11 @@ impl Pipeline {
         self.shared.events.subscribe()
     }
 
+    /// The node's admission gate, when its capture has one.
+    pub fn gate(&self) -> Option<&Arc<NodeGate>> {
+        self.shared.cfg.gate.as_ref()
+    }
+
     /// The stage metrics, in Prometheus text format.
     pub fn render_metrics(&self) -> Vec<u8> {
         self.shared.metrics.render()
@@ -450,6 +459,15 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         }
         None => preset::DEAD_PROXY.to_owned(),
     };
+    if let Some(gate) = &cfg.gate {
+        gate.register(
+            &session,
+            SessionPolicy {
+                sampling: spec.sampling.clone(),
+                policy_version: spec.policy_version.clone(),
+            },
+        );
+    }
     let env = HarnessEnv {
         home: job.dir.join("home"),
         work: job.dir.join("work"),
@@ -517,6 +535,9 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         .lock()
         .unwrap_or_else(|e| e.into_inner())
         .remove(&job.sample.sample_id);
+    if let Some(gate) = &cfg.gate {
+        gate.forget(&session);
+    }
     job.run = Some(result);
     Ok(())
 }

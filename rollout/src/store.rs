@@ -348,11 +348,7 @@ impl Store {
     }
 
     /// Deliveries due at `now_ms`, soonest first, and when the next one after them is due.
-    pub fn outbox_due(
-        &self,
-        now_ms: u64,
-        limit: usize,
-    ) -> Result<OutboxDue, StoreError> {
+    pub fn outbox_due(&self, now_ms: u64, limit: usize) -> Result<OutboxDue, StoreError> {
         let tx = self.db.begin_read()?;
         let t = tx.open_table(OUTBOX)?;
         let mut due = Vec::new();

@@ -14,6 +14,7 @@ use tokentap_proxy::normalize::SystemLayout;
 use tokentap_proxy::{CaptureService, ProxyConfig};
 use tokentap_reconstruct::output::read_traces_jsonl;
 use tokentap_rollout::capture::{sink, NodeCapture, SessionIndex};
+use tokentap_rollout::gate::{Gate, NodeGate};
 use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 use tokentap_rollout::task::{Outcome, TaskSpec};
@@ -47,35 +48,27 @@ fn task(project: &std::path::Path, id: &str, script: &str, agent_s: u64) -> Task
     .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn samples_come_back_with_rewarded_traces() {
-    let engine = ScriptedBackend::start(
-        Tokens::FakeChat,
-        Arc::new(|req: &Value, _| {
-            let n = req["messages"].as_array().map_or(0, Vec::len);
-            Reply::Text(format!("answer to {n} messages"))
-        }),
-    )
-    .await;
-    let dir = tempfile::tempdir().unwrap();
-    let project = dir.path().join("project");
-    std::fs::create_dir_all(&project).unwrap();
-
+/// A node with in-process capture in front of `engine`, optionally behind `gate`.
+async fn node(
+    dir: &std::path::Path,
+    engine: &str,
+    gate: Option<Arc<NodeGate>>,
+) -> (Arc<Store>, Pipeline) {
     let metrics = Arc::new(Metrics::new());
     let index = Arc::new(SessionIndex::default());
-    let writer = SpoolWriter::open(&dir.path().join("spool"), SpoolConfig::default()).unwrap();
+    let writer = SpoolWriter::open(&dir.join("spool"), SpoolConfig::default()).unwrap();
     let (record_sink, _spool_thread) = sink(writer, metrics.clone(), index.clone());
     let backend: Arc<dyn backend::Backend> = Arc::from(
         backend::build(BackendConfig {
             kind: BackendKind::Vllm,
-            url: engine.url.clone(),
+            url: engine.to_owned(),
             api_key: None,
             connect_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
         })
         .unwrap(),
     );
-    let service = CaptureService::new(
+    let mut service = CaptureService::new(
         ProxyConfig {
             max_body_bytes: 1 << 20,
             synthetic_stream: false,
@@ -88,21 +81,113 @@ async fn samples_come_back_with_rewarded_traces() {
         record_sink,
         metrics,
     );
+    if let Some(g) = &gate {
+        service = service.with_gate(Arc::new(Gate(g.clone())));
+    }
     let capture = Arc::new(NodeCapture::start(service, index).await.unwrap());
-
-    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    let store = Arc::new(Store::open(&dir.join("node.redb")).unwrap());
     let config = PipelineConfig {
-        data_dir: dir.path().join("data"),
         init_workers: 1,
         run_workers: 2,
         post_workers: 1,
         max_attempts: 2,
         capture: Some(capture),
-        ..PipelineConfig::new(std::path::PathBuf::new())
+        gate,
+        ..PipelineConfig::new(dir.join("data"))
     };
-    let pipeline = Pipeline::start(store.clone(), config.clone())
-        .await
-        .unwrap();
+    let pipeline = Pipeline::start(store.clone(), config).await.unwrap();
+    (store, pipeline)
+}
+
+fn counting_engine() -> tokentap_e2e::scripted::Script {
+    Arc::new(|req: &Value, _| {
+        let n = req["messages"].as_array().map_or(0, Vec::len);
+        Reply::Text(format!("answer to {n} messages"))
+    })
+}
+
+async fn wait_file(path: &std::path::Path) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !path.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// A weight update mid-sample: pause waits for nothing in flight, holds the agent's next call
+/// until resume, which sets the new policy version; the sample's trace says which call ran
+/// under which version and that it spans two. The task's sampling parameters reach the
+/// engine.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pause_holds_calls_and_resume_changes_the_policy_version() {
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+    let gate = NodeGate::new(Some("v1".into()));
+    let (store, pipeline) = node(dir.path(), &engine.url, Some(gate.clone())).await;
+    // One call, a sign, a wait for the go-ahead, a second call.
+    let script = agent(
+        1,
+        "touch ../called && while [ ! -f ../go ]; do sleep 0.05; done && ",
+    ) + &agent(2, "true").replacen("curl", "true", 1);
+    let mut spec = task(&project, "spans", &script, 60);
+    spec.sampling.temperature = Some(0.25);
+    let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
+    let sample_dir = dir.path().join("data/samples").join(&samples[0].sample_id);
+    pipeline.submit(rollout, samples.clone());
+
+    wait_file(&sample_dir.join("called")).await;
+    let status = gate.pause(Duration::from_secs(10)).await;
+    assert_eq!((status.paused, status.in_flight), (true, 0));
+    std::fs::write(sample_dir.join("go"), "").unwrap();
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        engine.requests().len(),
+        1,
+        "the second call is held while paused"
+    );
+    gate.resume(Some("v2".into()));
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let s = loop {
+        let s = store.sample(&samples[0].sample_id).unwrap();
+        if s.outcome.is_some() {
+            break s;
+        }
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(s.outcome, Some(Outcome::Completed { reward: 1.0 }));
+    let t = s.trajectory.unwrap();
+    let traces = read_traces_jsonl(std::path::Path::new(&t.path)).unwrap();
+    assert_eq!(traces.len(), 1, "{traces:?}");
+    let versions: Vec<Option<&str>> = traces[0]
+        .calls
+        .iter()
+        .map(|c| c.policy_version.as_deref())
+        .collect();
+    assert_eq!(versions, [Some("v1"), Some("v2")]);
+    assert!(traces[0].spans_policy_versions);
+    for r in engine.requests() {
+        assert_eq!(
+            r["temperature"], 0.25,
+            "the task's sampling reaches the engine"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn samples_come_back_with_rewarded_traces() {
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+    let (store, pipeline) = node(dir.path(), &engine.url, None).await;
     for spec in [
         task(&project, "talks", &agent(2, "true"), 60),
         task(&project, "overruns", &agent(1, "sleep 30"), 2),

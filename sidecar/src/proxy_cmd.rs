@@ -100,7 +100,7 @@ pub struct CaptureArgs {
     max_body_bytes: usize,
     /// Policy (weights) version to record with each call.
     #[arg(long)]
-    policy_version: Option<String>,
+    pub policy_version: Option<String>,
     /// How system and developer messages reach the engine: `single` folds them into one
     /// leading system message (what most chat templates take), `as-sent` keeps them where the
     /// harness put them, `auto` asks the engine's template once (llama.cpp, vLLM) and folds

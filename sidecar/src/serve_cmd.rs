@@ -9,6 +9,7 @@ use anyhow::Context;
 use clap::Args;
 use tokentap_rollout::api::{router, ApiState};
 use tokentap_rollout::capture::{observer, NodeCapture, SessionIndex};
+use tokentap_rollout::gate::{Gate, NodeGate};
 use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 
@@ -66,6 +67,8 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
     let (service, spool_thread) = args
         .capture
         .build_observed(None, Some(observer(index.clone())))?;
+    let gate = NodeGate::new(args.capture.policy_version.clone());
+    let service = service.with_gate(Arc::new(Gate(gate.clone())));
     let store = Arc::new(
         Store::open(&args.data.join("node.redb"))
             .with_context(|| format!("opening the node's store in {}", args.data.display()))?,
@@ -82,6 +85,7 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         config.post_workers = args.post_workers;
         config.max_attempts = args.max_attempts;
         config.capture = Some(capture.clone());
+        config.gate = Some(gate.clone());
         config.prewarm = args.prewarm;
         config.harness_model = args.harness_model.clone();
         config.block_egress = args.block_egress;
