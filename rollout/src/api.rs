@@ -40,6 +40,10 @@ pub fn router(state: ApiState) -> Router {
         .merge(guarded)
         .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
+        .route(
+            "/openapi.json",
+            get(|| async { Json(crate::openapi::document()) }),
+        )
         .with_state(state)
 }
 

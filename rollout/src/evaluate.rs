@@ -6,6 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 
@@ -13,7 +14,7 @@ use crate::task::Evaluator;
 use crate::workspace::evaluation_copy;
 
 /// What an evaluator found, stored with the sample.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Evaluation {
     pub reward: f64,
     /// Tests that passed and failed (the `swebench` evaluator).

@@ -32,7 +32,7 @@ struct State {
 }
 
 /// The gate's state as the admin API reports it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 pub struct GateStatus {
     pub paused: bool,
     pub in_flight: usize,

@@ -7,6 +7,7 @@
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
+//! - [`openapi`]: the control plane's OpenAPI document.
 //! - [`metrics`]: per-stage Prometheus metrics.
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
 //! - [`evaluate`]: rewards from the final workspace.
@@ -19,6 +20,7 @@ pub mod deliver;
 pub mod evaluate;
 pub mod gate;
 pub mod metrics;
+pub mod openapi;
 pub mod pipeline;
 pub mod preset;
 pub mod store;

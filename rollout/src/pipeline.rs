@@ -91,7 +91,7 @@ struct RunResult {
 }
 
 /// Progress of a rollout's samples, as `GET /v1/rollouts/{id}/events` streams it.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Stage {

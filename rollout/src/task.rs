@@ -1,9 +1,10 @@
 //! What a trainer submits (a [`TaskSpec`]) and what the node tracks for each of its samples.
 
+use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
 /// One task: a GRPO group of `num_samples` runs of one harness on one workspace.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct TaskSpec {
     /// The trainer's id for the task (the group id of its samples).
@@ -36,7 +37,7 @@ fn one() -> u32 {
 }
 
 /// Where a sample's working copy comes from.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case", deny_unknown_fields)]
 pub enum Workspace {
     /// A local directory, copied.
@@ -55,7 +56,7 @@ pub enum Workspace {
 }
 
 /// Which harness runs the task.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case", tag = "name", deny_unknown_fields)]
 pub enum Harness {
     Codex,
@@ -69,7 +70,7 @@ pub enum Harness {
 }
 
 /// Sampling parameters passed to the engine for every call of the sample.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Sampling {
     #[serde(default)]
@@ -81,7 +82,7 @@ pub struct Sampling {
 }
 
 /// Time limits, in seconds.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct Budgets {
     /// The whole sample: INIT + RUN + POST_RUN.
@@ -118,7 +119,7 @@ impl Default for Budgets {
 }
 
 /// How a finished sample is scored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case", tag = "kind", deny_unknown_fields)]
 pub enum Evaluator {
     /// A command run in a fresh copy of the final workspace: exit 0 → 1.0, else 0.0, unless it
@@ -142,7 +143,7 @@ pub enum Evaluator {
 }
 
 /// Where a sample is in the pipeline.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]
 pub enum Stage {
     Queued,
@@ -153,7 +154,7 @@ pub enum Stage {
 }
 
 /// How a sample ended.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case", tag = "status")]
 pub enum Outcome {
     Completed { reward: f64 },
@@ -163,7 +164,7 @@ pub enum Outcome {
 }
 
 /// One sample of a rollout, as stored.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Sample {
     pub sample_id: String,
     pub rollout_id: String,
@@ -189,7 +190,7 @@ pub struct Sample {
 }
 
 /// How a result's callback delivery ended.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct CallbackStatus {
     pub delivered: bool,
     pub attempts: u32,
@@ -199,7 +200,7 @@ pub struct CallbackStatus {
 }
 
 /// A sample's traces, written to `traces.jsonl` in its directory.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TrajectorySummary {
     pub path: String,
     pub calls: u32,
@@ -211,7 +212,7 @@ pub struct TrajectorySummary {
 }
 
 /// What `POST /v1/rollouts` creates.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Rollout {
     pub rollout_id: String,
     pub submitted_ms: u64,

@@ -196,3 +196,41 @@ async fn submit_poll_show_and_cancel_over_http() {
         .unwrap();
     assert_eq!(r.status(), 404);
 }
+
+/// Every route the OpenAPI document lists is served (a missing one would answer axum's bare
+/// 404 or 405, not the node's JSON), and the document itself is served without a token.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openapi_document_matches_the_router() {
+    let dir = tempfile::tempdir().unwrap();
+    let url = node(dir.path()).await;
+    let http = reqwest::Client::builder().no_proxy().build().unwrap();
+    let doc: Value = http
+        .get(format!("{url}/openapi.json"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(doc["openapi"], "3.0.3");
+    for (method, path) in tokentap_rollout::openapi::ROUTES {
+        let path = path.replace("{id}", "no-such-id");
+        let r = http
+            .request(
+                method.to_uppercase().parse().unwrap(),
+                format!("{url}{path}?wait=0"),
+            )
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body("{}")
+            .send()
+            .await
+            .unwrap();
+        let status = r.status().as_u16();
+        let body = r.text().await.unwrap();
+        assert_ne!(status, 405, "{method} {path}");
+        if status == 404 {
+            assert!(body.contains("\"error\""), "{method} {path}: not routed");
+        }
+    }
+}
