@@ -3,6 +3,7 @@
 mod bench;
 mod ca_cmd;
 mod downstream;
+mod generate_cmd;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
@@ -46,9 +47,12 @@ enum Command {
     /// Inspect the capture records in a spool.
     #[command(subcommand)]
     Records(records_cmd::RecordsCmd),
-    /// A rollout node (in progress): tasks in over HTTP, samples run under capture, rewarded
-    /// trajectories out.
+    /// A rollout node: tasks in over HTTP, samples run under capture, rewarded trajectories
+    /// out.
     Serve(serve_cmd::ServeArgs),
+    /// Offline data generation: a task file through the rollout pipeline in batch; accepted
+    /// samples become an SFT dataset (resumable).
+    Generate(generate_cmd::GenerateArgs),
     /// Receive records shipped by proxies (--ship-to) and rebuild trajectories as they arrive.
     Worker(worker_cmd::WorkerArgs),
     /// Ship a spool's records to a worker (what `proxy --ship-to` does, for an existing spool).
@@ -86,6 +90,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
         Command::Serve(args) => serve_cmd::run(args).map(|()| ok),
+        Command::Generate(args) => generate_cmd::run(args).map(|()| ok),
         Command::Worker(args) => worker_cmd::run(args).map(|()| ok),
         Command::Ship(args) => ship::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),

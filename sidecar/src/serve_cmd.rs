@@ -1,5 +1,6 @@
-//! `tokentap serve`: a rollout node (work in progress, issue 6): the task store, the staged
-//! pipeline, in-process capture with a session per sample, and the HTTP control plane.
+//! `tokentap serve`: a rollout node — the task store, the staged pipeline, in-process capture
+//! with a session per sample behind the admission gate, and the HTTP control plane.
+//! [`NodeArgs`] (everything but the control plane) is shared with `tokentap generate`.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -15,21 +16,13 @@ use tokentap_rollout::store::Store;
 
 use crate::proxy_cmd::CaptureArgs;
 
+/// A rollout node's pipeline and capture.
 #[derive(Args)]
-#[command(after_help = "Examples:
-  tokentap serve --backend http://gpu:8000 --backend-kind vllm --data ./node --spool ./node/spool
-  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' -d @task.json http://127.0.0.1:8700/v1/rollouts
-  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' 'http://127.0.0.1:8700/v1/results?after=0&wait=30'")]
-pub struct ServeArgs {
-    /// Address of the control plane.
-    #[arg(long, default_value = "127.0.0.1:8700")]
-    listen: SocketAddr,
-    /// The node's state (node.redb) and per-sample directories.
-    #[arg(long, default_value = "tokentap-node")]
-    data: PathBuf,
-    /// Bearer token required on the control plane.
-    #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
-    token: Option<String>,
+pub struct NodeArgs {
+    /// The node's state (node.redb) and per-sample directories [default: tokentap-node;
+    /// OUT/node for generate].
+    #[arg(long)]
+    pub data: Option<PathBuf>,
     /// Samples in INIT at once (copying workspaces, set-up).
     #[arg(long, default_value_t = 2)]
     init_workers: usize,
@@ -57,68 +50,120 @@ pub struct ServeArgs {
     #[arg(long)]
     block_egress: bool,
     #[command(flatten)]
-    capture: CaptureArgs,
+    pub capture: CaptureArgs,
+}
+
+/// A started node (inside a tokio runtime).
+pub struct Node {
+    pub pipeline: Arc<Pipeline>,
+    pub capture: Arc<NodeCapture>,
+}
+
+/// What must be built before the runtime (model discovery runs its own small one).
+pub struct NodeParts {
+    service: tokentap_proxy::CaptureService,
+    index: Arc<SessionIndex>,
+    gate: Arc<NodeGate>,
+    store: Arc<Store>,
+    pub spool_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NodeArgs {
+    pub fn data_dir(&self) -> PathBuf {
+        self.data
+            .clone()
+            .unwrap_or_else(|| PathBuf::from("tokentap-node"))
+    }
+
+    pub fn prepare(&self) -> anyhow::Result<NodeParts> {
+        let data = self.data_dir();
+        std::fs::create_dir_all(&data)?;
+        let index = Arc::new(SessionIndex::default());
+        let (service, spool_thread) = self
+            .capture
+            .build_observed(None, Some(observer(index.clone())))?;
+        let gate = NodeGate::new(self.capture.policy_version.clone());
+        let service = service.with_gate(Arc::new(Gate(gate.clone())));
+        let store = Arc::new(
+            Store::open(&data.join("node.redb"))
+                .with_context(|| format!("opening the node's store in {}", data.display()))?,
+        );
+        Ok(NodeParts {
+            service,
+            index,
+            gate,
+            store,
+            spool_thread,
+        })
+    }
+
+    pub async fn start(&self, parts: NodeParts) -> anyhow::Result<Node> {
+        let capture = Arc::new(NodeCapture::start(parts.service, parts.index).await?);
+        let mut config = PipelineConfig::new(self.data_dir());
+        config.init_workers = self.init_workers;
+        config.run_workers = self.run_workers;
+        config.post_workers = self.post_workers;
+        config.max_attempts = self.max_attempts;
+        config.capture = Some(capture.clone());
+        config.gate = Some(parts.gate);
+        config.prewarm = self.prewarm;
+        config.harness_model = self.harness_model.clone();
+        config.block_egress = self.block_egress;
+        if let Some(extra) = &self.harness_path {
+            config.harness_path = format!("{extra}:{}", config.harness_path);
+        }
+        let pipeline = Arc::new(Pipeline::start(parts.store, config).await?);
+        Ok(Node { pipeline, capture })
+    }
+}
+
+pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
+    Ok(tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?)
+}
+
+#[derive(Args)]
+#[command(after_help = "Examples:
+  tokentap serve --backend http://gpu:8000 --backend-kind vllm --data ./node --spool ./node/spool
+  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' -d @task.json http://127.0.0.1:8700/v1/rollouts
+  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' 'http://127.0.0.1:8700/v1/results?after=0&wait=30'
+  curl http://127.0.0.1:8700/openapi.json")]
+pub struct ServeArgs {
+    /// Address of the control plane.
+    #[arg(long, default_value = "127.0.0.1:8700")]
+    listen: SocketAddr,
+    /// Bearer token required on the control plane.
+    #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    #[command(flatten)]
+    pub node: NodeArgs,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
-    std::fs::create_dir_all(&args.data)?;
-    let index = Arc::new(SessionIndex::default());
-    // Built before the runtime: model discovery runs its own small one.
-    let (service, spool_thread) = args
-        .capture
-        .build_observed(None, Some(observer(index.clone())))?;
-    let gate = NodeGate::new(args.capture.policy_version.clone());
-    let service = service.with_gate(Arc::new(Gate(gate.clone())));
-    let store = Arc::new(
-        Store::open(&args.data.join("node.redb"))
-            .with_context(|| format!("opening the node's store in {}", args.data.display()))?,
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
+    let mut parts = args.node.prepare()?;
+    let spool_thread = parts.spool_thread.take();
+    let rt = runtime()?;
     rt.block_on(async {
-        let capture = Arc::new(NodeCapture::start(service, index).await?);
-        let mut config = PipelineConfig::new(args.data.clone());
-        config.init_workers = args.init_workers;
-        config.run_workers = args.run_workers;
-        config.post_workers = args.post_workers;
-        config.max_attempts = args.max_attempts;
-        config.capture = Some(capture.clone());
-        config.gate = Some(gate.clone());
-        config.prewarm = args.prewarm;
-        config.harness_model = args.harness_model.clone();
-        config.block_egress = args.block_egress;
-        if let Some(extra) = &args.harness_path {
-            config.harness_path = format!("{extra}:{}", config.harness_path);
-        }
-        let pipeline = Arc::new(Pipeline::start(store, config).await?);
+        let node = args.node.start(parts).await?;
+        let service = node.capture.service.clone();
         let app = router(ApiState {
-            pipeline,
-            extra_metrics: Some(Arc::new({
-                let service = capture.service.clone();
-                move || service.metrics().render()
-            })),
+            pipeline: node.pipeline.clone(),
             token: args.token.clone(),
+            extra_metrics: Some(Arc::new(move || service.metrics().render())),
         });
         let listener = tokio::net::TcpListener::bind(args.listen)
             .await
             .with_context(|| format!("listening on {}", args.listen))?;
         tracing::info!(
             listen = %listener.local_addr()?,
-            capture = %capture.addr,
-            data = %args.data.display(),
+            capture = %node.capture.addr,
+            data = %args.node.data_dir().display(),
             "tokentap rollout node ready"
         );
         axum::serve(listener, app)
-            .with_graceful_shutdown(async {
-                use tokio::signal::unix::{signal, SignalKind};
-                let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-                tokio::select! {
-                    _ = tokio::signal::ctrl_c() => {}
-                    _ = term.recv() => {}
-                }
-            })
+            .with_graceful_shutdown(shutdown_signal())
             .await?;
         anyhow::Ok(())
     })?;
@@ -128,4 +173,13 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let _ = t.join();
     }
     Ok(())
+}
+
+pub async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
 }

@@ -419,3 +419,108 @@ async fn heavy_rollout_groups_through_pi_and_qwen_code() {
         "kept, masked"
     );
 }
+
+/// `tokentap generate` over the repository's task file with the real Pi: killed (SIGKILL)
+/// once a sample has finished, then run again, it finishes the rest without redoing what was
+/// done, and keeps the accepted samples (the `calc` group; `greet` is fixed wrongly) as SFT
+/// rows with token ids and a mask.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
+    let llama = LlamaServer::shared_with_tool_template().await;
+    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
+    let (a, _) = Artefacts::require_harness("pi");
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("out");
+    let tasks = tokentap_e2e::artefacts::workspace_root().join("tests/fixtures/tasks/tasks.jsonl");
+    let generate = |log: &str| {
+        let mut cmd = Command::new(tokentap_bin());
+        cmd.arg("generate")
+            .arg("--tasks")
+            .arg(&tasks)
+            .args(["--harness", "pi", "--samples", "2", "--quiet"])
+            .arg("--out")
+            .arg(&out)
+            .args(["--harness-path", &a.harness_path(), "--block-egress"])
+            .args(["--run-workers", "2"])
+            .args(["--backend", &engine.url, "--backend-kind", "vllm"]);
+        spawn_guarded(
+            cmd,
+            &dir.path().join(log),
+            KillScope::Group,
+            "tokentap generate",
+        )
+        .unwrap()
+    };
+    let finished = |out: &std::path::Path| -> Vec<(std::path::PathBuf, std::time::SystemTime)> {
+        let Ok(entries) = std::fs::read_dir(out.join("node/samples")) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(|e| {
+                let p = e.ok()?.path().join("traces.jsonl");
+                let m = p.metadata().ok()?.modified().ok()?;
+                Some((p, m))
+            })
+            .collect()
+    };
+
+    let mut first = generate("generate-1.log");
+    let deadline = std::time::Instant::now() + Duration::from_secs(120);
+    let done_before = loop {
+        let f = finished(&out);
+        if !f.is_empty() {
+            break f;
+        }
+        assert!(
+            std::time::Instant::now() < deadline && first.try_wait().is_none(),
+            "no sample finished: {}",
+            first.log_tail(30)
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    first.kill();
+
+    let mut second = generate("generate-2.log");
+    let status = second.wait_limited(Duration::from_secs(240)).await;
+    assert!(
+        status.is_some_and(|s| s.success()),
+        "{status:?}: {}",
+        second.log_tail(40)
+    );
+    for (path, modified) in &done_before {
+        assert_eq!(
+            &path.metadata().unwrap().modified().unwrap(),
+            modified,
+            "{} was redone after the restart",
+            path.display()
+        );
+    }
+    let report: Value =
+        serde_json::from_slice(&std::fs::read(out.join("report.json")).unwrap()).unwrap();
+    assert_eq!(report["samples"], 4, "{report}");
+    assert_eq!(report["accepted"], 2, "the calc group: {report}");
+    assert_eq!(report["acceptance_rate"], 0.5);
+    let rows: Vec<Value> = std::fs::read_to_string(out.join("sft.jsonl"))
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert!(rows.len() >= 2, "{rows:?}");
+    let mut samples = std::collections::HashSet::new();
+    for r in &rows {
+        assert_eq!(r["task_id"], "calc");
+        assert_eq!(r["reward"], 1.0);
+        samples.insert(r["sample_id"].as_str().unwrap().to_owned());
+        let (ids, mask) = (
+            r["input_ids"].as_array().unwrap(),
+            r["loss_mask"].as_array().unwrap(),
+        );
+        assert_eq!(ids.len(), mask.len());
+        assert!(mask.iter().any(|m| m == 1), "sampled tokens are trainable");
+        assert!(
+            r["messages"].as_array().is_some_and(|m| m.len() >= 3),
+            "{r}"
+        );
+    }
+    assert_eq!(samples.len(), 2, "both accepted samples, once each");
+}
