@@ -524,3 +524,166 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
     }
     assert_eq!(samples.len(), 2, "both accepted samples, once each");
 }
+
+/// The Python client (`clients/python`, pip-installed) against a live node: its example GRPO
+/// loop submits two task groups per step, waits on the event streams, turns rewards into
+/// group-normalized advantages, reads the trajectories as NumPy arrays, and pauses and
+/// resumes the node under a new policy version; the node's OpenAPI document validates.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_client_round_trips_against_a_live_node() {
+    let python = Artefacts::require_python();
+    let engine = ScriptedBackend::start(
+        Tokens::FakeChat,
+        std::sync::Arc::new(|req: &Value, _| {
+            let n = req["messages"].as_array().map_or(0, Vec::len);
+            Reply::Text(format!("answer to {n} messages"))
+        }),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("project")).unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let _serve = node_with(dir.path(), port, &engine.url, &["--policy-version", "v0"]).await;
+
+    // Install the client as a user would (pip, from the directory), into a private target.
+    let site = dir.path().join("site");
+    let root = tokentap_e2e::artefacts::workspace_root();
+    let pip = Command::new(&python)
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "-q",
+            "--no-deps",
+            "--no-build-isolation",
+            "--target",
+        ])
+        .arg(&site)
+        .arg(root.join("clients/python"))
+        .output()
+        .unwrap();
+    assert!(
+        pip.status.success(),
+        "{}",
+        String::from_utf8_lossy(&pip.stderr)
+    );
+
+    // Samples 0 and 2 of each group succeed, 1 and 3 fail: advantages of ±1.
+    let agent = format!(
+        "{}case \"$TOKENTAP_SESSION\" in *-0|*-2) touch ok;; esac",
+        agent(2, "")
+    );
+    let tasks = dir.path().join("tasks.jsonl");
+    let task = |id: &str| {
+        json!({
+            "task_id": id,
+            "instruction": "chat",
+            "workspace": {"dir": {"path": dir.path().join("project")}},
+            "harness": {"name": "command", "argv": ["sh", "-c", agent]},
+            "evaluator": {"kind": "command", "command": "test -f ok"}
+        })
+        .to_string()
+    };
+    std::fs::write(&tasks, format!("{}\n{}\n", task("alpha"), task("beta"))).unwrap();
+    let out = Command::new(&python)
+        .arg(root.join("clients/python/examples/grpo_loop.py"))
+        .args([
+            "--node",
+            &base,
+            "--token",
+            TOKEN,
+            "--samples",
+            "4",
+            "--steps",
+            "2",
+        ])
+        .arg("--tasks")
+        .arg(&tasks)
+        .env("PYTHONPATH", &site)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let steps: Vec<Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(steps.len(), 2);
+    for (i, s) in steps.iter().enumerate() {
+        assert_eq!(s["samples"], 8, "{s}");
+        for g in ["alpha", "beta"] {
+            let mut rewards: Vec<f64> = s["groups"][g]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|r| r.as_f64().unwrap())
+                .collect();
+            rewards.sort_by(f64::total_cmp);
+            assert_eq!(rewards, [0.0, 0.0, 1.0, 1.0], "{s}");
+        }
+        // Two merged calls per sample, every sampled token trainable in the winners, none
+        // in the losers... which still count (reward 0 is a completed sample's reward).
+        assert_eq!(s["traces"], 8, "{s}");
+        assert!(s["trainable_tokens"].as_u64().unwrap() > 0);
+        // Advantages are ±1 with equal token counts per sample: they cancel.
+        assert!(
+            s["advantage_weighted_tokens"].as_f64().unwrap().abs() < 1e-3,
+            "{s}"
+        );
+        assert!(s["mean_sampled_logprob"].as_f64().unwrap() <= 0.0);
+        assert_eq!(s["paused_in_flight"], 0);
+        assert_eq!(s["next_policy_version"], format!("v{}", i + 1));
+    }
+    // The second step's samples ran under v1: the records and traces say so.
+    let page: Value = http_client()
+        .get(format!("{base}/v1/results?after=8&limit=1"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let sample_id = page["results"][0]["sample"]["sample_id"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    let traces = http_client()
+        .get(format!("{base}/v1/samples/{sample_id}/traces"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let trace: Value = serde_json::from_str(traces.lines().next().unwrap()).unwrap();
+    assert!(
+        trace["calls"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|c| c["policy_version"] == "v1"),
+        "{trace}"
+    );
+
+    let check = Command::new(&python)
+        .args([
+            "-c",
+            "import sys\nfrom openapi_spec_validator import validate\nfrom tokentap_client import Node\nvalidate(Node(sys.argv[1]).openapi())\nprint('valid')",
+            &base,
+        ])
+        .env("PYTHONPATH", &site)
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&check.stdout).contains("valid"),
+        "{}",
+        String::from_utf8_lossy(&check.stderr)
+    );
+}

@@ -1,0 +1,159 @@
+"""The node's HTTP control plane (see its /openapi.json)."""
+
+import json
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+
+
+class NodeError(Exception):
+    """An error answer from the node: `status`, `type` and `message` as the node gave them."""
+
+    def __init__(self, status, kind, message):
+        super().__init__(f"{status} {kind}: {message}")
+        self.status = status
+        self.type = kind
+        self.message = message
+
+
+class Node:
+    """A rollout node at `url` (e.g. "http://127.0.0.1:8700"), with its bearer `token`."""
+
+    def __init__(self, url, token=None, timeout=90.0):
+        self.url = url.rstrip("/")
+        self.token = token
+        self.timeout = timeout
+        # Loopback and cluster-internal nodes must not go through an HTTP proxy from the env.
+        self._opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _request(self, method, path, body=None, query=None, timeout=None, raw=False):
+        url = self.url + path
+        if query:
+            url += "?" + urllib.parse.urlencode(query)
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, method=method)
+        if data is not None:
+            req.add_header("content-type", "application/json")
+        if self.token:
+            req.add_header("authorization", f"Bearer {self.token}")
+        try:
+            resp = self._opener.open(req, timeout=timeout or self.timeout)
+        except urllib.error.HTTPError as e:
+            text = e.read().decode(errors="replace")
+            try:
+                err = json.loads(text)["error"]
+                raise NodeError(e.code, err.get("type"), err.get("message")) from None
+            except (ValueError, KeyError, TypeError):
+                raise NodeError(e.code, "http_error", text) from None
+        if raw:
+            return resp
+        with resp:
+            return json.loads(resp.read() or b"null")
+
+    # -- tasks ------------------------------------------------------------------------------
+
+    def submit(self, task):
+        """Submits a task spec (a dict); returns {"rollout_id", "samples"} at once."""
+        return self._request("POST", "/v1/rollouts", body=task)
+
+    def rollout(self, rollout_id):
+        """{"rollout", "status": "running" | "done", "samples": [...]}."""
+        return self._request("GET", f"/v1/rollouts/{rollout_id}")
+
+    def cancel(self, rollout_id):
+        return self._request("DELETE", f"/v1/rollouts/{rollout_id}")
+
+    def wait(self, rollout_id, timeout=None):
+        """Blocks until every sample of the rollout has ended (following its event stream,
+        and looking again if the stream breaks); returns the samples."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            try:
+                for name, _ in self.events(rollout_id, timeout=timeout):
+                    if name == "done":
+                        break
+            except (OSError, urllib.error.URLError):
+                time.sleep(0.5)  # the node restarted or the stream broke: look again
+            state = self.rollout(rollout_id)
+            if state["status"] == "done":
+                return state["samples"]
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"rollout {rollout_id} is still running")
+
+    def events(self, rollout_id, timeout=None):
+        """Yields (event, data) from the rollout's server-sent events: "snapshot", "stage",
+        "finished", and last "done"."""
+        resp = self._request(
+            "GET", f"/v1/rollouts/{rollout_id}/events", timeout=timeout or 3600, raw=True
+        )
+        with resp:
+            name, data = None, []
+            for line in resp:
+                line = line.decode().rstrip("\n").rstrip("\r")
+                if not line:
+                    if name is not None:
+                        yield name, json.loads("\n".join(data)) if data else None
+                        if name == "done":
+                            return
+                    name, data = None, []
+                elif line.startswith("event:"):
+                    name = line[6:].strip()
+                elif line.startswith("data:"):
+                    data.append(line[5:].lstrip())
+
+    # -- results ----------------------------------------------------------------------------
+
+    def results(self, after=0, wait=30, limit=100):
+        """One page of finished samples after `after`: ([{"cursor", "sample"}], next_cursor).
+        Waits up to `wait` seconds (at most 60) when there is none yet."""
+        page = self._request(
+            "GET",
+            "/v1/results",
+            query={"after": after, "wait": wait, "limit": limit},
+            timeout=max(self.timeout, wait + 30),
+        )
+        return page["results"], page["next"]
+
+    def stream(self, after=0, wait=30, stop=None):
+        """Yields finished samples as they come, forever (or until `stop()` is true); keep
+        the last `sample["_cursor"]` to resume from after a restart."""
+        cursor = after
+        while stop is None or not stop():
+            items, cursor = self.results(after=cursor, wait=wait)
+            for item in items:
+                sample = dict(item["sample"], _cursor=item["cursor"])
+                yield sample
+
+    def traces(self, sample_id):
+        """A finished sample's trace rows, as dicts (the trace schema: `tokentap schema --trace`)."""
+        resp = self._request("GET", f"/v1/samples/{sample_id}/traces", raw=True)
+        with resp:
+            return [json.loads(line) for line in resp if line.strip()]
+
+    def trajectories(self, sample, numpy=False):
+        """The traces of a sample (a dict from results/wait, or its id); with `numpy=True`
+        each is a dict of arrays (see `as_arrays`)."""
+        sample_id = sample if isinstance(sample, str) else sample["sample_id"]
+        rows = self.traces(sample_id)
+        if numpy:
+            from .trajectories import as_arrays
+
+            return [as_arrays(t) for t in rows]
+        return rows
+
+    # -- weight updates ---------------------------------------------------------------------
+
+    def pause(self, wait=300):
+        """Holds new generations; returns once none is in flight ({"paused", "in_flight",
+        "policy_version"}; in_flight > 0 means the wait ran out)."""
+        return self._request("POST", "/v1/admin/pause", query={"wait": wait}, timeout=wait + 30)
+
+    def resume(self, policy_version=None):
+        body = {} if policy_version is None else {"policy_version": policy_version}
+        return self._request("POST", "/v1/admin/resume", body=body)
+
+    def openapi(self):
+        return self._request("GET", "/openapi.json")
