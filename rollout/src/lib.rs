@@ -9,6 +9,7 @@
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
 //! - [`openapi`]: the control plane's OpenAPI document.
 //! - [`metrics`]: per-stage Prometheus metrics.
+//! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
 //! - [`evaluate`]: rewards from the final workspace.
 //! - [`preset`]: how each harness is configured and launched.
@@ -19,6 +20,7 @@ pub mod capture;
 pub mod deliver;
 pub mod evaluate;
 pub mod gate;
+pub mod isolation;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;

@@ -17,6 +17,7 @@ use crate::capture::NodeCapture;
 use crate::deliver::{self, DeliveryPolicy};
 use crate::evaluate::{self, EvalPaths};
 use crate::gate::{NodeGate, SessionPolicy};
+use crate::isolation::{Limits, SampleCgroup};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
 use crate::store::{Store, StoreError};
@@ -24,7 +25,7 @@ use crate::workspace;
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
-use crate::task::{Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace};
+use crate::task::{AgentReport, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace};
 
 /// How a node runs its stages.
 #[derive(Clone)]
@@ -50,6 +51,8 @@ pub struct PipelineConfig {
     pub delivery: DeliveryPolicy,
     /// The admission gate in the node's capture (pause/resume, task sampling).
     pub gate: Option<Arc<NodeGate>>,
+    /// Agent limits where a task sets none.
+    pub limits: Limits,
 }
 
 impl PipelineConfig {
@@ -69,6 +72,7 @@ impl PipelineConfig {
             block_egress: false,
             delivery: DeliveryPolicy::default(),
             gate: None,
+            limits: Limits::default(),
         }
     }
 }
@@ -494,6 +498,13 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         &spec.instruction,
         &session,
     )?);
+    let limits = spec.limits.or(&cfg.limits);
+    let cgroup = SampleCgroup::create(&session, &limits)
+        .map_err(|e| anyhow::anyhow!("applying the limits {limits:?}: {e}"))?;
+    if let Some(cg) = &cgroup {
+        cg.enter_on_spawn(&mut cmd);
+    }
+    let started = Instant::now();
     let mut child = cmd
         .stdout(log.try_clone()?)
         .stderr(log)
@@ -531,6 +542,16 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
     }
     let _ = child.wait().await;
+    let report = AgentReport {
+        exit_code: result.exit_code,
+        timed_out: result.timed_out,
+        duration_ms: started.elapsed().as_millis() as u64,
+        peak_memory_bytes: cgroup.as_ref().and_then(SampleCgroup::memory_peak),
+        oom_killed: cgroup.as_ref().is_some_and(SampleCgroup::oom_killed),
+    };
+    // Dropping the cgroup kills what is left in it and removes it.
+    drop(cgroup);
+    store.set_agent(&job.sample.sample_id, report)?;
     running
         .lock()
         .unwrap_or_else(|e| e.into_inner())

@@ -99,6 +99,7 @@ impl Store {
                 trajectory: None,
                 evaluation: None,
                 callback: None,
+                agent: None,
             })
             .collect();
         let tx = self.db.begin_write()?;
@@ -345,6 +346,15 @@ impl Store {
                 .then(sa.sample_id.cmp(&sb.sample_id))
         });
         Ok(queued)
+    }
+
+    pub fn set_agent(
+        &self,
+        sample_id: &str,
+        agent: crate::task::AgentReport,
+    ) -> Result<(), StoreError> {
+        self.update(sample_id, |s| s.agent = Some(agent))
+            .map(|_| ())
     }
 
     /// Deliveries due at `now_ms`, soonest first, and when the next one after them is due.

@@ -30,6 +30,9 @@ pub struct TaskSpec {
     pub priority: i32,
     #[serde(default)]
     pub callback_url: Option<String>,
+    /// The agent's memory/CPU/process limits (each unset one falls back to the node's).
+    #[serde(default)]
+    pub limits: crate::isolation::Limits,
 }
 
 fn one() -> u32 {
@@ -184,9 +187,27 @@ pub struct Sample {
     /// What the evaluator found (tests passed and failed, its log).
     #[serde(default)]
     pub evaluation: Option<crate::evaluate::Evaluation>,
+    /// How the agent ran (exit code, time, memory).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub agent: Option<AgentReport>,
     /// The result's delivery to the rollout's `callback_url`, once it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub callback: Option<CallbackStatus>,
+}
+
+/// How a sample's agent ran.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct AgentReport {
+    /// None when it was killed (budget, cancel) or died of a signal.
+    pub exit_code: Option<i32>,
+    pub timed_out: bool,
+    pub duration_ms: u64,
+    /// Peak memory of its cgroup, when it had limits.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peak_memory_bytes: Option<u64>,
+    /// The kernel's OOM killer ended a process of the agent (its memory limit).
+    #[serde(default)]
+    pub oom_killed: bool,
 }
 
 /// How a result's callback delivery ended.

@@ -128,3 +128,79 @@ async fn rewards_follow_the_tests_and_a_hanging_agent_times_out() {
     let original = std::fs::read_to_string(proj.join("calc.py")).unwrap();
     assert!(original.contains("a - b"));
 }
+
+/// An agent with a memory limit runs in its own cgroup (it can see it) and is OOM-killed past
+/// the limit; the sample says so and scores 0 with `session-completed`. The limits apply to
+/// everything the agent starts.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn limits_put_each_agent_in_its_own_cgroup() {
+    let dir = tempfile::tempdir().unwrap();
+    let proj = dir.path().join("project");
+    std::fs::create_dir_all(&proj).unwrap();
+    let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+    let config = PipelineConfig::new(dir.path().join("data"));
+    let pipeline = Pipeline::start(store.clone(), config).await.unwrap();
+    let spec = |id: &str, script: &str| -> TaskSpec {
+        serde_json::from_value(serde_json::json!({
+            "task_id": id,
+            "instruction": "x",
+            "workspace": {"dir": {"path": proj}},
+            "harness": {"name": "command", "argv": ["sh", "-c", script]},
+            "evaluator": {"kind": "session-completed"},
+            "limits": {"memory_mb": 64, "pids": 64}
+        }))
+        .unwrap()
+    };
+    for s in [
+        spec("fits", "cat /proc/self/cgroup > cgroup.txt"),
+        spec(
+            "hog",
+            "python3 -c \"b = b'x' * (300 << 20); print(len(b))\"",
+        ),
+    ] {
+        let (rollout, samples) = store.submit(s, now_ms()).unwrap();
+        pipeline.submit(rollout, samples);
+    }
+    let results = wait_results(&store, 2).await;
+    for s in &results {
+        let agent = s.agent.clone().expect("an agent report");
+        match s.task_id.as_str() {
+            "fits" => {
+                assert_eq!(s.outcome, Some(Outcome::Completed { reward: 1.0 }));
+                assert!(!agent.oom_killed);
+                let seen = std::fs::read_to_string(
+                    dir.path()
+                        .join("data/samples")
+                        .join(&s.sample_id)
+                        .join("work/cgroup.txt"),
+                )
+                .unwrap();
+                assert!(
+                    seen.contains(&format!("tokentap-{}", s.sample_id)),
+                    "{seen}"
+                );
+            }
+            "hog" => {
+                assert_eq!(s.outcome, Some(Outcome::Completed { reward: 0.0 }));
+                assert!(agent.oom_killed, "{agent:?}");
+                assert_ne!(agent.exit_code, Some(0));
+                let peak = agent.peak_memory_bytes.unwrap();
+                assert!(peak <= 64 << 20, "peak {peak}");
+            }
+            other => panic!("{other}"),
+        }
+    }
+    // The cgroups went with their samples.
+    for s in &results {
+        let found = std::process::Command::new("find")
+            .args(["/sys/fs/cgroup", "-maxdepth", "6", "-name"])
+            .arg(format!("tokentap-{}", s.sample_id))
+            .output()
+            .unwrap();
+        assert!(
+            found.stdout.is_empty(),
+            "{}",
+            String::from_utf8_lossy(&found.stdout)
+        );
+    }
+}

@@ -49,6 +49,15 @@ pub struct NodeArgs {
     /// checks leave the node; the capture URL is loopback and unaffected).
     #[arg(long)]
     block_egress: bool,
+    /// Memory limit of each agent's cgroup, in MiB, where the task sets none.
+    #[arg(long)]
+    sample_memory_mb: Option<u64>,
+    /// CPU limit of each agent's cgroup, in cores (e.g. 0.5), where the task sets none.
+    #[arg(long)]
+    sample_cpus: Option<f64>,
+    /// Process limit of each agent's cgroup, where the task sets none.
+    #[arg(long)]
+    sample_pids: Option<u64>,
     #[command(flatten)]
     pub capture: CaptureArgs,
 }
@@ -109,6 +118,11 @@ impl NodeArgs {
         config.prewarm = self.prewarm;
         config.harness_model = self.harness_model.clone();
         config.block_egress = self.block_egress;
+        config.limits = tokentap_rollout::isolation::Limits {
+            memory_mb: self.sample_memory_mb,
+            cpus: self.sample_cpus,
+            pids: self.sample_pids,
+        };
         if let Some(extra) = &self.harness_path {
             config.harness_path = format!("{extra}:{}", config.harness_path);
         }
