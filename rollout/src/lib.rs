@@ -12,6 +12,7 @@
 //! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
 //! - [`evaluate`]: rewards from the final workspace.
+//! - [`sandbox`]: bubblewrap with no network but the capture.
 //! - [`preset`]: how each harness is configured and launched.
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
@@ -25,6 +26,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod preset;
+pub mod sandbox;
 pub mod store;
 pub mod task;
 pub mod workspace;

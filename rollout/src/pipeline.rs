@@ -20,6 +20,7 @@ use crate::gate::{NodeGate, SessionPolicy};
 use crate::isolation::{Limits, SampleCgroup};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
+use crate::sandbox::{self, SandboxConfig};
 use crate::store::{Store, StoreError};
 use crate::workspace;
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
@@ -53,6 +54,8 @@ pub struct PipelineConfig {
     pub gate: Option<Arc<NodeGate>>,
     /// Agent limits where a task sets none.
     pub limits: Limits,
+    /// How agents are sandboxed (None: this node cannot; tasks asking for it fail).
+    pub sandbox: Option<SandboxConfig>,
 }
 
 impl PipelineConfig {
@@ -73,6 +76,7 @@ impl PipelineConfig {
             delivery: DeliveryPolicy::default(),
             gate: None,
             limits: Limits::default(),
+            sandbox: None,
         }
     }
 }
@@ -405,6 +409,15 @@ impl Pipeline {
     }
 }
 
+/// Aborts a task when dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
 async fn next(rx: &Mutex<mpsc::Receiver<Job>>) -> Option<Job> {
     rx.lock().await.recv().await
 }
@@ -492,12 +505,24 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         }
     }
     let log = std::fs::File::create(job.dir.join("agent.log"))?;
-    let mut cmd = Command::from(preset::for_sample(
-        &spec.harness,
-        &env,
-        &spec.instruction,
-        &session,
-    )?);
+    let mut cmd = preset::for_sample(&spec.harness, &env, &spec.instruction, &session)?;
+    let sandboxed = cfg.sandbox.as_ref().filter(|s| s.always || spec.sandbox);
+    if spec.sandbox && sandboxed.is_none() {
+        anyhow::bail!("the task asks for a sandbox and this node has none (bubblewrap)");
+    }
+    // Aborted when this function returns (the guard), so the socket lives as long as the agent.
+    let _socket = match (sandboxed, &cfg.capture) {
+        (Some(sb), Some(c)) => {
+            cmd = sandbox::wrap(&cmd, sb, &job.dir, c.addr);
+            Some(AbortOnDrop(sandbox::serve_socket(&job.dir, c.addr)?))
+        }
+        (Some(sb), None) => {
+            cmd = sandbox::wrap(&cmd, sb, &job.dir, "127.0.0.1:9".parse()?);
+            None
+        }
+        (None, _) => None,
+    };
+    let mut cmd = Command::from(cmd);
     let limits = spec.limits.or(&cfg.limits);
     let cgroup = SampleCgroup::create(&session, &limits)
         .map_err(|e| anyhow::anyhow!("applying the limits {limits:?}: {e}"))?;

@@ -33,6 +33,10 @@ pub struct TaskSpec {
     /// The agent's memory/CPU/process limits (each unset one falls back to the node's).
     #[serde(default)]
     pub limits: crate::isolation::Limits,
+    /// Run the agent in a bubblewrap sandbox: no network but the capture, everything
+    /// read-only but its own directory.
+    #[serde(default)]
+    pub sandbox: bool,
 }
 
 fn one() -> u32 {

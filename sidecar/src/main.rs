@@ -33,6 +33,16 @@ struct Cli {
     command: Command,
 }
 
+#[derive(clap::Args)]
+struct SandboxShimArgs {
+    #[arg(long)]
+    listen: std::net::SocketAddr,
+    #[arg(long)]
+    unix: std::path::PathBuf,
+    #[arg(last = true, required = true)]
+    command: Vec<std::ffi::OsString>,
+}
+
 #[derive(Subcommand)]
 enum Command {
     /// Run the capture proxy in front of an inference engine.
@@ -53,6 +63,10 @@ enum Command {
     /// Offline data generation: a task file through the rollout pipeline in batch; accepted
     /// samples become an SFT dataset (resumable).
     Generate(generate_cmd::GenerateArgs),
+    /// Inside a rollout sandbox: forwards the capture port to the node's socket while the
+    /// agent runs (started by the node, not by hand).
+    #[command(hide = true)]
+    SandboxShim(SandboxShimArgs),
     /// Receive records shipped by proxies (--ship-to) and rebuild trajectories as they arrive.
     Worker(worker_cmd::WorkerArgs),
     /// Ship a spool's records to a worker (what `proxy --ship-to` does, for an existing spool).
@@ -91,6 +105,17 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
         Command::Serve(args) => serve_cmd::run(args).map(|()| ok),
         Command::Generate(args) => generate_cmd::run(args).map(|()| ok),
+        Command::SandboxShim(args) => {
+            let rt = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()?;
+            let code = rt.block_on(tokentap_rollout::sandbox::shim(
+                args.listen,
+                args.unix,
+                args.command,
+            ))?;
+            std::process::exit(code);
+        }
         Command::Worker(args) => worker_cmd::run(args).map(|()| ok),
         Command::Ship(args) => ship::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),

@@ -58,6 +58,10 @@ pub struct NodeArgs {
     /// Process limit of each agent's cgroup, where the task sets none.
     #[arg(long)]
     sample_pids: Option<u64>,
+    /// Run every agent in a bubblewrap sandbox (no network but the capture, read-only but
+    /// its own directory); without it, only tasks with `"sandbox": true` are.
+    #[arg(long)]
+    sandbox: bool,
     #[command(flatten)]
     pub capture: CaptureArgs,
 }
@@ -122,6 +126,20 @@ impl NodeArgs {
             memory_mb: self.sample_memory_mb,
             cpus: self.sample_cpus,
             pids: self.sample_pids,
+        };
+        config.sandbox = match tokentap_rollout::preset::on_path(
+            "bwrap",
+            &std::env::var("PATH").unwrap_or_default(),
+        ) {
+            Some(bwrap) => Some(tokentap_rollout::sandbox::SandboxConfig {
+                bwrap,
+                shim: std::env::current_exe()?,
+                always: self.sandbox,
+            }),
+            None if self.sandbox => {
+                anyhow::bail!("--sandbox needs bubblewrap (`bwrap`) on PATH")
+            }
+            None => None,
         };
         if let Some(extra) = &self.harness_path {
             config.harness_path = format!("{extra}:{}", config.harness_path);

@@ -687,3 +687,60 @@ async fn python_client_round_trips_against_a_live_node() {
         String::from_utf8_lossy(&check.stderr)
     );
 }
+
+/// A sandboxed sample (bubblewrap): its model calls still reach the capture on the usual
+/// base URL, but nothing else on the host's network does (a listener on the host's loopback
+/// is unreachable from inside), and it cannot write outside its own directory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandboxed_sample_reaches_only_the_capture() {
+    let engine = ScriptedBackend::start(
+        Tokens::FakeChat,
+        std::sync::Arc::new(|_: &Value, _| Reply::text("hi")),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("project")).unwrap();
+    // Something on the host's loopback the agent must not reach.
+    let host_only = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let host_port = host_only.local_addr().unwrap().port();
+    // Outside the sample's directory: /var/tmp is read-only in the sandbox, /tmp a private
+    // tmpfs (the host's /tmp, where this test's files are, stays untouched).
+    let port = free_port();
+    let read_only = format!("/var/tmp/tokentap-sandbox-probe-{port}");
+    let private = dir.path().join("outside.txt");
+    let base = format!("http://127.0.0.1:{port}");
+    let _serve = node(dir.path(), port, &engine.url).await;
+    let script = format!(
+        "{}(curl -s -m 3 http://127.0.0.1:{host_port}/ >/dev/null && echo reached || echo blocked) > net.txt; \
+         (touch {read_only} 2>/dev/null && echo wrote || echo read-only) > fs.txt; \
+         touch {}",
+        agent(1, ""),
+        private.display()
+    );
+    let r = post(
+        &format!("{base}/v1/rollouts"),
+        &json!({
+            "task_id": "boxed",
+            "instruction": "x",
+            "workspace": {"dir": {"path": dir.path().join("project")}},
+            "harness": {"name": "command", "argv": ["sh", "-c", script]},
+            "evaluator": {"kind": "session-completed"},
+            "sandbox": true
+        }),
+    )
+    .await;
+    let done = results(&base, 0, 1).await;
+    let s = &done[0];
+    assert_eq!(s["outcome"]["status"], "completed", "{s}");
+    assert_eq!(s["trajectory"]["calls"], 1, "the capture is reachable: {s}");
+    let work = dir
+        .path()
+        .join("node/samples")
+        .join(r["samples"][0].as_str().unwrap())
+        .join("work");
+    let read = |f: &str| std::fs::read_to_string(work.join(f)).unwrap();
+    assert_eq!(read("net.txt").trim(), "blocked");
+    assert_eq!(read("fs.txt").trim(), "read-only");
+    assert!(!std::path::Path::new(&read_only).exists());
+    assert!(!private.exists(), "the sandbox's /tmp is its own");
+}
