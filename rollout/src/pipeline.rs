@@ -40,7 +40,8 @@ pub struct PipelineConfig {
     pub max_attempts: u32,
     /// Where samples' model calls are captured (None: not captured, no trajectories).
     pub capture: Option<Arc<NodeCapture>>,
-    /// Samples prepared ahead of a free RUN slot (prewarmed working copies).
+    /// Samples prepared ahead of a free RUN slot (prewarmed working copies); 0: a sample's
+    /// INIT starts only when a RUN slot is free for it.
     pub prewarm: usize,
     /// PATH for harnesses (node and the harness binaries first).
     pub harness_path: String,
@@ -90,6 +91,8 @@ struct Job {
     run: Option<RunResult>,
     /// When the job entered its current queue (for the time-waiting metric).
     queued_at: Instant,
+    /// Its claim on a RUN slot (or a prewarm place), from INIT until RUN ends.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 #[derive(Debug, Clone)]
@@ -257,14 +260,28 @@ impl Pipeline {
             metrics: StageMetrics::new(),
         });
         let init_queue = Arc::new(InitQueue::default());
-        let (run_tx, run_rx) = mpsc::channel::<Job>(config.prewarm.max(1));
+        // INIT runs ahead of RUN by at most `prewarm` samples: a sample claims a slot before
+        // its INIT and gives it back when its RUN ends.
+        let slots = Arc::new(tokio::sync::Semaphore::new(
+            config.run_workers.max(1) + config.prewarm,
+        ));
+        let (run_tx, run_rx) = mpsc::channel::<Job>(1024);
         let (post_tx, post_rx) = mpsc::channel::<Job>(1024);
         let (run_rx, post_rx) = (Arc::new(Mutex::new(run_rx)), Arc::new(Mutex::new(post_rx)));
         for _ in 0..config.init_workers.max(1) {
-            let (queue, tx, sh) = (init_queue.clone(), run_tx.clone(), shared.clone());
+            let (queue, tx, sh, slots) = (
+                init_queue.clone(),
+                run_tx.clone(),
+                shared.clone(),
+                slots.clone(),
+            );
             tokio::spawn(async move {
                 loop {
+                    let Ok(slot) = slots.clone().acquire_owned().await else {
+                        return;
+                    };
                     let (mut job, depth) = queue.pop().await;
+                    job.slot = Some(slot);
                     sh.metrics.depth(Stage::Queued, depth);
                     sh.metrics.waited(Stage::Queued, job.queued_at);
                     let t = Instant::now();
@@ -290,6 +307,7 @@ impl Pipeline {
                     sh.metrics.waited(Stage::Init, job.queued_at);
                     let t = Instant::now();
                     let r = run(&sh, &mut job).await;
+                    job.slot = None;
                     sh.metrics.took(Stage::Run, t);
                     match r {
                         Ok(()) => {
@@ -355,6 +373,7 @@ impl Pipeline {
             dir,
             run: None,
             queued_at: Instant::now(),
+            slot: None,
         });
         self.shared.metrics.depth(Stage::Queued, depth);
     }

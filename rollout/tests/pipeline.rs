@@ -204,3 +204,33 @@ async fn limits_put_each_agent_in_its_own_cgroup() {
         );
     }
 }
+
+/// Prewarming: with one RUN slot and `prewarm = 1`, the next sample's working copy is made
+/// while the current agent runs; with `prewarm = 0`, only once the slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prewarm_prepares_the_next_sample_while_the_agent_runs() {
+    for prewarm in [0, 1] {
+        let dir = tempfile::tempdir().unwrap();
+        let proj = dir.path().join("project");
+        project(&proj);
+        let store = Arc::new(Store::open(&dir.path().join("node.redb")).unwrap());
+        let config = PipelineConfig {
+            run_workers: 1,
+            prewarm,
+            ..PipelineConfig::new(dir.path().join("data"))
+        };
+        let pipeline = Pipeline::start(store.clone(), config).await.unwrap();
+        let (rollout, samples) = store
+            .submit(task(&proj, "t", "sleep 0.5", 2, 60), now_ms())
+            .unwrap();
+        pipeline.submit(rollout, samples);
+        let mut r = wait_results(&store, 2).await;
+        r.sort_by_key(|s| s.stage_started_ms[1]);
+        let (first_run_end, second_init) = (r[0].stage_started_ms[2], r[1].stage_started_ms[0]);
+        if prewarm == 0 {
+            assert!(second_init >= first_run_end, "prewarm 0: {r:?}");
+        } else {
+            assert!(second_init < first_run_end, "prewarm 1: {r:?}");
+        }
+    }
+}
