@@ -287,6 +287,9 @@ impl Pipeline {
                     let t = Instant::now();
                     let r = init(&sh, &mut job).await;
                     sh.metrics.took(Stage::Init, t);
+                    let _ = sh
+                        .store
+                        .stage_ended(&job.sample.sample_id, Stage::Init, now_ms());
                     match r {
                         Ok(true) => {
                             job.queued_at = Instant::now();
@@ -308,6 +311,9 @@ impl Pipeline {
                     let t = Instant::now();
                     let r = run(&sh, &mut job).await;
                     job.slot = None;
+                    let _ = sh
+                        .store
+                        .stage_ended(&job.sample.sample_id, Stage::Run, now_ms());
                     sh.metrics.took(Stage::Run, t);
                     match r {
                         Ok(()) => {

@@ -94,6 +94,7 @@ impl Store {
                 index,
                 stage: Stage::Queued,
                 stage_started_ms: [0; 4],
+                stage_ended_ms: [0; 2],
                 attempt: 0,
                 outcome: None,
                 trajectory: None,
@@ -173,6 +174,21 @@ impl Store {
             }
         })
         .map(|(s, _)| s)
+    }
+
+    /// Notes the end of INIT (`Stage::Init`) or RUN (`Stage::Run`).
+    pub fn stage_ended(
+        &self,
+        sample_id: &str,
+        stage: Stage,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        self.update(sample_id, |s| match stage {
+            Stage::Init => s.stage_ended_ms[0] = now_ms,
+            Stage::Run => s.stage_ended_ms[1] = now_ms,
+            _ => {}
+        })
+        .map(|_| ())
     }
 
     /// Ends a sample and appends it to the results log; returns its cursor. A sample that has

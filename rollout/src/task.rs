@@ -182,6 +182,11 @@ pub struct Sample {
     pub stage: Stage,
     /// Starts of INIT, RUN, POST_RUN and the end, unix ms (0 = not yet).
     pub stage_started_ms: [u64; 4],
+    /// Ends of INIT and of RUN, unix ms (0 = not yet). Between INIT's end and RUN's start a
+    /// prewarmed sample waits for an agent slot; between RUN's end and POST_RUN's start, for
+    /// a POST_RUN worker.
+    #[serde(default)]
+    pub stage_ended_ms: [u64; 2],
     /// Times this sample was started (a node restart re-runs what was running).
     pub attempt: u32,
     pub outcome: Option<Outcome>,

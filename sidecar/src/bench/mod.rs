@@ -13,6 +13,7 @@ mod load;
 mod proxy_child;
 mod reconstruct;
 mod report;
+mod rollout;
 mod translate;
 mod transparent;
 
@@ -47,6 +48,12 @@ pub enum BenchCmd {
     /// Trace reconstruction: merge ratio, tokens/s per core (linearity over session length),
     /// memory per open session, on synthetic long sessions and optionally a recorded spool.
     Reconstruct(reconstruct::ReconstructBenchArgs),
+    /// A rollout node at saturation: samples per hour, agents running at once, time in each
+    /// stage, and what prewarming saves, measured side by side in one run.
+    #[command(after_help = "Examples:
+  tokentap bench rollout
+  tokentap bench rollout --samples 48 --run-workers 8 --think-ms 1000")]
+    Rollout(rollout::RolloutBenchArgs),
 }
 
 #[derive(Args)]
@@ -145,6 +152,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Transparent(args) => transparent::run(args),
         BenchCmd::Translate(args) => translate::run(args),
         BenchCmd::Reconstruct(args) => reconstruct::run(args),
+        BenchCmd::Rollout(args) => rollout::run(args),
     }
 }
 
