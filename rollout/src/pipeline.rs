@@ -310,10 +310,10 @@ impl Pipeline {
                     sh.metrics.waited(Stage::Init, job.queued_at);
                     let t = Instant::now();
                     let r = run(&sh, &mut job).await;
-                    job.slot = None;
                     let _ = sh
                         .store
                         .stage_ended(&job.sample.sample_id, Stage::Run, now_ms());
+                    job.slot = None;
                     sh.metrics.took(Stage::Run, t);
                     match r {
                         Ok(()) => {

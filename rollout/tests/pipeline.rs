@@ -226,7 +226,7 @@ async fn prewarm_prepares_the_next_sample_while_the_agent_runs() {
         pipeline.submit(rollout, samples);
         let mut r = wait_results(&store, 2).await;
         r.sort_by_key(|s| s.stage_started_ms[1]);
-        let (first_run_end, second_init) = (r[0].stage_started_ms[2], r[1].stage_started_ms[0]);
+        let (first_run_end, second_init) = (r[0].stage_ended_ms[1], r[1].stage_started_ms[0]);
         if prewarm == 0 {
             assert!(second_init >= first_run_end, "prewarm 0: {r:?}");
         } else {
