@@ -26,7 +26,9 @@ use crate::workspace;
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
-use crate::task::{AgentReport, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace};
+use crate::task::{
+    AgentReport, Incomplete, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace,
+};
 
 /// How a node runs its stages.
 #[derive(Clone)]
@@ -643,9 +645,15 @@ async fn trajectory(
         .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
         .collect();
     let faithfulness = verify(&traces, &digests);
-    let (reward, keep_mask) = match outcome {
-        Outcome::Completed { reward } => (*reward, true),
-        _ => (0.0, false),
+    let (reward, keep_mask) = match (outcome, job.rollout.spec.incomplete) {
+        (Outcome::Completed { reward }, _) => (*reward, true),
+        (_, Incomplete::ZeroMask) => (0.0, false),
+        (_, Incomplete::Keep) => (0.0, true),
+        (_, Incomplete::Drop) => {
+            // The records stay in the node's spool; only the sample's output goes.
+            traces.clear();
+            (0.0, false)
+        }
     };
     for t in &mut traces {
         t.reward = Some(reward);

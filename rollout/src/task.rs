@@ -37,6 +37,23 @@ pub struct TaskSpec {
     /// read-only but its own directory.
     #[serde(default)]
     pub sandbox: bool,
+    /// What becomes of the traces of a sample that did not complete (timeout, error,
+    /// cancelled); their reward is 0 in every case.
+    #[serde(default)]
+    pub incomplete: Incomplete,
+}
+
+/// The policy for traces of samples that did not complete.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum Incomplete {
+    /// Kept with every loss-mask bit cleared: nothing is trained on, nothing is lost.
+    #[default]
+    ZeroMask,
+    /// Kept as sampled (mask intact), for trainers that weigh partial work themselves.
+    Keep,
+    /// Not written (the calls stay in the node's spool).
+    Drop,
 }
 
 fn one() -> u32 {

@@ -191,6 +191,10 @@ async fn samples_come_back_with_rewarded_traces() {
     for spec in [
         task(&project, "talks", &agent(2, "true"), 60),
         task(&project, "overruns", &agent(1, "sleep 30"), 2),
+        TaskSpec {
+            incomplete: tokentap_rollout::task::Incomplete::Keep,
+            ..task(&project, "overruns-kept", &agent(1, "sleep 30"), 2)
+        },
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
         pipeline.submit(rollout, samples);
@@ -198,7 +202,7 @@ async fn samples_come_back_with_rewarded_traces() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let results = loop {
         let r = store.results_after(0, 10).unwrap();
-        if r.len() == 2 {
+        if r.len() == 3 {
             break r;
         }
         assert!(Instant::now() < deadline, "{r:?}");
@@ -241,6 +245,11 @@ async fn samples_come_back_with_rewarded_traces() {
                     !traces[0].response_ids.is_empty(),
                     "what was captured is kept"
                 );
+            }
+            "overruns-kept" => {
+                assert!(matches!(s.outcome, Some(Outcome::Timeout { .. })));
+                assert_eq!(traces[0].reward, Some(0.0));
+                assert!(t.trainable_tokens > 0, "`keep` leaves the mask as sampled");
             }
             other => panic!("{other}"),
         }
