@@ -546,9 +546,18 @@ async fn python_client_round_trips_against_a_live_node() {
     let base = format!("http://127.0.0.1:{port}");
     let _serve = node_with(dir.path(), port, &engine.url, &["--policy-version", "v0"]).await;
 
-    // Install the client as a user would (pip, from the directory), into a private target.
+    // Install the client as a user would (pip, from the directory), into a private target;
+    // from a copy, since building leaves build/ and egg-info next to the sources.
     let site = dir.path().join("site");
     let root = tokentap_e2e::artefacts::workspace_root();
+    let src = dir.path().join("client-src");
+    let copied = Command::new("cp")
+        .arg("-r")
+        .arg(root.join("clients/python"))
+        .arg(&src)
+        .status()
+        .unwrap();
+    assert!(copied.success());
     let pip = Command::new(&python)
         .args([
             "-m",
@@ -560,7 +569,7 @@ async fn python_client_round_trips_against_a_live_node() {
             "--target",
         ])
         .arg(&site)
-        .arg(root.join("clients/python"))
+        .arg(&src)
         .output()
         .unwrap();
     assert!(
