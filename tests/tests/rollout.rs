@@ -60,6 +60,27 @@ fn agent(turns: usize, then: &str) -> String {
     script
 }
 
+/// An engine whose answer says how many messages it was sent.
+fn counting_engine() -> Script {
+    std::sync::Arc::new(|req: &Value, _| {
+        let n = req["messages"].as_array().map_or(0, Vec::len);
+        Reply::Text(format!("answer to {n} messages"))
+    })
+}
+
+/// GET with the node's token, as JSON.
+async fn get_json(url: &str) -> Value {
+    http_client()
+        .get(url)
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
 async fn post(url: &str, body: &Value) -> Value {
     let r = http_client()
         .post(url)
@@ -86,15 +107,7 @@ async fn results_within(base: &str, after: u64, want: usize, limit: Duration) ->
             "{} of {want} results",
             out.len()
         );
-        let page: Value = http_client()
-            .get(format!("{base}/v1/results?after={after}&wait=10"))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+        let page = get_json(&format!("{base}/v1/results?after={after}&wait=10")).await;
         after = page["next"].as_u64().unwrap();
         out.extend(
             page["results"]
@@ -109,14 +122,7 @@ async fn results_within(base: &str, after: u64, want: usize, limit: Duration) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
-    let engine = ScriptedBackend::start(
-        Tokens::FakeChat,
-        std::sync::Arc::new(|req: &Value, _| {
-            let n = req["messages"].as_array().map_or(0, Vec::len);
-            Reply::Text(format!("answer to {n} messages"))
-        }),
-    )
-    .await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("project")).unwrap();
     let port = free_port();
@@ -532,14 +538,7 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_client_round_trips_against_a_live_node() {
     let python = Artefacts::require_python();
-    let engine = ScriptedBackend::start(
-        Tokens::FakeChat,
-        std::sync::Arc::new(|req: &Value, _| {
-            let n = req["messages"].as_array().map_or(0, Vec::len);
-            Reply::Text(format!("answer to {n} messages"))
-        }),
-    )
-    .await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("project")).unwrap();
     let port = free_port();
@@ -649,15 +648,7 @@ async fn python_client_round_trips_against_a_live_node() {
         assert_eq!(s["next_policy_version"], format!("v{}", i + 1));
     }
     // The second step's samples ran under v1: the records and traces say so.
-    let page: Value = http_client()
-        .get(format!("{base}/v1/results?after=8&limit=1"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let page = get_json(&format!("{base}/v1/results?after=8&limit=1")).await;
     let sample_id = page["results"][0]["sample"]["sample_id"]
         .as_str()
         .unwrap()
