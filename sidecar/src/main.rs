@@ -94,6 +94,11 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
                 .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
         )
         .with_writer(std::io::stderr)
+        // Colours only for a person at a terminal: logs in files stay greppable.
+        .with_ansi(
+            std::io::IsTerminal::is_terminal(&std::io::stderr())
+                && std::env::var_os("NO_COLOR").is_none(),
+        )
         .init();
     let ok = std::process::ExitCode::SUCCESS;
     match Cli::parse().command {

@@ -457,34 +457,33 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
         )
         .unwrap()
     };
-    let finished = |out: &std::path::Path| -> Vec<(std::path::PathBuf, std::time::SystemTime)> {
-        let Ok(entries) = std::fs::read_dir(out.join("node/samples")) else {
-            return Vec::new();
-        };
-        entries
-            .filter_map(|e| {
-                let p = e.ok()?.path().join("traces.jsonl");
-                let m = p.metadata().ok()?.modified().ok()?;
-                Some((p, m))
-            })
-            .collect()
-    };
-
     let mut first = generate("generate-1.log");
     let deadline = std::time::Instant::now() + Duration::from_secs(120);
-    let done_before = loop {
-        let f = finished(&out);
-        if !f.is_empty() {
-            break f;
-        }
+    // Its progress lines say when a sample has ended (recorded in its store).
+    while !first.log_tail(50).contains("done=1") && !first.log_tail(50).contains("done=2") {
         assert!(
             std::time::Instant::now() < deadline && first.try_wait().is_none(),
             "no sample finished: {}",
             first.log_tail(30)
         );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     first.kill();
+    // What the killed run had finished, from its store, with its traces' modification times.
+    let done_before: Vec<(std::path::PathBuf, std::time::SystemTime)> = {
+        let store = tokentap_rollout::store::Store::open(&out.join("node/node.redb")).unwrap();
+        store
+            .results_after(0, 100)
+            .unwrap()
+            .into_iter()
+            .filter_map(|(_, s)| {
+                let p = std::path::PathBuf::from(s.trajectory?.path);
+                let m = p.metadata().ok()?.modified().ok()?;
+                Some((p, m))
+            })
+            .collect()
+    };
+    assert!(!done_before.is_empty());
 
     let mut second = generate("generate-2.log");
     let status = second.wait_limited(Duration::from_secs(240)).await;
