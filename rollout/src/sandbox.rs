@@ -60,9 +60,22 @@ pub fn wrap(
         "--proc",
         "/proc",
     ])
-    .args(["--tmpfs", "/tmp", "--bind"])
-    .arg(dir)
-    .arg(dir);
+    .args(["--tmpfs", "/tmp"]);
+    // The private /tmp hides the host's: what the agent must still run from there (the shim,
+    // PATH entries) is mounted back, read-only.
+    let path = cmd
+        .get_envs()
+        .find(|(k, _)| *k == "PATH")
+        .and_then(|(_, v)| v.map(ToOwned::to_owned))
+        .unwrap_or_default();
+    let mut visible: Vec<PathBuf> = std::env::split_paths(&path).collect();
+    visible.push(cfg.shim.clone());
+    for p in visible {
+        if p.starts_with("/tmp") && p.exists() && !p.starts_with(sample_dir) {
+            b.arg("--ro-bind").arg(&p).arg(&p);
+        }
+    }
+    b.arg("--bind").arg(dir).arg(dir);
     if let Some(d) = cmd.get_current_dir() {
         b.arg("--chdir").arg(d);
     }

@@ -730,13 +730,14 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
     .await;
     let done = results(&base, 0, 1).await;
     let s = &done[0];
-    assert_eq!(s["outcome"]["status"], "completed", "{s}");
-    assert_eq!(s["trajectory"]["calls"], 1, "the capture is reachable: {s}");
-    let work = dir
+    let sample_dir = dir
         .path()
         .join("node/samples")
-        .join(r["samples"][0].as_str().unwrap())
-        .join("work");
+        .join(r["samples"][0].as_str().unwrap());
+    let agent_log = std::fs::read_to_string(sample_dir.join("agent.log")).unwrap_or_default();
+    assert_eq!(s["agent"]["exit_code"], 0, "{s}\nagent log:\n{agent_log}");
+    assert_eq!(s["trajectory"]["calls"], 1, "the capture is reachable: {s}");
+    let work = sample_dir.join("work");
     let read = |f: &str| std::fs::read_to_string(work.join(f)).unwrap();
     assert_eq!(read("net.txt").trim(), "blocked");
     assert_eq!(read("fs.txt").trim(), "read-only");
