@@ -4,6 +4,7 @@
 
 use std::collections::BinaryHeap;
 use std::collections::HashMap;
+use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -159,6 +160,11 @@ impl Shared {
         {
             tracing::error!(sample = %sample.sample_id, error = %e, "recording a sample's end");
         }
+        self.announce_end(sample, outcome);
+    }
+
+    /// Tells metrics, event streams and result waiters that a (stored) sample ended.
+    fn announce_end(&self, sample: &Sample, outcome: Outcome) {
         self.metrics.ended(&outcome);
         let _ = self.events.send(Event::Finished {
             rollout_id: sample.rollout_id.clone(),
@@ -289,11 +295,11 @@ impl Pipeline {
                     let t = Instant::now();
                     let r = init(&sh, &mut job).await;
                     sh.metrics.took(Stage::Init, t);
-                    let _ = sh
-                        .store
-                        .stage_ended(&job.sample.sample_id, Stage::Init, now_ms());
                     match r {
                         Ok(true) => {
+                            let _ =
+                                sh.store
+                                    .stage_ended(&job.sample.sample_id, Stage::Init, now_ms());
                             job.queued_at = Instant::now();
                             sh.metrics.inc_depth(Stage::Init);
                             let _ = tx.send(job).await;
@@ -411,15 +417,7 @@ impl Pipeline {
     pub fn cancel(&self, rollout_id: &str) -> Result<usize, StoreError> {
         let (queued, running) = self.shared.store.cancel(rollout_id, now_ms())?;
         for s in &queued {
-            self.shared.metrics.ended(&Outcome::Cancelled);
-            let _ = self.shared.events.send(Event::Finished {
-                rollout_id: s.rollout_id.clone(),
-                sample_id: s.sample_id.clone(),
-                outcome: Outcome::Cancelled,
-            });
-        }
-        if !queued.is_empty() {
-            self.finished.notify_waiters();
+            self.shared.announce_end(s, Outcome::Cancelled);
         }
         let pgids = self
             .shared
@@ -496,6 +494,19 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     let (store, cfg, running) = (&sh.store, &sh.cfg, &sh.running);
     let spec = &job.rollout.spec;
     let session = job.sample.sample_id.clone();
+    // Refusals first, before anything is registered for the session.
+    if let Some(exe) = preset::executable(&spec.harness) {
+        if preset::on_path(exe, &cfg.harness_path).is_none() {
+            anyhow::bail!(
+                "the {exe} harness is not installed on the node's harness path ({})",
+                cfg.harness_path
+            );
+        }
+    }
+    let sandboxed = cfg.sandbox.as_ref().filter(|s| s.always || spec.sandbox);
+    if spec.sandbox && sandboxed.is_none() {
+        anyhow::bail!("the task asks for a sandbox and this node has none (bubblewrap)");
+    }
     let server = match &cfg.capture {
         Some(c) => {
             c.index.watch(&session);
@@ -523,20 +534,8 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         model: cfg.harness_model.clone(),
         block_egress: cfg.block_egress,
     };
-    if let Some(exe) = preset::executable(&spec.harness) {
-        if preset::on_path(exe, &env.path).is_none() {
-            anyhow::bail!(
-                "the {exe} harness is not installed on the node's harness path ({})",
-                env.path
-            );
-        }
-    }
     let log = std::fs::File::create(job.dir.join("agent.log"))?;
     let mut cmd = preset::for_sample(&spec.harness, &env, &spec.instruction, &session)?;
-    let sandboxed = cfg.sandbox.as_ref().filter(|s| s.always || spec.sandbox);
-    if spec.sandbox && sandboxed.is_none() {
-        anyhow::bail!("the task asks for a sandbox and this node has none (bubblewrap)");
-    }
     // Aborted when this function returns (the guard), so the socket lives as long as the agent.
     let _socket = match (sandboxed, &cfg.capture) {
         (Some(sb), Some(c)) => {
@@ -544,7 +543,9 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
             Some(AbortOnDrop(sandbox::serve_socket(&job.dir, c.addr)?))
         }
         (Some(sb), None) => {
-            cmd = sandbox::wrap(&cmd, sb, &job.dir, "127.0.0.1:9".parse()?);
+            // No capture: the agent's base URL is the dead proxy; keep that port.
+            let dead: SocketAddr = preset::DEAD_PROXY.trim_start_matches("http://").parse()?;
+            cmd = sandbox::wrap(&cmd, sb, &job.dir, dead);
             None
         }
         (None, _) => None,
@@ -625,9 +626,10 @@ async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
     Ok(outcome)
 }
 
-/// The sample's records → traces with the outcome's reward, in `traces.jsonl` of its
-/// directory. A sample that did not complete keeps its traces with reward 0 and every mask
-/// bit cleared: nothing of it is trained on, but nothing captured is lost.
+/// The sample's records → traces with the outcome's reward and the task as group, in
+/// `traces.jsonl` of its directory. A sample that did not complete gets reward 0 and its
+/// traces follow the task's `incomplete` policy (by default kept with every mask bit
+/// cleared: nothing of it is trained on, but nothing captured is lost).
 async fn trajectory(
     capture: &NodeCapture,
     job: &Job,
