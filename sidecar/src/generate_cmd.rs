@@ -102,7 +102,14 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             )?
             .progress_chars("=> "),
         );
+        // Listening from here on, so a Ctrl-C between two looks is not lost.
+        let interrupted = crate::signals::shutdown_signal();
+        tokio::pin!(interrupted);
         loop {
+            // Enabled before reading, so a sample ending in between still wakes the loop.
+            let notified = node.pipeline.finished.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
             let samples = all_samples(store, &submitted)?;
             let done = samples.iter().filter(|s| s.outcome.is_some()).count();
             let accepted = samples
@@ -118,11 +125,10 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
                 bar.finish();
                 return write_dataset(&args.out, &samples, args.min_reward);
             }
-            let notified = node.pipeline.finished.notified();
             tokio::select! {
                 _ = notified => {}
                 _ = tokio::time::sleep(Duration::from_secs(if args.quiet { 10 } else { 1 })) => {}
-                _ = crate::serve_cmd::shutdown_signal() => {
+                _ = &mut interrupted => {
                     bar.abandon_with_message("interrupted; run the same command again to resume");
                     bail!("interrupted");
                 }

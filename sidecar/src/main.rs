@@ -10,6 +10,7 @@ mod records_cmd;
 mod run_cmd;
 mod serve_cmd;
 mod ship;
+mod signals;
 mod worker_cmd;
 
 use clap::{Parser, Subcommand};

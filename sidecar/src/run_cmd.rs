@@ -326,14 +326,7 @@ pub fn sidecar(args: SidecarArgs) -> anyhow::Result<ExitCode> {
     tokentap_ebpf::preflight(args.transparent.redirect == RedirectMode::Ebpf)?;
     let cgroup = Cgroup::existing(&args.cgroup)?;
     let capture = args.transparent.start(&cgroup, args.session.clone())?;
-    capture.runtime.block_on(async {
-        use tokio::signal::unix::{signal, SignalKind};
-        let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {},
-            _ = term.recv() => {},
-        }
-    });
+    capture.runtime.block_on(crate::signals::shutdown_signal());
     tracing::info!("stopping transparent capture");
     capture.stop(false);
     Ok(ExitCode::SUCCESS)

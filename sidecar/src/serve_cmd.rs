@@ -15,6 +15,7 @@ use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 
 use crate::proxy_cmd::CaptureArgs;
+use crate::signals::shutdown_signal;
 
 /// A rollout node's pipeline and capture.
 #[derive(Args)]
@@ -205,13 +206,4 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
         let _ = t.join();
     }
     Ok(())
-}
-
-pub async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
 }

@@ -361,12 +361,7 @@ async fn render_metrics(State(state): State<AppState>) -> Response {
 }
 
 async fn shutdown_signal() {
-    use tokio::signal::unix::{signal, SignalKind};
-    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => {}
-        _ = term.recv() => {}
-    }
+    crate::signals::shutdown_signal().await;
     tracing::info!("shutting down: finishing in-flight batches, checkpointing reconstruction");
 }
 
