@@ -6,8 +6,10 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use serde_json::{json, Value};
-use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens, SCRIPTED_MODEL};
+use serde_json::json;
+use tokentap_e2e::scripted::{
+    counting_replies, curl_agent, ScriptedBackend, Tokens, SCRIPTED_MODEL,
+};
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
 use tokentap_proxy::metrics::Metrics;
 use tokentap_proxy::normalize::SystemLayout;
@@ -19,22 +21,6 @@ use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 use tokentap_rollout::task::{Outcome, TaskSpec};
 use tokentap_spool::{SpoolConfig, SpoolWriter};
-
-/// Two chat turns with curl; the second carries the first answer, as an agent would.
-fn agent(turns: usize, then: &str) -> String {
-    let mut script = String::new();
-    let mut messages = vec![json!({"role": "user", "content": "task"})];
-    for turn in 0..turns {
-        let body = json!({"model": "m", "messages": messages}).to_string();
-        script.push_str(&format!(
-            "curl -sS --max-time 20 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -H \"authorization: Bearer $OPENAI_API_KEY\" -d '{body}' > /dev/null && "
-        ));
-        messages.push(json!({"role": "assistant", "content": format!("answer to {} messages", messages.len())}));
-        messages.push(json!({"role": "user", "content": format!("go on {turn}")}));
-    }
-    script.push_str(then);
-    script
-}
 
 fn task(project: &std::path::Path, id: &str, script: &str, agent_s: u64) -> TaskSpec {
     serde_json::from_value(json!({
@@ -99,13 +85,6 @@ async fn node(
     (store, pipeline)
 }
 
-fn counting_engine() -> tokentap_e2e::scripted::Script {
-    Arc::new(|req: &Value, _| {
-        let n = req["messages"].as_array().map_or(0, Vec::len);
-        Reply::Text(format!("answer to {n} messages"))
-    })
-}
-
 async fn wait_file(path: &std::path::Path) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !path.exists() {
@@ -124,17 +103,17 @@ async fn wait_file(path: &std::path::Path) {
 /// engine.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_pause_holds_calls_and_resume_changes_the_policy_version() {
-    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let dir = tempfile::tempdir().unwrap();
     let project = dir.path().join("project");
     std::fs::create_dir_all(&project).unwrap();
     let gate = NodeGate::new(Some("v1".into()));
     let (store, pipeline) = node(dir.path(), &engine.url, Some(gate.clone())).await;
     // One call, a sign, a wait for the go-ahead, a second call.
-    let script = agent(
+    let script = curl_agent(
         1,
         "touch ../called && while [ ! -f ../go ]; do sleep 0.05; done && ",
-    ) + &agent(2, "true").replacen("curl", "true", 1);
+    ) + &curl_agent(2, "true").replacen("curl", "true", 1);
     let mut spec = task(&project, "spans", &script, 60);
     spec.sampling.temperature = Some(0.25);
     let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
@@ -183,17 +162,17 @@ async fn a_pause_holds_calls_and_resume_changes_the_policy_version() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn samples_come_back_with_rewarded_traces() {
-    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let dir = tempfile::tempdir().unwrap();
     let project = dir.path().join("project");
     std::fs::create_dir_all(&project).unwrap();
     let (store, pipeline) = node(dir.path(), &engine.url, None).await;
     for spec in [
-        task(&project, "talks", &agent(2, "true"), 60),
-        task(&project, "overruns", &agent(1, "sleep 30"), 2),
+        task(&project, "talks", &curl_agent(2, "true"), 60),
+        task(&project, "overruns", &curl_agent(1, "sleep 30"), 2),
         TaskSpec {
             incomplete: tokentap_rollout::task::Incomplete::Keep,
-            ..task(&project, "overruns-kept", &agent(1, "sleep 30"), 2)
+            ..task(&project, "overruns-kept", &curl_agent(1, "sleep 30"), 2)
         },
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();

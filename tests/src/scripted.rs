@@ -115,6 +115,34 @@ pub fn tool_round_trip(tool: &str, arguments: Value, final_text: &str, side_text
     })
 }
 
+/// An engine that answers "answer to N messages", N the messages it was sent: what
+/// [`curl_agent`] expects back, so its turns extend each other.
+pub fn counting_replies() -> Script {
+    Arc::new(|req, _| {
+        let n = req["messages"].as_array().map_or(0, Vec::len);
+        Reply::Text(format!("answer to {n} messages"))
+    })
+}
+
+/// A shell agent for the rollout node's `command` preset: `turns` chat calls with curl to
+/// `$OPENAI_BASE_URL`, each carrying [`counting_replies`]' previous answers as an agent's
+/// history would, then `then`.
+pub fn curl_agent(turns: usize, then: &str) -> String {
+    let mut script = String::new();
+    let mut messages = vec![serde_json::json!({"role": "user", "content": "task"})];
+    for turn in 0..turns {
+        let body = serde_json::json!({"model": "m", "messages": messages}).to_string();
+        script.push_str(&format!(
+            "curl -sS --max-time 20 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -H \"authorization: Bearer $OPENAI_API_KEY\" -d '{body}' > /dev/null && "
+        ));
+        let answer = format!("answer to {} messages", messages.len());
+        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
+        messages.push(serde_json::json!({"role": "user", "content": format!("go on {turn}")}));
+    }
+    script.push_str(then);
+    script
+}
+
 /// Where the scripted backend gets token ids.
 #[derive(Debug, Clone)]
 pub enum Tokens {

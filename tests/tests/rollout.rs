@@ -12,7 +12,9 @@ use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::procs::{
     free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
 };
-use tokentap_e2e::scripted::{Reply, Script, ScriptedBackend, Tokens};
+use tokentap_e2e::scripted::{
+    counting_replies, curl_agent, Reply, Script, ScriptedBackend, Tokens,
+};
 
 const TOKEN: &str = "e2e-node-token";
 
@@ -42,30 +44,6 @@ async fn node_with(dir: &std::path::Path, port: u16, engine: &str, extra: &[&str
     .await
     .unwrap();
     child
-}
-
-/// `turns` chat calls with curl through the sample's base URL, each carrying the last answer.
-fn agent(turns: usize, then: &str) -> String {
-    let mut script = String::new();
-    let mut messages = vec![json!({"role": "user", "content": "task"})];
-    for turn in 0..turns {
-        let body = json!({"model": "m", "messages": messages}).to_string();
-        script.push_str(&format!(
-            "curl -sS --max-time 20 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -d '{body}' > /dev/null && "
-        ));
-        messages.push(json!({"role": "assistant", "content": format!("answer to {} messages", messages.len())}));
-        messages.push(json!({"role": "user", "content": format!("go on {turn}")}));
-    }
-    script.push_str(then);
-    script
-}
-
-/// An engine whose answer says how many messages it was sent.
-fn counting_engine() -> Script {
-    std::sync::Arc::new(|req: &Value, _| {
-        let n = req["messages"].as_array().map_or(0, Vec::len);
-        Reply::Text(format!("answer to {n} messages"))
-    })
 }
 
 /// GET with the node's token, as JSON.
@@ -122,7 +100,7 @@ async fn results_within(base: &str, after: u64, want: usize, limit: Duration) ->
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
-    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("project")).unwrap();
     let port = free_port();
@@ -138,7 +116,7 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
             "num_samples": 2
         })
     };
-    post(&format!("{base}/v1/rollouts"), &task(agent(2, "true"))).await;
+    post(&format!("{base}/v1/rollouts"), &task(curl_agent(2, "true"))).await;
     let done = results(&base, 0, 2).await;
     for s in &done {
         assert_eq!(
@@ -157,7 +135,11 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
     }
 
     // A slow sample, and the node dies under it.
-    let slow = post(&format!("{base}/v1/rollouts"), &task(agent(1, "sleep 2"))).await;
+    let slow = post(
+        &format!("{base}/v1/rollouts"),
+        &task(curl_agent(1, "sleep 2")),
+    )
+    .await;
     tokio::time::sleep(Duration::from_millis(800)).await;
     serve.kill();
     let _serve = node(dir.path(), port, &engine.url).await;
@@ -537,7 +519,7 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_client_round_trips_against_a_live_node() {
     let python = Artefacts::require_python();
-    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_engine()).await;
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("project")).unwrap();
     let port = free_port();
@@ -579,7 +561,7 @@ async fn python_client_round_trips_against_a_live_node() {
     // Samples 0 and 2 of each group succeed, 1 and 3 fail: advantages of ±1.
     let agent = format!(
         "{}case \"$TOKENTAP_SESSION\" in *-0|*-2) touch ok;; esac",
-        agent(2, "")
+        curl_agent(2, "")
     );
     let tasks = dir.path().join("tasks.jsonl");
     let task = |id: &str| {
@@ -713,7 +695,7 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
         "{}(curl -s -m 3 http://127.0.0.1:{host_port}/ >/dev/null && echo reached || echo blocked) > net.txt; \
          (touch {read_only} 2>/dev/null && echo wrote || echo read-only) > fs.txt; \
          touch {}",
-        agent(1, ""),
+        curl_agent(1, ""),
         private.display()
     );
     let r = post(
