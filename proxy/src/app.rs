@@ -19,7 +19,7 @@ use serde_json::json;
 use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, WireApi};
 
 use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
-use crate::canonical::{GenerationAccumulator, GenerationEvent};
+use crate::canonical::GenerationEvent;
 use crate::capture::{CallCapture, RecordSink};
 use crate::gate::CallGate;
 use crate::metrics::Metrics;
@@ -27,6 +27,7 @@ use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
 };
 use crate::redact;
+use crate::relay::relay_stream;
 use crate::session::{
     self, SessionCounters, SessionHints, HARNESS_SESSION_HEADERS, SESSION_HEADER,
 };
@@ -275,36 +276,19 @@ impl CaptureService {
     /// Records a connection that failed before any request could be read (a TLS handshake the
     /// client aborted), so the failure is visible in the spool, not only in logs.
     pub async fn record_connection_failure(&self, host: &str, kind: ErrorKind, message: String) {
-        let mut call = CallCapture {
-            record_id: uuid::Uuid::now_v7().to_string(),
-            arrived: Instant::now(),
-            started_at: SystemTime::now(),
-            wire_api: WireApi::Unparsed,
-            session: None,
-            request: HarnessRequest {
-                method: "CONNECT".into(),
-                path: host.to_owned(),
-                query: None,
-                headers: Default::default(),
-                body_bytes: 0,
-                body: None,
-                body_text: None,
-            },
-            backend_request: None,
-            normalizations: Vec::new(),
-            backend: BackendInfo {
-                kind: self.backend.kind(),
-                url: self.backend.url().to_owned(),
-                model: String::new(),
-                policy_version: self.config.policy_version.clone(),
-                synthetic_stream: false,
-            },
-            generation: GenerationAccumulator::default(),
-            backend_time: Default::default(),
-            first_content_at: None,
-            response_status: 0,
-            error: Some(CallError::new(kind, 0, message)),
+        let request = HarnessRequest {
+            method: "CONNECT".into(),
+            path: host.to_owned(),
+            query: None,
+            headers: Default::default(),
+            body_bytes: 0,
+            body: None,
+            body_text: None,
         };
+        let mut backend = self.backend_info();
+        backend.synthetic_stream = false;
+        let mut call = CallCapture::new(WireApi::Unparsed, request, backend);
+        call.error = Some(CallError::new(kind, 0, message));
         let session = match &self.config.fixed_session {
             Some(id) => session::Session {
                 id: id.clone(),
@@ -374,27 +358,17 @@ impl CaptureService {
             body: None,
             body_text: None,
         };
-        CallCapture {
-            record_id: uuid::Uuid::now_v7().to_string(),
-            arrived: Instant::now(),
-            started_at: SystemTime::now(),
-            wire_api,
-            session: None,
-            request,
-            backend_request: None,
-            normalizations: Vec::new(),
-            backend: BackendInfo {
-                kind: self.backend.kind(),
-                url: self.backend.url().to_owned(),
-                model: String::new(),
-                policy_version: self.config.policy_version.clone(),
-                synthetic_stream: self.config.synthetic_stream,
-            },
-            generation: GenerationAccumulator::default(),
-            backend_time: Default::default(),
-            first_content_at: None,
-            response_status: 0,
-            error: None,
+        CallCapture::new(wire_api, request, self.backend_info())
+    }
+
+    /// The engine as the records describe it.
+    fn backend_info(&self) -> BackendInfo {
+        BackendInfo {
+            kind: self.backend.kind(),
+            url: self.backend.url().to_owned(),
+            model: String::new(),
+            policy_version: self.config.policy_version.clone(),
+            synthetic_stream: self.config.synthetic_stream,
         }
     }
 
@@ -550,20 +524,14 @@ impl CaptureService {
         // Answer in the provider's shape.
         match (stream_to_harness, mode) {
             (true, CallMode::Streaming) => {
-                self.respond_stream(http, codec, meta, parsed.include_usage, events, call)
-                    .await
+                let renderer = codec.stream_renderer(meta, parsed.include_usage);
+                relay_stream(http, renderer, events, call).await
             }
             (true, CallMode::Whole) => {
                 let replay = collect_events(events, call).await;
-                self.respond_stream(
-                    http,
-                    codec,
-                    meta,
-                    parsed.include_usage,
-                    Box::pin(futures::stream::iter(replay)),
-                    call,
-                )
-                .await
+                let renderer = codec.stream_renderer(meta, parsed.include_usage);
+                let replay = Box::pin(futures::stream::iter(replay));
+                relay_stream(http, renderer, replay, call).await
             }
             (false, _) => self.respond_whole(http, codec, &meta, events, call).await,
         }
@@ -595,91 +563,6 @@ impl CaptureService {
             ));
         }
         ok
-    }
-
-    async fn respond_stream(
-        &self,
-        http: &mut ServerSession,
-        codec: &dyn WireCodec,
-        meta: ResponseMeta,
-        include_usage: bool,
-        mut events: GenerationStream,
-        call: &mut CallCapture,
-    ) -> bool {
-        let mut renderer = codec.stream_renderer(meta, include_usage);
-        let mut head = ResponseHeader::build(200, Some(4)).expect("valid status");
-        let _ = head.insert_header("content-type", "text/event-stream");
-        let _ = head.insert_header("cache-control", "no-cache");
-        let _ = head.insert_header("transfer-encoding", "chunked");
-        call.response_status = 200;
-        let mut out = Vec::with_capacity(512);
-        renderer.start(&mut out);
-        if http.write_response_header(Box::new(head)).await.is_err() {
-            return self.client_gone(call);
-        }
-        let mut finished = false;
-        loop {
-            let t = Instant::now();
-            let next = events.next().await;
-            call.backend_time += t.elapsed();
-            let Some(event) = next else { break };
-            match event {
-                Ok(event) => {
-                    call.generation.push(&event);
-                    match &event {
-                        GenerationEvent::Delta(d) if !d.is_empty() => {
-                            renderer.delta(d, &mut out);
-                            call.first_content_at.get_or_insert_with(Instant::now);
-                        }
-                        GenerationEvent::Finished {
-                            finish_reason,
-                            usage,
-                        } => {
-                            renderer.finish(*finish_reason, *usage, &mut out);
-                            finished = true;
-                        }
-                        _ => {}
-                    }
-                }
-                Err(e) => {
-                    let err = CallError::from(&e);
-                    if !finished {
-                        renderer.error(&err, &mut out);
-                    }
-                    call.error = Some(err);
-                    break;
-                }
-            }
-            if !out.is_empty()
-                && http
-                    .write_response_body(Bytes::from(std::mem::take(&mut out)), false)
-                    .await
-                    .is_err()
-            {
-                if finished {
-                    // The answer is complete; keep the bookkeeping that follows (prompt ids).
-                    drain_into(events, call).await;
-                }
-                return self.client_gone(call);
-            }
-        }
-        if http
-            .write_response_body(Bytes::from(out), true)
-            .await
-            .is_err()
-        {
-            return self.client_gone(call);
-        }
-        call.error.is_none()
-    }
-
-    fn client_gone(&self, call: &mut CallCapture) -> bool {
-        call.error = Some(CallError::new(
-            ErrorKind::ClientDisconnected,
-            499,
-            "the harness closed the connection before the answer was complete; generation was cancelled",
-        ));
-        false
     }
 
     /// Answers with an error in the provider's shape and notes it on the record.
@@ -762,13 +645,6 @@ async fn collect_events(
         }
     }
     all
-}
-
-/// Folds the rest of a generation into the call without answering anyone.
-async fn drain_into(events: GenerationStream, call: &mut CallCapture) {
-    for event in collect_events(events, call).await.into_iter().flatten() {
-        call.generation.push(&event);
-    }
 }
 
 enum BodyError {

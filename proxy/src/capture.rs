@@ -47,6 +47,26 @@ fn ms(d: Duration) -> f64 {
 }
 
 impl CallCapture {
+    /// A call that has just arrived: nothing generated, nothing answered yet.
+    pub fn new(wire_api: WireApi, request: HarnessRequest, backend: BackendInfo) -> CallCapture {
+        CallCapture {
+            record_id: uuid::Uuid::now_v7().to_string(),
+            arrived: Instant::now(),
+            started_at: SystemTime::now(),
+            wire_api,
+            session: None,
+            request,
+            backend_request: None,
+            normalizations: Vec::new(),
+            backend,
+            generation: GenerationAccumulator::default(),
+            backend_time: Duration::ZERO,
+            first_content_at: None,
+            response_status: 0,
+            error: None,
+        }
+    }
+
     /// Turns the call into its record. Token data is taken only from engine events; whatever
     /// is missing is listed as a gap.
     pub fn into_record(self) -> CaptureRecord {

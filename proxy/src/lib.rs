@@ -10,6 +10,7 @@ pub mod gate;
 pub mod metrics;
 pub mod normalize;
 pub mod redact;
+pub mod relay;
 pub mod session;
 pub mod tls;
 pub mod transparent;

@@ -1,0 +1,336 @@
+//! Relays a generation to the harness as the provider's event stream, keeping every event on
+//! the call's record.
+//!
+//! One rule decides whether the harness got its answer: it did once the frames carrying the
+//! terminal event (`[DONE]`, `response.completed`, `message_stop`) were written. Clients such
+//! as Codex close the connection as soon as they read that event, before the stream's own end
+//! marker (the last, empty chunk) is written; that is a complete call, not a disconnect.
+
+use std::future::Future;
+use std::time::Instant;
+
+use bytes::Bytes;
+use futures::StreamExt;
+use pingora::http::ResponseHeader;
+use pingora::protocols::http::ServerSession;
+use tokentap_schema::ErrorKind;
+
+use crate::backend::GenerationStream;
+use crate::canonical::GenerationEvent;
+use crate::capture::CallCapture;
+use crate::wire::{CallError, StreamRenderer};
+
+/// Where a streamed answer is written: the harness's connection (or, in tests, a recorder).
+/// Each method says whether the bytes were accepted.
+pub trait AnswerSink {
+    fn send_head(&mut self, head: ResponseHeader) -> impl Future<Output = bool> + Send;
+    fn send_body(&mut self, data: Bytes, end: bool) -> impl Future<Output = bool> + Send;
+}
+
+impl AnswerSink for ServerSession {
+    async fn send_head(&mut self, head: ResponseHeader) -> bool {
+        self.write_response_header(Box::new(head)).await.is_ok()
+    }
+
+    async fn send_body(&mut self, data: Bytes, end: bool) -> bool {
+        self.write_response_body(data, end).await.is_ok()
+    }
+}
+
+/// Streams `events` to `sink` through `renderer`, accumulating them on `call`. Returns whether
+/// the connection can serve another request.
+pub async fn relay_stream(
+    sink: &mut impl AnswerSink,
+    mut renderer: Box<dyn StreamRenderer>,
+    mut events: GenerationStream,
+    call: &mut CallCapture,
+) -> bool {
+    let mut head = ResponseHeader::build(200, Some(4)).expect("valid status");
+    let _ = head.insert_header("content-type", "text/event-stream");
+    let _ = head.insert_header("cache-control", "no-cache");
+    let _ = head.insert_header("transfer-encoding", "chunked");
+    call.response_status = 200;
+    let mut out = Vec::with_capacity(512);
+    renderer.start(&mut out);
+    if !sink.send_head(head).await {
+        return client_gone(call);
+    }
+    // Whether the frames with the terminal event have been written: from then on the harness
+    // has its answer, whatever happens to the connection.
+    let mut delivered = false;
+    loop {
+        let t = Instant::now();
+        let next = events.next().await;
+        call.backend_time += t.elapsed();
+        let Some(event) = next else { break };
+        let mut finished = false;
+        match event {
+            Ok(event) => {
+                call.generation.push(&event);
+                match &event {
+                    GenerationEvent::Delta(d) if !d.is_empty() => {
+                        renderer.delta(d, &mut out);
+                        call.first_content_at.get_or_insert_with(Instant::now);
+                    }
+                    GenerationEvent::Finished {
+                        finish_reason,
+                        usage,
+                    } => {
+                        renderer.finish(*finish_reason, *usage, &mut out);
+                        finished = true;
+                    }
+                    _ => {}
+                }
+            }
+            Err(e) => {
+                let err = CallError::from(&e);
+                if !delivered {
+                    renderer.error(&err, &mut out);
+                }
+                call.error = Some(err);
+                break;
+            }
+        }
+        if !out.is_empty()
+            && !sink
+                .send_body(Bytes::from(std::mem::take(&mut out)), false)
+                .await
+        {
+            if finished || delivered {
+                // Keep the bookkeeping that follows the answer (prompt ids) on the record.
+                drain_into(events, call).await;
+            }
+            return if delivered { false } else { client_gone(call) };
+        }
+        delivered |= finished;
+    }
+    if !sink.send_body(Bytes::from(out), true).await {
+        if delivered {
+            tracing::debug!("the harness closed the connection after the terminal event");
+        } else if call.error.is_none() {
+            client_gone(call);
+        } // else: the engine's error stays the record's error
+        return false;
+    }
+    call.error.is_none()
+}
+
+/// Accumulates what is left of `events` on the record, without answering anyone.
+async fn drain_into(mut events: GenerationStream, call: &mut CallCapture) {
+    loop {
+        let t = Instant::now();
+        let next = events.next().await;
+        call.backend_time += t.elapsed();
+        match next {
+            Some(Ok(event)) => call.generation.push(&event),
+            Some(Err(_)) | None => break,
+        }
+    }
+}
+
+/// Notes on the record that the harness went away before its answer was complete.
+pub fn client_gone(call: &mut CallCapture) -> bool {
+    call.error = Some(CallError::new(
+        ErrorKind::ClientDisconnected,
+        499,
+        "the harness closed the connection before the answer was complete; generation was cancelled",
+    ));
+    false
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokentap_schema::{
+        BackendInfo, BackendKind, FinishReason, HarnessRequest, TokenSource, WireApi,
+    };
+
+    use super::*;
+    use crate::backend::BackendError;
+    use crate::canonical::Delta;
+    use crate::wire::chat_completions::ChatCompletions;
+    use crate::wire::{ResponseMeta, WireCodec};
+
+    /// Records what reaches the harness; refuses the writes `refuse` names, as a closed
+    /// connection would.
+    struct Harness {
+        written: Vec<u8>,
+        refuse: fn(&[u8], bool) -> bool,
+        refused: bool,
+    }
+
+    impl Harness {
+        fn new(refuse: fn(&[u8], bool) -> bool) -> Harness {
+            Harness {
+                written: Vec::new(),
+                refuse,
+                refused: false,
+            }
+        }
+
+        fn text(&self) -> String {
+            String::from_utf8_lossy(&self.written).into_owned()
+        }
+    }
+
+    impl AnswerSink for Harness {
+        async fn send_head(&mut self, _head: ResponseHeader) -> bool {
+            true
+        }
+
+        async fn send_body(&mut self, data: Bytes, end: bool) -> bool {
+            // Once closed, a connection stays closed.
+            if self.refused || (self.refuse)(&data, end) {
+                self.refused = true;
+                return false;
+            }
+            self.written.extend_from_slice(&data);
+            true
+        }
+    }
+
+    fn call() -> CallCapture {
+        let request = HarnessRequest {
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            query: None,
+            headers: Default::default(),
+            body_bytes: 0,
+            body: None,
+            body_text: None,
+        };
+        let backend = BackendInfo {
+            kind: BackendKind::Vllm,
+            url: "http://127.0.0.1:9".into(),
+            model: "m".into(),
+            policy_version: None,
+            synthetic_stream: false,
+        };
+        CallCapture::new(WireApi::ChatCompletions, request, backend)
+    }
+
+    fn renderer() -> Box<dyn StreamRenderer> {
+        let meta = ResponseMeta {
+            id: "chatcmpl-1".into(),
+            created: 1,
+            model: "m".into(),
+        };
+        ChatCompletions.stream_renderer(meta, false)
+    }
+
+    /// "hi" as two sampled tokens, the end of generation, then (a moment later, as llama.cpp's
+    /// template ids do) the prompt ids.
+    fn answer() -> GenerationStream {
+        let text = |t: &str| {
+            Ok(GenerationEvent::Delta(Delta {
+                content: Some(t.into()),
+                ..Default::default()
+            }))
+        };
+        let tokens = |id| {
+            Ok(GenerationEvent::SampledTokens {
+                ids: vec![id],
+                logprobs: vec![Some(-0.5)],
+            })
+        };
+        let head = futures::stream::iter(vec![
+            text("h"),
+            tokens(71),
+            text("i"),
+            tokens(72),
+            Ok(GenerationEvent::Finished {
+                finish_reason: FinishReason::Stop,
+                usage: None,
+            }),
+        ]);
+        let late_prompt = futures::stream::once(async {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+            Ok(GenerationEvent::PromptTokens {
+                ids: vec![1, 2, 3],
+                source: TokenSource::EngineTemplate,
+            })
+        });
+        Box::pin(head.chain(late_prompt))
+    }
+
+    fn the_end(_: &[u8], end: bool) -> bool {
+        end
+    }
+
+    fn the_terminal_event(data: &[u8], _: bool) -> bool {
+        String::from_utf8_lossy(data).contains("[DONE]")
+    }
+
+    #[tokio::test]
+    async fn a_harness_that_reads_everything_gets_a_complete_stream() {
+        let mut harness = Harness::new(|_, _| false);
+        let mut call = call();
+        assert!(relay_stream(&mut harness, renderer(), answer(), &mut call).await);
+        assert!(call.error.is_none(), "{:?}", call.error);
+        assert!(
+            harness.text().ends_with("data: [DONE]\n\n"),
+            "{}",
+            harness.text()
+        );
+        let record = call.into_record();
+        assert_eq!(record.completion_token_ids, Some(vec![71, 72]));
+        assert_eq!(record.prompt_token_ids, Some(vec![1, 2, 3]));
+    }
+
+    /// Codex closes the connection as soon as it reads `response.completed`, so the stream's
+    /// last (empty) chunk may find the connection gone. The harness had its whole answer.
+    #[tokio::test]
+    async fn a_harness_that_closes_after_the_terminal_event_had_a_complete_call() {
+        let mut harness = Harness::new(the_end);
+        let mut call = call();
+        let reusable = relay_stream(&mut harness, renderer(), answer(), &mut call).await;
+        assert!(!reusable, "the connection is gone");
+        assert!(
+            harness.text().ends_with("data: [DONE]\n\n"),
+            "{}",
+            harness.text()
+        );
+        assert!(call.error.is_none(), "not a disconnect: {:?}", call.error);
+        let record = call.into_record();
+        assert_eq!(record.response_status, 200);
+        assert_eq!(
+            record.prompt_token_ids,
+            Some(vec![1, 2, 3]),
+            "bookkeeping kept"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_harness_that_closes_before_the_terminal_event_is_a_disconnect() {
+        let mut harness = Harness::new(the_terminal_event);
+        let mut call = call();
+        assert!(!relay_stream(&mut harness, renderer(), answer(), &mut call).await);
+        assert!(!harness.text().contains("[DONE]"));
+        let err = call.error.as_ref().expect("an error");
+        assert_eq!(err.kind, ErrorKind::ClientDisconnected);
+        let record = call.into_record();
+        assert_eq!(record.completion_token_ids, Some(vec![71, 72]));
+        assert_eq!(
+            record.prompt_token_ids,
+            Some(vec![1, 2, 3]),
+            "what the engine sent after the answer is still recorded"
+        );
+    }
+
+    #[tokio::test]
+    async fn an_engine_failure_stays_the_error_when_the_harness_is_also_gone() {
+        let events: GenerationStream = Box::pin(futures::stream::iter(vec![
+            Ok(GenerationEvent::Delta(Delta {
+                content: Some("h".into()),
+                ..Default::default()
+            })),
+            Err(BackendError::Protocol("engine went away".into())),
+        ]));
+        let mut harness = Harness::new(the_end);
+        let mut call = call();
+        assert!(!relay_stream(&mut harness, renderer(), events, &mut call).await);
+        let err = call.error.as_ref().expect("an error");
+        assert_eq!(err.kind, ErrorKind::BackendError, "{err:?}");
+    }
+}
