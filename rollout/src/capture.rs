@@ -1,5 +1,6 @@
 //! The node's capture: one in-process `CaptureService` on 127.0.0.1 shared by every sample,
-//! each sample its own session through the `/s/{sample_id}/v1` base URL. Records go to the
+//! each sample its own session through the `/s/{session}/v1` base URL (the sample id; a re-run
+//! gets its own, see [`crate::task::Sample::capture_session`]). Records go to the
 //! node's spool as with `tokentap proxy`; the spool writer also hands each appended batch to an
 //! index of the samples running now, so POST_RUN gets a sample's records at once.
 

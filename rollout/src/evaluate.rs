@@ -2,6 +2,7 @@
 //! copy (see [`crate::workspace::evaluation_copy`]), in their own process group, killed at
 //! the evaluation budget; their output goes to the sample's `eval.log`.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
@@ -16,7 +17,11 @@ use crate::workspace::evaluation_copy;
 /// What an evaluator found, stored with the sample.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Evaluation {
+    /// The outcome reward: every trace gets it unless `trace_rewards` names the trace.
     pub reward: f64,
+    /// Rewards for single traces, by `trace_id`, when the evaluator gave them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub trace_rewards: BTreeMap<String, f64>,
     /// Tests that passed and failed (the `swebench` evaluator).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub passed: Vec<String>,
@@ -38,6 +43,9 @@ pub struct EvalPaths<'a> {
     pub original: &'a Path,
     /// The sample's directory (`eval/`, `eval.log` and `reward` go here).
     pub sample_dir: &'a Path,
+    /// The sample's traces (`traces.jsonl`, not yet rewarded), shown to the evaluator as
+    /// `$TOKENTAP_TRACES` so it can reward traces one by one.
+    pub traces: Option<&'a Path>,
 }
 
 /// Scores a sample. `agent_exited_ok`: the harness exited 0 within its budget.
@@ -61,15 +69,15 @@ pub async fn evaluate(
             evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
             let reward_file = paths.sample_dir.join("reward");
             let _ = tokio::fs::remove_file(&reward_file).await;
-            let code = run_logged(command, &eval_dir, &log, &reward_file, budget).await?;
-            let reward = match tokio::fs::read_to_string(&reward_file).await {
-                Ok(text) => text.trim().parse::<f64>().map_err(|e| {
-                    anyhow::anyhow!("the reward file held {:?}, not a number: {e}", text.trim())
-                })?,
-                Err(_) => f64::from(u8::from(code == Some(0))),
+            let code =
+                run_logged(command, &eval_dir, &log, &reward_file, paths.traces, budget).await?;
+            let (reward, trace_rewards) = match tokio::fs::read_to_string(&reward_file).await {
+                Ok(text) => parse_reward_file(&text)?,
+                Err(_) => (f64::from(u8::from(code == Some(0))), BTreeMap::new()),
             };
             Ok(Evaluation {
                 reward,
+                trace_rewards,
                 exit_code: code,
                 log: Some(log.display().to_string()),
                 ..Evaluation::default()
@@ -89,7 +97,8 @@ pub async fn evaluate(
             };
             for test in fail_to_pass.iter().chain(pass_to_pass) {
                 let command = with_test(test_command, test);
-                let code = run_logged(&command, &eval_dir, &log, &reward_file, budget).await?;
+                let code =
+                    run_logged(&command, &eval_dir, &log, &reward_file, None, budget).await?;
                 if code == Some(0) {
                     e.passed.push(test.clone());
                 } else {
@@ -99,6 +108,47 @@ pub async fn evaluate(
             e.reward = f64::from(u8::from(e.failed.is_empty()));
             Ok(e)
         }
+    }
+}
+
+/// What a `command` evaluator wrote to `$TOKENTAP_REWARD_FILE`: a number (the outcome
+/// reward), or `{"reward": R, "traces": {"TRACE_ID": R, ...}}` to reward traces one by one.
+pub fn parse_reward_file(text: &str) -> anyhow::Result<(f64, BTreeMap<String, f64>)> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct PerTrace {
+        reward: f64,
+        #[serde(default)]
+        traces: BTreeMap<String, f64>,
+    }
+    let text = text.trim();
+    if let Ok(reward) = text.parse::<f64>() {
+        return finite(reward).map(|r| (r, BTreeMap::new()));
+    }
+    let parsed: PerTrace = serde_json::from_str(text).map_err(|e| {
+        anyhow::anyhow!(
+            "the reward file held {:?}: expected a number or {{\"reward\": R, \"traces\": {{\"TRACE_ID\": R}}}} ({e})",
+            truncate(text, 200)
+        )
+    })?;
+    for r in parsed.traces.values() {
+        finite(*r)?;
+    }
+    Ok((finite(parsed.reward)?, parsed.traces))
+}
+
+fn finite(r: f64) -> anyhow::Result<f64> {
+    anyhow::ensure!(
+        r.is_finite(),
+        "the reward file held a reward that is not finite: {r}"
+    );
+    Ok(r)
+}
+
+fn truncate(s: &str, n: usize) -> &str {
+    match s.char_indices().nth(n) {
+        Some((i, _)) => &s[..i],
+        None => s,
     }
 }
 
@@ -119,6 +169,7 @@ async fn run_logged(
     dir: &Path,
     log: &Path,
     reward_file: &PathBuf,
+    traces: Option<&Path>,
     budget: Duration,
 ) -> anyhow::Result<Option<i32>> {
     use std::io::Write;
@@ -127,10 +178,14 @@ async fn run_logged(
         .append(true)
         .open(log)?;
     writeln!(out, "$ {command}")?;
-    let mut child = Command::new("sh")
-        .args(["-c", command])
+    let mut cmd = Command::new("sh");
+    cmd.args(["-c", command])
         .current_dir(dir)
-        .env("TOKENTAP_REWARD_FILE", reward_file)
+        .env("TOKENTAP_REWARD_FILE", reward_file);
+    if let Some(traces) = traces {
+        cmd.env("TOKENTAP_TRACES", traces);
+    }
+    let mut child = cmd
         .stdin(Stdio::null())
         .stdout(out.try_clone()?)
         .stderr(out.try_clone()?)
@@ -172,6 +227,62 @@ mod tests {
         );
     }
 
+    #[test]
+    fn a_reward_file_holds_a_number_or_rewards_per_trace() {
+        assert_eq!(
+            parse_reward_file(" 0.25\n").unwrap(),
+            (0.25, BTreeMap::new())
+        );
+        let (r, per) =
+            parse_reward_file(r#"{"reward": 1, "traces": {"s-1/0": 0.5, "s-1/1": 1}}"#).unwrap();
+        assert_eq!(r, 1.0);
+        assert_eq!(
+            per.into_iter().collect::<Vec<_>>(),
+            [("s-1/0".to_owned(), 0.5), ("s-1/1".to_owned(), 1.0)]
+        );
+        for bad in [
+            "yes",
+            "",
+            "NaN",
+            r#"{"traces": {}}"#,
+            r#"{"reward": 1, "trace": {}}"#,
+        ] {
+            let e = parse_reward_file(bad).unwrap_err().to_string();
+            assert!(e.contains("reward file"), "{bad:?}: {e}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_command_evaluator_sees_the_traces_and_rewards_them_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let (original, work) = (dir.path().join("original"), dir.path().join("work"));
+        std::fs::create_dir_all(&original).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        let traces = dir.path().join("traces.jsonl");
+        std::fs::write(&traces, "{\"trace_id\": \"s-1/0\"}\n").unwrap();
+        // Rewards the first trace named in $TOKENTAP_TRACES with 0.5, the outcome with 1.
+        let command = r#"id=$(sed -n 's/.*"trace_id": "\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES" | head -1)
+printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
+        let e = evaluate(
+            &Evaluator::Command {
+                command: command.into(),
+                test_files: vec![],
+            },
+            true,
+            &EvalPaths {
+                work: &work,
+                original: &original,
+                sample_dir: dir.path(),
+                traces: Some(&traces),
+            },
+            Duration::from_secs(10),
+        )
+        .await
+        .unwrap();
+        assert_eq!(e.reward, 1.0);
+        assert_eq!(e.trace_rewards.get("s-1/0"), Some(&0.5), "{e:?}");
+    }
+
     #[tokio::test]
     async fn swebench_rewards_only_when_every_listed_test_passes() {
         let dir = tempfile::tempdir().unwrap();
@@ -194,6 +305,7 @@ mod tests {
             work: &work,
             original: &original,
             sample_dir: &sample,
+            traces: None,
         };
         let budget = Duration::from_secs(10);
         let all = evaluate(&evaluator(&["ok"]), true, &paths, budget)
@@ -223,6 +335,7 @@ mod tests {
                 work: &work,
                 original: &original,
                 sample_dir: dir.path(),
+                traces: None,
             },
             Duration::from_millis(300),
         )

@@ -1,11 +1,11 @@
 //! The staged pipeline: INIT (working copy + set-up) → RUN (the harness, in its own process
-//! group, killed at its budget) → POST_RUN (evaluate, reward, record the outcome). Each stage
-//! has its own bounded pool, so slow agents never starve set-up or evaluation.
+//! group, killed at its budget) → POST_RUN (reconstruct, evaluate, reward, record the
+//! outcome). Each stage has its own bounded pool, so slow agents never starve set-up or
+//! evaluation.
 
-use std::collections::BinaryHeap;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
@@ -493,7 +493,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     sh.enter(job, Stage::Run)?;
     let (store, cfg, running) = (&sh.store, &sh.cfg, &sh.running);
     let spec = &job.rollout.spec;
-    let session = job.sample.sample_id.clone();
+    let session = job.sample.capture_session();
     // Refusals first, before anything is registered for the session.
     if let Some(exe) = preset::executable(&spec.harness) {
         if preset::on_path(exe, &cfg.harness_path).is_none() {
@@ -618,27 +618,34 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
 
 async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
     sh.enter(job, Stage::PostRun)?;
-    let outcome = outcome(&sh.store, &sh.cfg, job).await?;
-    if let Some(c) = &sh.cfg.capture {
-        let summary = trajectory(c, job, &outcome).await?;
+    // Traces first, so that the evaluator can see them and reward them one by one.
+    let built = match &sh.cfg.capture {
+        Some(c) => Some(build_traces(c, job).await?),
+        None => None,
+    };
+    let traces = built.as_ref().map(|b| b.path.as_path());
+    let (outcome, trace_rewards) = outcome(&sh.store, &sh.cfg, job, traces).await?;
+    if let Some(built) = built {
+        let summary = reward_traces(built, job, &outcome, &trace_rewards).await?;
         sh.store.set_trajectory(&job.sample.sample_id, summary)?;
     }
     Ok(outcome)
 }
 
-/// The sample's records → traces with the outcome's reward and the task as group, in
-/// `traces.jsonl` of its directory. A sample that did not complete gets reward 0 and its
-/// traces follow the task's `incomplete` policy (by default kept with every mask bit
-/// cleared: nothing of it is trained on, but nothing captured is lost).
-async fn trajectory(
-    capture: &NodeCapture,
-    job: &Job,
-    outcome: &Outcome,
-) -> anyhow::Result<TrajectorySummary> {
-    let session = &job.sample.sample_id;
-    let (records, complete) = capture.collect(session, Duration::from_secs(30)).await;
-    let strategy = job.rollout.spec.strategy;
-    let mut traces: Vec<Trace> = build_all(&records, strategy)
+/// The traces of a sample's captured calls, written (not yet rewarded) to `traces.jsonl` of
+/// its directory.
+struct BuiltTraces {
+    traces: Vec<Trace>,
+    calls: u32,
+    faithfulness_violations: u64,
+    complete: bool,
+    path: PathBuf,
+}
+
+async fn build_traces(capture: &NodeCapture, job: &Job) -> anyhow::Result<BuiltTraces> {
+    let session = job.sample.capture_session();
+    let (records, complete) = capture.collect(&session, Duration::from_secs(30)).await;
+    let mut traces: Vec<Trace> = build_all(&records, job.rollout.spec.strategy)
         .into_iter()
         .flat_map(|s| s.traces)
         .collect();
@@ -647,6 +654,31 @@ async fn trajectory(
         .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
         .collect();
     let faithfulness = verify(&traces, &digests);
+    for t in &mut traces {
+        t.group_id = Some(job.rollout.spec.task_id.clone());
+    }
+    let path = job.dir.join("traces.jsonl");
+    write_traces(&path, &traces).await?;
+    Ok(BuiltTraces {
+        traces,
+        calls: records.len() as u32,
+        faithfulness_violations: faithfulness.violations,
+        complete,
+        path,
+    })
+}
+
+/// Puts the outcome's reward on every trace (or the evaluator's own reward on the traces it
+/// named). A sample that did not complete gets reward 0 and its traces follow the task's
+/// `incomplete` policy (by default kept with every mask bit cleared: nothing of it is trained
+/// on, but nothing captured is lost).
+async fn reward_traces(
+    built: BuiltTraces,
+    job: &Job,
+    outcome: &Outcome,
+    trace_rewards: &BTreeMap<String, f64>,
+) -> anyhow::Result<TrajectorySummary> {
+    let mut traces = built.traces;
     let (reward, keep_mask) = match (outcome, job.rollout.spec.incomplete) {
         (Outcome::Completed { reward }, _) => (*reward, true),
         (_, Incomplete::ZeroMask) => (0.0, false),
@@ -658,35 +690,53 @@ async fn trajectory(
         }
     };
     for t in &mut traces {
-        t.reward = Some(reward);
-        t.group_id = Some(job.rollout.spec.task_id.clone());
+        t.reward = Some(trace_rewards.get(&t.trace_id).copied().unwrap_or(reward));
         if !keep_mask {
             t.loss_mask.iter_mut().for_each(|m| *m = 0);
         }
     }
-    let path = job.dir.join("traces.jsonl");
-    let mut out = Vec::new();
-    for t in &traces {
-        serde_json::to_writer(&mut out, t)?;
-        out.push(b'\n');
+    let unknown: Vec<&String> = trace_rewards
+        .keys()
+        .filter(|id| !traces.iter().any(|t| &t.trace_id == *id))
+        .collect();
+    if !unknown.is_empty() {
+        tracing::warn!(sample = %job.sample.sample_id, ?unknown, "the evaluator rewarded traces the sample does not have");
     }
-    tokio::fs::write(&path, out).await?;
+    write_traces(&built.path, &traces).await?;
     Ok(TrajectorySummary {
-        path: path.display().to_string(),
-        calls: records.len() as u32,
+        path: built.path.display().to_string(),
+        session_id: job.sample.capture_session(),
+        calls: built.calls,
         traces: traces.len() as u32,
         trainable_tokens: traces
             .iter()
             .map(|t| t.loss_mask.iter().filter(|m| **m == 1).count() as u64)
             .sum(),
-        faithfulness_violations: faithfulness.violations,
-        complete,
+        faithfulness_violations: built.faithfulness_violations,
+        complete: built.complete,
     })
 }
 
-async fn outcome(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Result<Outcome> {
+async fn write_traces(path: &Path, traces: &[Trace]) -> anyhow::Result<()> {
+    let mut out = Vec::new();
+    for t in traces {
+        serde_json::to_writer(&mut out, t)?;
+        out.push(b'\n');
+    }
+    tokio::fs::write(path, out).await?;
+    Ok(())
+}
+
+/// How the sample ended, evaluated when the agent finished; with the evaluator's rewards for
+/// single traces, if it gave any.
+async fn outcome(
+    store: &Store,
+    cfg: &PipelineConfig,
+    job: &Job,
+    traces: Option<&Path>,
+) -> anyhow::Result<(Outcome, BTreeMap<String, f64>)> {
     if store.rollout(&job.sample.rollout_id)?.0.cancelled {
-        return Ok(Outcome::Cancelled);
+        return Ok((Outcome::Cancelled, BTreeMap::new()));
     }
     let run = job.run.clone().unwrap_or(RunResult {
         exit_code: None,
@@ -695,13 +745,17 @@ async fn outcome(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Resu
     let spec = &job.rollout.spec;
     if run.timed_out {
         // Not evaluated: the agent did not finish; its partial trajectory is still kept.
-        return Ok(Outcome::Timeout {
-            reward: 0.0,
-            reason: format!(
-                "the agent ran over its budget ({} s agent, {} s session)",
-                spec.budgets.agent_s, spec.budgets.session_s
-            ),
-        });
+        let reason = format!(
+            "the agent ran over its budget ({} s agent, {} s session)",
+            spec.budgets.agent_s, spec.budgets.session_s
+        );
+        return Ok((
+            Outcome::Timeout {
+                reward: 0.0,
+                reason,
+            },
+            BTreeMap::new(),
+        ));
     }
     let original = rollout_dir(cfg, &job.rollout).join("original");
     let budget = Duration::from_secs(spec.budgets.eval_s)
@@ -714,11 +768,12 @@ async fn outcome(store: &Store, cfg: &PipelineConfig, job: &Job) -> anyhow::Resu
             work: &job.dir.join("work"),
             original: &original,
             sample_dir: &job.dir,
+            traces,
         },
         budget,
     )
     .await?;
-    let reward = evaluation.reward;
+    let (reward, trace_rewards) = (evaluation.reward, evaluation.trace_rewards.clone());
     store.set_evaluation(&job.sample.sample_id, evaluation)?;
-    Ok(Outcome::Completed { reward })
+    Ok((Outcome::Completed { reward }, trace_rewards))
 }

@@ -221,6 +221,19 @@ pub struct Sample {
     pub callback: Option<CallbackStatus>,
 }
 
+impl Sample {
+    /// The capture session of the sample's current attempt: its id, suffixed `-a{n}` from the
+    /// second attempt on, so that the calls of a re-run never join those of the attempt the
+    /// node's restart interrupted (both stay in the node's spool).
+    pub fn capture_session(&self) -> String {
+        if self.attempt <= 1 {
+            self.sample_id.clone()
+        } else {
+            format!("{}-a{}", self.sample_id, self.attempt)
+        }
+    }
+}
+
 /// How a sample's agent ran.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct AgentReport {
@@ -250,6 +263,10 @@ pub struct CallbackStatus {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct TrajectorySummary {
     pub path: String,
+    /// The capture session its records carry in the node's spool (the sample id, suffixed
+    /// `-a{n}` for a re-run).
+    #[serde(default)]
+    pub session_id: String,
     pub calls: u32,
     pub traces: u32,
     pub trainable_tokens: u64,

@@ -85,6 +85,18 @@ async fn node(
     (store, pipeline)
 }
 
+/// An agent that holds two unrelated one-turn conversations (two traces).
+fn two_conversations() -> String {
+    ["first question", "an unrelated one"]
+        .iter()
+        .map(|q| {
+            let body = json!({"model": "m", "messages": [{"role": "user", "content": q}]});
+            format!("curl -sS --max-time 20 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -d '{body}' > /dev/null")
+        })
+        .collect::<Vec<_>>()
+        .join(" && ")
+}
+
 async fn wait_file(path: &std::path::Path) {
     let deadline = Instant::now() + Duration::from_secs(30);
     while !path.exists() {
@@ -174,6 +186,16 @@ async fn samples_come_back_with_rewarded_traces() {
             incomplete: tokentap_rollout::task::Incomplete::Keep,
             ..task(&project, "overruns-kept", &curl_agent(1, "sleep 30"), 2)
         },
+        TaskSpec {
+            evaluator: serde_json::from_value(json!({
+                "kind": "command",
+                // Rewards the second trace of $TOKENTAP_TRACES alone; the outcome is 1.
+                "command": r#"id=$(sed -n '2s/.*"trace_id":"\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES")
+            printf '{"reward": 1, "traces": {"%s": 0.25}}' "$id" > "$TOKENTAP_REWARD_FILE""#
+            }))
+            .unwrap(),
+            ..task(&project, "per-trace", &two_conversations(), 60)
+        },
     ] {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
         pipeline.submit(rollout, samples);
@@ -181,7 +203,7 @@ async fn samples_come_back_with_rewarded_traces() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let results = loop {
         let r = store.results_after(0, 10).unwrap();
-        if r.len() == 3 {
+        if r.len() == 4 {
             break r;
         }
         assert!(Instant::now() < deadline, "{r:?}");
@@ -224,6 +246,18 @@ async fn samples_come_back_with_rewarded_traces() {
                     !traces[0].response_ids.is_empty(),
                     "what was captured is kept"
                 );
+            }
+            "per-trace" => {
+                assert_eq!(s.outcome, Some(Outcome::Completed { reward: 1.0 }));
+                assert_eq!(t.traces, 2, "two unrelated conversations");
+                let rewards: Vec<Option<f64>> = traces.iter().map(|t| t.reward).collect();
+                assert_eq!(
+                    rewards,
+                    [Some(1.0), Some(0.25)],
+                    "the evaluator's own for one"
+                );
+                let e = s.evaluation.clone().unwrap();
+                assert_eq!(e.trace_rewards.get(&traces[1].trace_id), Some(&0.25));
             }
             "overruns-kept" => {
                 assert!(matches!(s.outcome, Some(Outcome::Timeout { .. })));
