@@ -15,6 +15,7 @@ use tokentap_e2e::procs::{
 use tokentap_e2e::scripted::{
     counting_replies, curl_agent, Reply, Script, ScriptedBackend, Tokens,
 };
+use tokentap_e2e::tokentap::read_spool;
 
 const TOKEN: &str = "e2e-node-token";
 
@@ -159,10 +160,23 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
         );
         assert_eq!(s["attempt"], 2, "re-run after the restart: {s}");
         assert_eq!(s["trajectory"]["calls"], 1, "{s}");
+        // The re-run is captured under a session of its own: an offline reconstruction of the
+        // node's spool never mixes it with what the interrupted attempt had sent.
+        let id = s["sample_id"].as_str().unwrap();
+        let rerun = format!("{id}-a2");
+        assert_eq!(s["trajectory"]["session_id"], rerun.as_str(), "{s}");
+        let spool = read_spool(&dir.path().join("node/spool"));
+        let calls = |session: &str| spool.iter().filter(|r| r.session_id == session).count();
+        assert_eq!(calls(&rerun), 1, "the re-run's one call");
+        assert!(
+            calls(id) <= 1,
+            "the first attempt's call, if it got that far"
+        );
     }
 }
 
-/// The scripted policy for the repository's tasks: it calls the harness's shell tool once with
+/// The scripted policy for the repository's tasks: it calls the harness's shell tool (Pi's,
+/// Qwen Code's, Codex's or Claude Code's) once with
 /// the right fix for `calc`, a wrong one for `greet`, and a command that never ends for `hang`,
 /// then answers; calls without a shell tool (a harness's side requests) get a short answer.
 fn task_policy() -> Script {
@@ -173,10 +187,15 @@ fn task_policy() -> Script {
                     .any(|t| t["function"]["name"].as_str() == Some(name))
             })
         };
-        let Some(tool) = ["bash", "run_shell_command"]
-            .into_iter()
-            .find(|t| offered(t))
-        else {
+        // Each harness's shell tool and the name of its command argument.
+        let Some((tool, arg)) = [
+            ("bash", "command"),
+            ("run_shell_command", "command"),
+            ("exec_command", "cmd"),
+            ("Bash", "command"),
+        ]
+        .into_iter()
+        .find(|(t, _)| offered(t)) else {
             return Reply::text("ok");
         };
         let messages = req["messages"].as_array().cloned().unwrap_or_default();
@@ -203,7 +222,7 @@ fn task_policy() -> Script {
                 "read_file",
                 json!({ "file_path": format!("{}/{file}", project_root(&req["messages"])) }),
             ),
-            (false, 0) | (true, 1) => Reply::tool_call(tool, json!({ "command": command })),
+            (false, 0) | (true, 1) => Reply::tool_call(tool, json!({ arg: command })),
             _ => Reply::text("Done."),
         }
     })
@@ -405,6 +424,84 @@ async fn heavy_rollout_groups_through_pi_and_qwen_code() {
     assert!(
         !traces[0]["response_ids"].as_array().unwrap().is_empty(),
         "kept, masked"
+    );
+}
+
+/// The Codex and Claude Code presets through a node: each fixes `calc` with its own shell
+/// tool (Codex speaking Responses, Claude Code speaking Messages to the node's capture), the
+/// fix is rewarded 1, and the sample's calls come back as faithful traces of its group.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_rollout_through_codex_and_claude_code_presets() {
+    let llama = LlamaServer::shared_with_tool_template().await;
+    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
+    let (a, _) = Artefacts::require_harness("codex");
+    Artefacts::require_harness("claude");
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let harness_path = a.harness_path();
+    let _serve = node_with(
+        dir.path(),
+        port,
+        &engine.url,
+        &["--harness-path", &harness_path, "--block-egress"],
+    )
+    .await;
+    for harness in ["codex", "claude-code"] {
+        post(
+            &format!("{base}/v1/rollouts"),
+            &repo_task("calc", harness, 1, 120),
+        )
+        .await;
+    }
+    let done = results_within(&base, 0, 2, Duration::from_secs(240)).await;
+    for s in &done {
+        let group = s["task_id"].as_str().unwrap();
+        let agent_log = std::fs::read_to_string(
+            dir.path()
+                .join("node/samples")
+                .join(s["sample_id"].as_str().unwrap())
+                .join("agent.log"),
+        )
+        .unwrap_or_default();
+        assert_eq!(
+            s["outcome"],
+            json!({"status": "completed", "reward": 1.0}),
+            "{s}\nagent log: {agent_log}"
+        );
+        let t = &s["trajectory"];
+        assert_eq!(t["faithfulness_violations"], 0, "{s}");
+        assert_eq!(t["complete"], true, "{s}");
+        assert!(
+            t["calls"].as_u64().unwrap() >= 2,
+            "the tool call and the answer after it: {s}"
+        );
+        let traces = read_traces(s);
+        // The tool loop (tool call, then the answer) is one merged trace.
+        assert!(
+            traces
+                .iter()
+                .any(|t| t["calls"].as_array().unwrap().len() >= 2),
+            "{s}"
+        );
+        for t in &traces {
+            assert_eq!(t["reward"], 1.0, "{s}");
+            assert_eq!(t["group_id"], group, "{s}");
+        }
+        let trainable: u64 = t["trainable_tokens"].as_u64().unwrap();
+        assert!(trainable > 0, "{s}");
+    }
+    let wires: Vec<String> = read_spool(&dir.path().join("node/spool"))
+        .iter()
+        .map(|r| r.request.path.clone())
+        .collect();
+    assert!(
+        wires.iter().any(|p| p.ends_with("/v1/responses")),
+        "{wires:?}"
+    );
+    assert!(
+        wires.iter().any(|p| p.ends_with("/v1/messages")),
+        "{wires:?}"
     );
 }
 
