@@ -130,8 +130,21 @@ pub struct CaptureService {
 impl HttpServerApp for CaptureService {
     async fn process_new_http(
         self: &Arc<Self>,
+        http: ServerSession,
+        shutdown: &ShutdownWatch,
+    ) -> Option<ReusedHttpStream> {
+        let fixed = self.config.fixed_session.as_deref();
+        self.process(http, shutdown, fixed).await
+    }
+}
+
+impl CaptureService {
+    /// Reads and answers one request; `fixed`: the connection's session, if it has one.
+    async fn process(
+        &self,
         mut http: ServerSession,
         shutdown: &ShutdownWatch,
+        fixed: Option<&str>,
     ) -> Option<ReusedHttpStream> {
         match http.read_request().await {
             Ok(true) => {}
@@ -142,7 +155,7 @@ impl HttpServerApp for CaptureService {
             }
         }
         http.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
-        if !self.serve(&mut http).await {
+        if !self.serve(&mut http, fixed).await {
             return None;
         }
         let settings = HttpPersistentSettings::for_session(&http);
@@ -151,9 +164,7 @@ impl HttpServerApp for CaptureService {
             Err(_) => None,
         }
     }
-}
 
-impl CaptureService {
     pub fn new(
         config: ProxyConfig,
         backend: Arc<dyn Backend>,
@@ -196,14 +207,14 @@ impl CaptureService {
     }
 
     /// Answers one request; returns whether the connection may be reused.
-    async fn serve(&self, http: &mut ServerSession) -> bool {
+    async fn serve(&self, http: &mut ServerSession, fixed: Option<&str>) -> bool {
         let method = http.req_header().method.as_str().to_owned();
         let path = http.req_header().uri.path().to_owned();
         let (route, path_session) = route(&method, &path);
         match route {
             Route::Call(codec) => {
-                self.handle_call(http, codec, path_session.map(str::to_owned))
-                    .await
+                let hints = path_session.map(str::to_owned);
+                self.handle_call(http, codec, hints, fixed).await
             }
             Route::CountTokens => self.count_tokens(http).await,
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
@@ -258,16 +269,20 @@ impl CaptureService {
     }
 
     /// Serves HTTP/1.1 requests on a connection accepted elsewhere (an intercepted TLS
-    /// connection from the transparent listener) until it closes.
+    /// connection from the transparent listener) until it closes. `session`: every call on
+    /// the connection belongs to it (a rollout sample's interception), whatever the request
+    /// says; else the proxy's fixed session or per-call attribution.
     pub async fn serve_stream(
-        self: &Arc<Self>,
+        &self,
         stream: pingora::protocols::Stream,
         shutdown: &ShutdownWatch,
+        session: Option<&str>,
     ) {
+        let fixed = session.or(self.config.fixed_session.as_deref());
         let mut next = Some(stream);
         while let Some(stream) = next.take() {
             let http = ServerSession::new_http1(stream);
-            if let Some(reused) = self.process_new_http(http, shutdown).await {
+            if let Some(reused) = self.process(http, shutdown, fixed).await {
                 next = Some(reused.consume().0);
             }
         }
@@ -275,7 +290,13 @@ impl CaptureService {
 
     /// Records a connection that failed before any request could be read (a TLS handshake the
     /// client aborted), so the failure is visible in the spool, not only in logs.
-    pub async fn record_connection_failure(&self, host: &str, kind: ErrorKind, message: String) {
+    pub async fn record_connection_failure(
+        &self,
+        host: &str,
+        kind: ErrorKind,
+        message: String,
+        session: Option<&str>,
+    ) {
         let request = HarnessRequest {
             method: "CONNECT".into(),
             path: host.to_owned(),
@@ -289,9 +310,9 @@ impl CaptureService {
         backend.synthetic_stream = false;
         let mut call = CallCapture::new(WireApi::Unparsed, request, backend);
         call.error = Some(CallError::new(kind, 0, message));
-        let session = match &self.config.fixed_session {
+        let session = match session.or(self.config.fixed_session.as_deref()) {
             Some(id) => session::Session {
-                id: id.clone(),
+                id: id.to_owned(),
                 source: tokentap_schema::SessionSource::Run,
             },
             None => session::Session {
@@ -338,10 +359,13 @@ impl CaptureService {
         http: &mut ServerSession,
         codec: &dyn WireCodec,
         path_session: Option<String>,
+        fixed: Option<&str>,
     ) -> bool {
         let mut call = self.begin_call(http, codec.api());
         self.metrics.inflight.inc();
-        let reusable = self.run_call(http, codec, path_session, &mut call).await;
+        let reusable = self
+            .run_call(http, codec, path_session, fixed, &mut call)
+            .await;
         self.metrics.inflight.dec();
         self.end_call(call).await;
         reusable
@@ -377,6 +401,7 @@ impl CaptureService {
         http: &mut ServerSession,
         codec: &dyn WireCodec,
         path_session: Option<String>,
+        fixed: Option<&str>,
         call: &mut CallCapture,
     ) -> bool {
         // Identify the session.
@@ -399,9 +424,9 @@ impl CaptureService {
             harness,
             api_key: api_key.as_deref(),
         };
-        let attributed = match &self.config.fixed_session {
+        let attributed = match fixed {
             Some(id) => Ok(session::Session {
-                id: id.clone(),
+                id: id.to_owned(),
                 source: tokentap_schema::SessionSource::Run,
             }),
             None => session::attribute(&hints, || format!("call-{}", call.record_id)),

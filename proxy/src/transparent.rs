@@ -104,6 +104,8 @@ pub struct TransparentListener {
     intercept: InterceptList,
     /// How long to wait for a client's first bytes before treating it as server-speaks-first.
     peek_wait: Duration,
+    /// The session of every call intercepted here (one rollout sample's listener).
+    session: Option<String>,
 }
 
 impl TransparentListener {
@@ -119,7 +121,14 @@ impl TransparentListener {
             destinations,
             intercept,
             peek_wait: Duration::from_secs(1),
+            session: None,
         }
+    }
+
+    /// Records every call intercepted by this listener under `session`.
+    pub fn with_session(mut self, session: String) -> Self {
+        self.session = Some(session);
+        self
     }
 
     /// Accepts until `shutdown` turns true.
@@ -179,7 +188,9 @@ impl TransparentListener {
         match self.acceptor.accept(conn).await {
             Ok(tls) => {
                 let stream = Box::new(InterceptedStream { tls, id });
-                self.service.serve_stream(stream, &shutdown).await;
+                self.service
+                    .serve_stream(stream, &shutdown, self.session.as_deref())
+                    .await;
                 Outcome::Intercepted
             }
             Err(e) => {
@@ -188,7 +199,12 @@ impl TransparentListener {
                 );
                 tracing::warn!("{message}");
                 self.service
-                    .record_connection_failure(host, ErrorKind::TlsHandshakeFailed, message)
+                    .record_connection_failure(
+                        host,
+                        ErrorKind::TlsHandshakeFailed,
+                        message,
+                        self.session.as_deref(),
+                    )
                     .await;
                 Outcome::TlsFailed
             }

@@ -79,7 +79,7 @@ impl NodeCapture {
                 tokio::spawn(async move {
                     let stream: pingora::protocols::Stream =
                         Box::new(pingora::protocols::l4::stream::Stream::from(conn));
-                    service.serve_stream(stream, &watch).await;
+                    service.serve_stream(stream, &watch, None).await;
                 });
             }
         });

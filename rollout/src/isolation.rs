@@ -48,6 +48,8 @@ pub struct SampleCgroup {
     procs: Vec<CString>,
     /// Where the memory peak is read.
     memory_peak: Option<PathBuf>,
+    /// Its directory on the unified (v2) hierarchy, if it has one.
+    v2_dir: Option<PathBuf>,
 }
 
 /// A cgroup filesystem mount and the node's own place in it.
@@ -134,6 +136,7 @@ impl SampleCgroup {
             dirs: Vec::new(),
             procs: Vec::new(),
             memory_peak: None,
+            v2_dir: None,
         };
         let wanted: Vec<&str> = [
             limits.memory_mb.map(|_| "memory"),
@@ -162,6 +165,9 @@ impl SampleCgroup {
                     }
                 }
                 cg.dirs.push(dir.clone());
+                if h.v2 {
+                    cg.v2_dir = Some(dir.clone());
+                }
                 cg.procs.push(
                     CString::new(dir.join("cgroup.procs").as_os_str().as_encoded_bytes())
                         .map_err(io::Error::other)?,
@@ -229,6 +235,12 @@ impl SampleCgroup {
                 Ok(())
             });
         }
+    }
+
+    /// Its directory on the unified (v2) hierarchy: where a connect redirect for the agent
+    /// must attach, since a process is in one v2 cgroup only.
+    pub fn v2_dir(&self) -> Option<&Path> {
+        self.v2_dir.as_deref()
     }
 
     /// The most memory the agent used (bytes), when the kernel tracks it.

@@ -29,4 +29,5 @@ pub mod preset;
 pub mod sandbox;
 pub mod store;
 pub mod task;
+pub mod transparent;
 pub mod workspace;

@@ -23,12 +23,14 @@ use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
 use crate::sandbox::{self, SandboxConfig};
 use crate::store::{Store, StoreError};
+use crate::transparent::{SampleInterception, TransparentConfig};
 use crate::workspace;
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
 use crate::task::{
-    AgentReport, Incomplete, Outcome, Rollout, Sample, Stage, TrajectorySummary, Workspace,
+    AgentReport, CaptureMode, Incomplete, Outcome, Rollout, Sample, Stage, TrajectorySummary,
+    Workspace,
 };
 
 /// How a node runs its stages.
@@ -60,6 +62,9 @@ pub struct PipelineConfig {
     pub limits: Limits,
     /// How agents are sandboxed (None: this node cannot; tasks asking for it fail).
     pub sandbox: Option<SandboxConfig>,
+    /// Transparent capture for agents with hard-coded endpoints (None: this node cannot;
+    /// tasks asking for it fail).
+    pub transparent: Option<Arc<TransparentConfig>>,
 }
 
 impl PipelineConfig {
@@ -81,6 +86,7 @@ impl PipelineConfig {
             gate: None,
             limits: Limits::default(),
             sandbox: None,
+            transparent: None,
         }
     }
 }
@@ -507,6 +513,17 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     if spec.sandbox && sandboxed.is_none() {
         anyhow::bail!("the task asks for a sandbox and this node has none (bubblewrap)");
     }
+    let transparent = spec.capture == CaptureMode::Transparent;
+    let intercepting = match (&cfg.transparent, &cfg.capture) {
+        _ if !transparent => None,
+        (Some(t), Some(c)) if sandboxed.is_none() => Some((t, c)),
+        (_, _) if sandboxed.is_some() => anyhow::bail!(
+            "transparent capture and the sandbox do not go together (the sandbox has no network to redirect)"
+        ),
+        _ => anyhow::bail!(
+            "the task asks for transparent capture and this node has none (it needs root, cgroup v2 and tokentap built with its eBPF program)"
+        ),
+    };
     let server = match &cfg.capture {
         Some(c) => {
             c.index.watch(&session);
@@ -532,7 +549,8 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         // A placeholder: the engine's credentials never reach the agent.
         api_key: "tokentap".into(),
         model: cfg.harness_model.clone(),
-        block_egress: cfg.block_egress,
+        // A proxy setting would take the agent's connects away from the redirect.
+        block_egress: cfg.block_egress && !transparent,
     };
     let log = std::fs::File::create(job.dir.join("agent.log"))?;
     let mut cmd = preset::for_sample(&spec.harness, &env, &spec.instruction, &session)?;
@@ -557,6 +575,18 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     if let Some(cg) = &cgroup {
         cg.enter_on_spawn(&mut cmd);
     }
+    // Held until the agent is done: dropping it detaches the redirect.
+    let interception = match intercepting {
+        Some((t, c)) => {
+            let v2 = cgroup.as_ref().and_then(SampleCgroup::v2_dir);
+            let i = SampleInterception::start(t, c.service.clone(), &session, v2, &job.dir)
+                .await
+                .map_err(|e| anyhow::anyhow!("starting transparent capture: {e:#}"))?;
+            i.prepare(&mut cmd);
+            Some(i)
+        }
+        None => None,
+    };
     let started = Instant::now();
     let mut child = cmd
         .stdout(log.try_clone()?)
@@ -602,7 +632,8 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         peak_memory_bytes: cgroup.as_ref().and_then(SampleCgroup::memory_peak),
         oom_killed: cgroup.as_ref().is_some_and(SampleCgroup::oom_killed),
     };
-    // Dropping the cgroup kills what is left in it and removes it.
+    // Dropping the cgroups kills what is left in them and removes them.
+    drop(interception);
     drop(cgroup);
     store.set_agent(&job.sample.sample_id, report)?;
     running

@@ -41,6 +41,22 @@ pub struct TaskSpec {
     /// cancelled); their reward is 0 in every case.
     #[serde(default)]
     pub incomplete: Incomplete,
+    /// How the agent's model calls reach the capture.
+    #[serde(default)]
+    pub capture: CaptureMode,
+}
+
+/// How a sample's model calls are captured.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum CaptureMode {
+    /// The harness is pointed at the capture through its base-URL settings.
+    #[default]
+    BaseUrl,
+    /// The agent keeps its own (hard-coded) endpoints: its connects to port 443 are redirected
+    /// by eBPF and the allow-listed LLM hosts intercepted with the node's CA (a closed binary;
+    /// needs a node running as root with the eBPF program built; not with `sandbox`).
+    Transparent,
 }
 
 /// The policy for traces of samples that did not complete.

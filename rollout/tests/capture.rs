@@ -268,3 +268,35 @@ async fn samples_come_back_with_rewarded_traces() {
         }
     }
 }
+
+/// A node without transparent capture (not root, or built without the eBPF program) says so
+/// on each sample that asks for it, and runs nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transparent_task_on_a_node_without_it_fails_with_the_reason() {
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+    let (store, pipeline) = node(dir.path(), &engine.url, None).await;
+    let spec = TaskSpec {
+        capture: tokentap_rollout::task::CaptureMode::Transparent,
+        ..task(&project, "closed", &curl_agent(1, "true"), 60)
+    };
+    let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
+    pipeline.submit(rollout, samples);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let (_, s) = loop {
+        if let Some(r) = store.results_after(0, 1).unwrap().pop() {
+            break r;
+        }
+        assert!(Instant::now() < deadline);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    match s.outcome {
+        Some(Outcome::Error { reason }) => {
+            assert!(reason.contains("transparent capture"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(engine.requests().is_empty(), "the agent never ran");
+}

@@ -31,20 +31,8 @@ pub struct TransparentArgs {
     capture: CaptureArgs,
     #[command(flatten)]
     downstream: DownstreamArgs,
-    /// Also intercept this host (repeatable; `*.example.com` for subdomains). Defaults:
-    /// api.openai.com, api.anthropic.com, chatgpt.com, generativelanguage.googleapis.com,
-    /// dashscope.aliyuncs.com.
-    #[arg(long = "intercept", value_name = "HOST")]
-    intercept: Vec<String>,
-    /// Intercept only the `--intercept` hosts, not the defaults.
-    #[arg(long)]
-    no_default_intercept: bool,
-    /// Destination port whose TCP connects are redirected (repeatable; default 443).
-    #[arg(long = "redirect-port", value_name = "PORT")]
-    redirect_ports: Vec<u16>,
-    /// Directory of the local CA (created on first use).
-    #[arg(long, env = "TOKENTAP_CA_DIR")]
-    ca_dir: Option<PathBuf>,
+    #[command(flatten)]
+    interception: InterceptArgs,
     /// How connects are redirected: eBPF (auto falls back to nftables when eBPF is refused).
     #[arg(long, value_enum, default_value = "auto")]
     redirect: RedirectMode,
@@ -122,9 +110,29 @@ struct Capture {
     ca: Arc<CertificateAuthority>,
 }
 
-impl TransparentArgs {
-    fn ca(&self) -> anyhow::Result<Arc<CertificateAuthority>> {
-        let dir = self.ca_dir.clone().unwrap_or_else(ca::default_dir);
+/// What is intercepted, and with which CA (`run`, `sidecar` and the rollout node).
+#[derive(Args, Clone)]
+pub struct InterceptArgs {
+    /// Also intercept this host (repeatable; `*.example.com` for subdomains). Defaults:
+    /// api.openai.com, api.anthropic.com, chatgpt.com, generativelanguage.googleapis.com,
+    /// dashscope.aliyuncs.com.
+    #[arg(long = "intercept", value_name = "HOST")]
+    intercept: Vec<String>,
+    /// Intercept only the `--intercept` hosts, not the defaults.
+    #[arg(long)]
+    no_default_intercept: bool,
+    /// Destination port whose TCP connects are redirected (repeatable; default 443).
+    #[arg(long = "redirect-port", value_name = "PORT")]
+    redirect_ports: Vec<u16>,
+    /// Directory of the local CA (created on first use).
+    #[arg(long, env = "TOKENTAP_CA_DIR")]
+    ca_dir: Option<PathBuf>,
+}
+
+impl InterceptArgs {
+    /// The CA in `--ca-dir`, else in `default_dir`, created on first use.
+    pub fn ca(&self, default_dir: PathBuf) -> anyhow::Result<Arc<CertificateAuthority>> {
+        let dir = self.ca_dir.clone().unwrap_or(default_dir);
         let (ca, created) = CertificateAuthority::load_or_create(&dir)?;
         if created {
             tracing::info!(cert = %ca.cert_path().display(), "created the local interception CA");
@@ -132,7 +140,7 @@ impl TransparentArgs {
         Ok(Arc::new(ca))
     }
 
-    fn intercept_list(&self) -> InterceptList {
+    pub fn intercept_list(&self) -> InterceptList {
         let defaults: &[&str] = if self.no_default_intercept {
             &[]
         } else {
@@ -146,9 +154,19 @@ impl TransparentArgs {
         )
     }
 
+    pub fn ports(&self) -> Vec<u16> {
+        if self.redirect_ports.is_empty() {
+            vec![443]
+        } else {
+            self.redirect_ports.clone()
+        }
+    }
+}
+
+impl TransparentArgs {
     /// Starts the service and the listener, and attaches the redirect to `cgroup`.
     fn start(&self, cgroup: &Cgroup, session: Option<String>) -> anyhow::Result<Capture> {
-        let ca = self.ca()?;
+        let ca = self.interception.ca(ca::default_dir())?;
         // Built before the runtime: model discovery runs its own small one.
         let (service, spool_thread) = self.capture.build(session)?;
         let downstream = if self.capture.no_capture {
@@ -172,15 +190,10 @@ impl TransparentArgs {
                 at.port(),
             )))
             .ok();
-        let ports = if self.redirect_ports.is_empty() {
-            vec![443]
-        } else {
-            self.redirect_ports.clone()
-        };
         let config = RedirectConfig {
             listener: SocketAddrV4::new(*at.ip(), at.port()),
             listener_v6: listener6.as_ref().map(|_| Ipv6Addr::LOCALHOST),
-            ports,
+            ports: self.interception.ports(),
         };
         let nft = || -> anyhow::Result<Installed> {
             let root = cgroup2_mount()?;
@@ -205,7 +218,7 @@ impl TransparentArgs {
             service,
             ca.clone(),
             Arc::new(installed),
-            self.intercept_list(),
+            self.interception.intercept_list(),
         ));
         let (shutdown, watch) = tokio::sync::watch::channel(false);
         runtime.spawn(front.clone().serve(listener, watch.clone()));
@@ -242,21 +255,6 @@ impl Capture {
     }
 }
 
-/// Environment that makes common clients trust the local CA (Node, Python, curl, OpenSSL,
-/// rustls-native-certs, Codex).
-fn trust_env(ca: &CertificateAuthority, bundle: &std::path::Path) -> Vec<(&'static str, String)> {
-    let ca_pem = ca.cert_path().display().to_string();
-    let bundle = bundle.display().to_string();
-    vec![
-        ("SSL_CERT_FILE", bundle.clone()),
-        ("REQUESTS_CA_BUNDLE", bundle.clone()),
-        ("CURL_CA_BUNDLE", bundle),
-        ("NODE_EXTRA_CA_CERTS", ca_pem.clone()),
-        ("NODE_USE_SYSTEM_CA", "1".into()),
-        ("CODEX_CA_CERTIFICATE", ca_pem),
-    ]
-}
-
 pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     tokentap_ebpf::preflight(args.transparent.redirect == RedirectMode::Ebpf)?;
     let session = args
@@ -272,7 +270,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
 
     let mut cmd = std::process::Command::new(&args.command[0]);
     cmd.args(&args.command[1..])
-        .envs(trust_env(&capture.ca, &bundle))
+        .envs(capture.ca.trust_env(&bundle))
         .env("TOKENTAP_SESSION", &session);
     let procs = cgroup.procs_file();
     // SAFETY: writes one file between fork and exec; no locks are taken.

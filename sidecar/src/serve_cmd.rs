@@ -13,8 +13,10 @@ use tokentap_rollout::capture::{observer, NodeCapture, SessionIndex};
 use tokentap_rollout::gate::{Gate, NodeGate};
 use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
+use tokentap_rollout::transparent::TransparentConfig;
 
 use crate::proxy_cmd::CaptureArgs;
+use crate::run_cmd::InterceptArgs;
 use crate::signals::shutdown_signal;
 
 /// A rollout node's pipeline and capture.
@@ -63,6 +65,10 @@ pub struct NodeArgs {
     /// its own directory); without it, only tasks with `"sandbox": true` are.
     #[arg(long)]
     sandbox: bool,
+    /// For tasks with `"capture": "transparent"` (agents with hard-coded endpoints); the
+    /// node's CA defaults to DATA/ca. Needs root and tokentap built with its eBPF program.
+    #[command(flatten)]
+    interception: InterceptArgs,
     #[command(flatten)]
     pub capture: CaptureArgs,
 }
@@ -141,6 +147,17 @@ impl NodeArgs {
                 anyhow::bail!("--sandbox needs bubblewrap (`bwrap`) on PATH")
             }
             None => None,
+        };
+        config.transparent = match tokentap_ebpf::preflight(true) {
+            Ok(_) => Some(Arc::new(TransparentConfig {
+                ca: self.interception.ca(self.data_dir().join("ca"))?,
+                intercept: self.interception.intercept_list(),
+                ports: self.interception.ports(),
+            })),
+            Err(e) => {
+                tracing::info!(reason = %e, "no transparent capture on this node");
+                None
+            }
         };
         if let Some(extra) = &self.harness_path {
             config.harness_path = format!("{extra}:{}", config.harness_path);

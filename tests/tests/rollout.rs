@@ -823,3 +823,86 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
     assert!(!std::path::Path::new(&read_only).exists());
     assert!(!private.exists(), "the sandbox's /tmp is its own");
 }
+
+/// A closed binary's hard-coded endpoint, captured by a node: a `command` agent that ignores
+/// the base URL it is given and calls `https://api.openai.com` itself (resolved to 127.0.0.2
+/// in its private mount namespace) is redirected by eBPF on its own cgroup, intercepted with
+/// the node's CA under its sample's session, and rebuilt like any other sample. The node's own
+/// connection to the engine is never redirected, and nothing is left behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_endpoint() {
+    if !tokentap_e2e::transparent::privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("project")).unwrap();
+    let net = tokentap_e2e::transparent::FakeNet::new(&[("api.openai.com", "127.0.0.2")]);
+    let port = free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    // --block-egress would point HTTPS_PROXY at a dead port: a transparent sample goes without.
+    let _serve = node_with(dir.path(), port, &engine.url, &["--block-egress"]).await;
+    let body = json!({"model": "gpt-5", "messages": [{"role": "user", "content": "task"}]});
+    let script = format!(
+        "curl -sS --fail --max-time 20 https://api.openai.com/v1/chat/completions -H 'content-type: application/json' -H 'authorization: Bearer sk-closed-binary-key' -d '{body}' > answer.json && grep -q 'answer to 1 messages' answer.json"
+    );
+    let mut argv = net.prefix();
+    argv.extend(["sh".to_owned(), "-c".to_owned(), script]);
+    let submitted = post(
+        &format!("{base}/v1/rollouts"),
+        &json!({
+            "task_id": "closed-binary",
+            "instruction": "chat",
+            "workspace": {"dir": {"path": dir.path().join("project")}},
+            "harness": {"name": "command", "argv": argv},
+            "capture": "transparent",
+            "evaluator": {"kind": "session-completed"},
+            "num_samples": 2
+        }),
+    )
+    .await;
+    assert!(submitted["rollout_id"].is_string(), "{submitted}");
+    let done = results(&base, 0, 2).await;
+    let spool = read_spool(&dir.path().join("node/spool"));
+    for s in &done {
+        let log = std::fs::read_to_string(
+            dir.path()
+                .join("node/samples")
+                .join(s["sample_id"].as_str().unwrap())
+                .join("agent.log"),
+        )
+        .unwrap_or_default();
+        assert_eq!(
+            s["outcome"],
+            json!({"status": "completed", "reward": 1.0}),
+            "{s}\nagent log: {log}"
+        );
+        let t = &s["trajectory"];
+        assert_eq!(
+            (t["calls"].as_u64(), t["traces"].as_u64()),
+            (Some(1), Some(1)),
+            "{s}"
+        );
+        assert_eq!(t["faithfulness_violations"], 0, "{s}");
+        let mine: Vec<_> = spool
+            .iter()
+            .filter(|r| r.session_id == s["sample_id"].as_str().unwrap())
+            .collect();
+        assert_eq!(mine.len(), 1, "{s}");
+        let r = mine[0];
+        assert_eq!(r.request.headers["host"], "api.openai.com");
+        assert_eq!(r.response_status, 200, "{:?}", r.error);
+        let raw = serde_json::to_string(r).unwrap();
+        assert!(
+            !raw.contains("sk-closed-binary-key"),
+            "the key never reaches a record"
+        );
+    }
+    assert_eq!(spool.len(), 2, "only the two agents' calls were captured");
+    assert_eq!(engine.requests().len(), 2);
+    assert!(
+        tokentap_e2e::transparent::leftover_cgroups("sample-").is_empty(),
+        "each sample's redirect cgroup is removed"
+    );
+}

@@ -258,6 +258,21 @@ impl CertificateAuthority {
         bundle.push_str(&self.cert_pem);
         std::fs::write(path, bundle).map_err(io("writing", path))
     }
+
+    /// Environment that makes common clients (Node, Python, curl, OpenSSL,
+    /// rustls-native-certs, Codex) trust this CA, given a bundle from [`Self::write_bundle`].
+    pub fn trust_env(&self, bundle: &Path) -> Vec<(&'static str, String)> {
+        let ca_pem = self.cert_path().display().to_string();
+        let bundle = bundle.display().to_string();
+        vec![
+            ("SSL_CERT_FILE", bundle.clone()),
+            ("REQUESTS_CA_BUNDLE", bundle.clone()),
+            ("CURL_CA_BUNDLE", bundle),
+            ("NODE_EXTRA_CA_CERTS", ca_pem.clone()),
+            ("NODE_USE_SYSTEM_CA", "1".into()),
+            ("CODEX_CA_CERTIFICATE", ca_pem),
+        ]
+    }
 }
 
 #[cfg(test)]
