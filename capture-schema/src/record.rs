@@ -144,6 +144,21 @@ pub struct HarnessRequest {
     pub body_text: Option<String>,
 }
 
+impl HarnessRequest {
+    /// A request known only by its method and path: no headers, no body.
+    pub fn bare(method: &str, path: &str) -> HarnessRequest {
+        HarnessRequest {
+            method: method.to_owned(),
+            path: path.to_owned(),
+            query: None,
+            headers: BTreeMap::new(),
+            body_bytes: 0,
+            body: None,
+            body_text: None,
+        }
+    }
+}
+
 /// One change the proxy made to the request on its way to the backend.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct Normalization {

@@ -297,15 +297,7 @@ impl CaptureService {
         message: String,
         session: Option<&str>,
     ) {
-        let request = HarnessRequest {
-            method: "CONNECT".into(),
-            path: host.to_owned(),
-            query: None,
-            headers: Default::default(),
-            body_bytes: 0,
-            body: None,
-            body_text: None,
-        };
+        let request = HarnessRequest::bare("CONNECT", host);
         let mut backend = self.backend_info();
         backend.synthetic_stream = false;
         let mut call = CallCapture::new(WireApi::Unparsed, request, backend);

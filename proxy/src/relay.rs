@@ -191,15 +191,7 @@ mod tests {
     }
 
     fn call() -> CallCapture {
-        let request = HarnessRequest {
-            method: "POST".into(),
-            path: "/v1/chat/completions".into(),
-            query: None,
-            headers: Default::default(),
-            body_bytes: 0,
-            body: None,
-            body_text: None,
-        };
+        let request = HarnessRequest::bare("POST", "/v1/chat/completions");
         let backend = BackendInfo {
             kind: BackendKind::Vllm,
             url: "http://127.0.0.1:9".into(),

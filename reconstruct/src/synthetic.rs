@@ -15,15 +15,7 @@ pub fn record(session: &str, record_id: &str, n: u64) -> CaptureRecord {
         started_at_unix_ms: 1_000 + n,
         ended_at_unix_ms: 1_000 + n,
         wire_api: WireApi::ChatCompletions,
-        request: HarnessRequest {
-            method: "POST".into(),
-            path: "/v1/chat/completions".into(),
-            query: None,
-            headers: Default::default(),
-            body_bytes: 0,
-            body: None,
-            body_text: None,
-        },
+        request: HarnessRequest::bare("POST", "/v1/chat/completions"),
         backend_request: None,
         normalizations: vec![],
         backend: BackendInfo {

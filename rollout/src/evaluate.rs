@@ -252,33 +252,34 @@ mod tests {
         }
     }
 
-    #[tokio::test]
-    async fn a_command_evaluator_sees_the_traces_and_rewards_them_one_by_one() {
+    /// A `command` evaluator run on an empty workspace.
+    async fn run_command(command: &str, traces: Option<&Path>, budget: Duration) -> Evaluation {
         let dir = tempfile::tempdir().unwrap();
         let (original, work) = (dir.path().join("original"), dir.path().join("work"));
         std::fs::create_dir_all(&original).unwrap();
         std::fs::create_dir_all(&work).unwrap();
+        let evaluator = Evaluator::Command {
+            command: command.into(),
+            test_files: vec![],
+        };
+        let paths = EvalPaths {
+            work: &work,
+            original: &original,
+            sample_dir: dir.path(),
+            traces,
+        };
+        evaluate(&evaluator, true, &paths, budget).await.unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_command_evaluator_sees_the_traces_and_rewards_them_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
         let traces = dir.path().join("traces.jsonl");
         std::fs::write(&traces, "{\"trace_id\": \"s-1/0\"}\n").unwrap();
         // Rewards the first trace named in $TOKENTAP_TRACES with 0.5, the outcome with 1.
         let command = r#"id=$(sed -n 's/.*"trace_id": "\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES" | head -1)
 printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
-        let e = evaluate(
-            &Evaluator::Command {
-                command: command.into(),
-                test_files: vec![],
-            },
-            true,
-            &EvalPaths {
-                work: &work,
-                original: &original,
-                sample_dir: dir.path(),
-                traces: Some(&traces),
-            },
-            Duration::from_secs(10),
-        )
-        .await
-        .unwrap();
+        let e = run_command(command, Some(&traces), Duration::from_secs(10)).await;
         assert_eq!(e.reward, 1.0);
         assert_eq!(e.trace_rewards.get("s-1/0"), Some(&0.5), "{e:?}");
     }
@@ -321,26 +322,7 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
 
     #[tokio::test]
     async fn an_evaluation_over_budget_is_killed_and_scores_zero() {
-        let dir = tempfile::tempdir().unwrap();
-        let (original, work) = (dir.path().join("original"), dir.path().join("work"));
-        std::fs::create_dir_all(&original).unwrap();
-        std::fs::create_dir_all(&work).unwrap();
-        let e = evaluate(
-            &Evaluator::Command {
-                command: "sleep 30".into(),
-                test_files: vec![],
-            },
-            true,
-            &EvalPaths {
-                work: &work,
-                original: &original,
-                sample_dir: dir.path(),
-                traces: None,
-            },
-            Duration::from_millis(300),
-        )
-        .await
-        .unwrap();
+        let e = run_command("sleep 30", None, Duration::from_millis(300)).await;
         assert_eq!((e.reward, e.exit_code), (0.0, None));
     }
 }

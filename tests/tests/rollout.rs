@@ -47,6 +47,33 @@ async fn node_with(dir: &std::path::Path, port: u16, engine: &str, extra: &[&str
     child
 }
 
+/// What a finished sample's agent wrote (for failure messages).
+fn agent_log(node_dir: &std::path::Path, sample: &Value) -> String {
+    let id = sample["sample_id"].as_str().unwrap_or_default();
+    std::fs::read_to_string(node_dir.join("node/samples").join(id).join("agent.log"))
+        .unwrap_or_default()
+}
+
+/// A node running real harnesses (`harnesses`, on its harness path) against the scripted
+/// policy, with llama-server's tokenizer for token ids.
+async fn harness_node(
+    harnesses: &[&str],
+    extra: &[&str],
+) -> (ScriptedBackend, tempfile::TempDir, String, ChildGuard) {
+    let llama = LlamaServer::shared_with_tool_template().await;
+    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
+    let mut path = None;
+    for h in harnesses {
+        path.get_or_insert(Artefacts::require_harness(h).0.harness_path());
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let mut args = vec!["--harness-path", path.as_deref().unwrap(), "--block-egress"];
+    args.extend(extra);
+    let serve = node_with(dir.path(), port, &engine.url, &args).await;
+    (engine, dir, format!("http://127.0.0.1:{port}"), serve)
+}
+
 /// GET with the node's token, as JSON.
 async fn get_json(url: &str) -> Value {
     http_client()
@@ -310,27 +337,7 @@ fn read_traces(sample: &Value) -> Vec<Value> {
 /// trajectory is kept, masked.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_rollout_groups_through_pi_and_qwen_code() {
-    let llama = LlamaServer::shared_with_tool_template().await;
-    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
-    let (a, _) = Artefacts::require_harness("pi");
-    Artefacts::require_harness("qwen");
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let harness_path = a.harness_path();
-    let _serve = node_with(
-        dir.path(),
-        port,
-        &engine.url,
-        &[
-            "--harness-path",
-            &harness_path,
-            "--block-egress",
-            "--run-workers",
-            "4",
-        ],
-    )
-    .await;
+    let (_engine, dir, base, _serve) = harness_node(&["pi", "qwen"], &["--run-workers", "4"]).await;
     let mut expected = std::collections::HashMap::new();
     for (task, harness, reward) in [
         ("calc", "pi", 1.0),
@@ -364,13 +371,7 @@ async fn heavy_rollout_groups_through_pi_and_qwen_code() {
             s["outcome"],
             json!({"status": "completed", "reward": reward}),
             "{s}\nagent log: {}",
-            std::fs::read_to_string(
-                dir.path()
-                    .join("node/samples")
-                    .join(s["sample_id"].as_str().unwrap())
-                    .join("agent.log")
-            )
-            .unwrap_or_default()
+            agent_log(dir.path(), s)
         );
         let t = &s["trajectory"];
         assert_eq!(t["faithfulness_violations"], 0, "{s}");
@@ -432,21 +433,7 @@ async fn heavy_rollout_groups_through_pi_and_qwen_code() {
 /// fix is rewarded 1, and the sample's calls come back as faithful traces of its group.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_rollout_through_codex_and_claude_code_presets() {
-    let llama = LlamaServer::shared_with_tool_template().await;
-    let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
-    let (a, _) = Artefacts::require_harness("codex");
-    Artefacts::require_harness("claude");
-    let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let harness_path = a.harness_path();
-    let _serve = node_with(
-        dir.path(),
-        port,
-        &engine.url,
-        &["--harness-path", &harness_path, "--block-egress"],
-    )
-    .await;
+    let (_engine, dir, base, _serve) = harness_node(&["codex", "claude"], &[]).await;
     for harness in ["codex", "claude-code"] {
         post(
             &format!("{base}/v1/rollouts"),
@@ -457,17 +444,11 @@ async fn heavy_rollout_through_codex_and_claude_code_presets() {
     let done = results_within(&base, 0, 2, Duration::from_secs(240)).await;
     for s in &done {
         let group = s["task_id"].as_str().unwrap();
-        let agent_log = std::fs::read_to_string(
-            dir.path()
-                .join("node/samples")
-                .join(s["sample_id"].as_str().unwrap())
-                .join("agent.log"),
-        )
-        .unwrap_or_default();
         assert_eq!(
             s["outcome"],
             json!({"status": "completed", "reward": 1.0}),
-            "{s}\nagent log: {agent_log}"
+            "{s}\nagent log: {}",
+            agent_log(dir.path(), s)
         );
         let t = &s["trajectory"];
         assert_eq!(t["faithfulness_violations"], 0, "{s}");
@@ -866,17 +847,11 @@ async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_endpoint()
     let done = results(&base, 0, 2).await;
     let spool = read_spool(&dir.path().join("node/spool"));
     for s in &done {
-        let log = std::fs::read_to_string(
-            dir.path()
-                .join("node/samples")
-                .join(s["sample_id"].as_str().unwrap())
-                .join("agent.log"),
-        )
-        .unwrap_or_default();
         assert_eq!(
             s["outcome"],
             json!({"status": "completed", "reward": 1.0}),
-            "{s}\nagent log: {log}"
+            "{s}\nagent log: {}",
+            agent_log(dir.path(), s)
         );
         let t = &s["trajectory"];
         assert_eq!(
