@@ -10,7 +10,6 @@ use std::time::{Instant, SystemTime, UNIX_EPOCH};
 
 use async_trait::async_trait;
 use bytes::Bytes;
-use futures::StreamExt;
 use pingora::apps::{HttpPersistentSettings, HttpServerApp, ReusedHttpStream};
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
@@ -18,8 +17,7 @@ use pingora::server::ShutdownWatch;
 use serde_json::json;
 use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, WireApi};
 
-use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
-use crate::canonical::GenerationEvent;
+use crate::backend::{Backend, CallMode, GenerationStream};
 use crate::capture::{CallCapture, RecordSink};
 use crate::gate::CallGate;
 use crate::metrics::Metrics;
@@ -27,7 +25,7 @@ use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
 };
 use crate::redact;
-use crate::relay::relay_stream;
+use crate::relay::{collect_events, relay_stream};
 use crate::session::{
     self, SessionCounters, SessionHints, HARNESS_SESSION_HEADERS, SESSION_HEADER,
 };
@@ -133,8 +131,7 @@ impl HttpServerApp for CaptureService {
         http: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        let fixed = self.config.fixed_session.as_deref();
-        self.process(http, shutdown, fixed).await
+        self.process(http, shutdown, self.fixed_session(None)).await
     }
 }
 
@@ -259,6 +256,12 @@ impl CaptureService {
         }
     }
 
+    /// The session every call on a connection belongs to, if any: the connection's own (a
+    /// rollout sample's interception), else the proxy's (a `tokentap run`'s).
+    fn fixed_session<'a>(&'a self, connection: Option<&'a str>) -> Option<&'a str> {
+        connection.or(self.config.fixed_session.as_deref())
+    }
+
     /// Calls begun so far in `session` (each ends in exactly one record).
     pub fn session_calls(&self, session: &str) -> u64 {
         self.sessions.calls(session)
@@ -278,7 +281,7 @@ impl CaptureService {
         shutdown: &ShutdownWatch,
         session: Option<&str>,
     ) {
-        let fixed = session.or(self.config.fixed_session.as_deref());
+        let fixed = self.fixed_session(session);
         let mut next = Some(stream);
         while let Some(stream) = next.take() {
             let http = ServerSession::new_http1(stream);
@@ -302,7 +305,7 @@ impl CaptureService {
         backend.synthetic_stream = false;
         let mut call = CallCapture::new(WireApi::Unparsed, request, backend);
         call.error = Some(CallError::new(kind, 0, message));
-        let session = match session.or(self.config.fixed_session.as_deref()) {
+        let session = match self.fixed_session(session) {
             Some(id) => session::Session {
                 id: id.to_owned(),
                 source: tokentap_schema::SessionSource::Run,
@@ -638,30 +641,6 @@ impl CaptureService {
         }
         self.sink.send(record, m).await;
     }
-}
-
-/// Pulls every event of a generation, timing the wait; an error ends the list.
-async fn collect_events(
-    mut events: GenerationStream,
-    call: &mut CallCapture,
-) -> Vec<Result<GenerationEvent, BackendError>> {
-    let mut all = Vec::new();
-    loop {
-        let t = Instant::now();
-        let next = events.next().await;
-        call.backend_time += t.elapsed();
-        match next {
-            None => break,
-            Some(e) => {
-                let failed = e.is_err();
-                all.push(e);
-                if failed {
-                    break;
-                }
-            }
-        }
-    }
-    all
 }
 
 enum BodyError {

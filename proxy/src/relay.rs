@@ -15,7 +15,7 @@ use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use tokentap_schema::ErrorKind;
 
-use crate::backend::GenerationStream;
+use crate::backend::{BackendError, GenerationStream};
 use crate::canonical::GenerationEvent;
 use crate::capture::CallCapture;
 use crate::wire::{CallError, StreamRenderer};
@@ -59,10 +59,9 @@ pub async fn relay_stream(
     // has its answer, whatever happens to the connection.
     let mut delivered = false;
     loop {
-        let t = Instant::now();
-        let next = events.next().await;
-        call.backend_time += t.elapsed();
-        let Some(event) = next else { break };
+        let Some(event) = next_event(&mut events, call).await else {
+            break;
+        };
         let mut finished = false;
         match event {
             Ok(event) => {
@@ -115,16 +114,37 @@ pub async fn relay_stream(
     call.error.is_none()
 }
 
-/// Accumulates what is left of `events` on the record, without answering anyone.
-async fn drain_into(mut events: GenerationStream, call: &mut CallCapture) {
-    loop {
-        let t = Instant::now();
-        let next = events.next().await;
-        call.backend_time += t.elapsed();
-        match next {
-            Some(Ok(event)) => call.generation.push(&event),
-            Some(Err(_)) | None => break,
+/// The next event of a generation, counting the wait as the engine's time.
+async fn next_event(
+    events: &mut GenerationStream,
+    call: &mut CallCapture,
+) -> Option<Result<GenerationEvent, BackendError>> {
+    let t = Instant::now();
+    let next = events.next().await;
+    call.backend_time += t.elapsed();
+    next
+}
+
+/// The whole generation, up to and including its first error.
+pub async fn collect_events(
+    mut events: GenerationStream,
+    call: &mut CallCapture,
+) -> Vec<Result<GenerationEvent, BackendError>> {
+    let mut all = Vec::new();
+    while let Some(e) = next_event(&mut events, call).await {
+        let failed = e.is_err();
+        all.push(e);
+        if failed {
+            break;
         }
+    }
+    all
+}
+
+/// Accumulates what is left of `events` on the record, without answering anyone.
+async fn drain_into(events: GenerationStream, call: &mut CallCapture) {
+    for event in collect_events(events, call).await.into_iter().flatten() {
+        call.generation.push(&event);
     }
 }
 
@@ -147,7 +167,6 @@ mod tests {
     };
 
     use super::*;
-    use crate::backend::BackendError;
     use crate::canonical::Delta;
     use crate::wire::chat_completions::ChatCompletions;
     use crate::wire::{ResponseMeta, WireCodec};
