@@ -128,7 +128,7 @@ pub fn parse_reward_file(text: &str) -> anyhow::Result<(f64, BTreeMap<String, f6
     let parsed: PerTrace = serde_json::from_str(text).map_err(|e| {
         anyhow::anyhow!(
             "the reward file held {:?}: expected a number or {{\"reward\": R, \"traces\": {{\"TRACE_ID\": R}}}} ({e})",
-            truncate(text, 200)
+            text.chars().take(200).collect::<String>()
         )
     })?;
     for r in parsed.traces.values() {
@@ -143,13 +143,6 @@ fn finite(r: f64) -> anyhow::Result<f64> {
         "the reward file held a reward that is not finite: {r}"
     );
     Ok(r)
-}
-
-fn truncate(s: &str, n: usize) -> &str {
-    match s.char_indices().nth(n) {
-        Some((i, _)) => &s[..i],
-        None => s,
-    }
 }
 
 /// `test_command` for one test: `{test}` replaced by the shell-quoted id, or the id appended.

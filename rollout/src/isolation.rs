@@ -126,6 +126,45 @@ fn write(dir: &Path, file: &str, value: &str) -> io::Result<()> {
         .map_err(|e| io::Error::new(e.kind(), format!("{}/{file} = {value}: {e}", dir.display())))
 }
 
+/// The `cgroup.procs` file of the cgroup at `dir`, ready for [`join_on_spawn`].
+pub fn procs_file(dir: &Path) -> io::Result<CString> {
+    CString::new(dir.join("cgroup.procs").as_os_str().as_encoded_bytes()).map_err(io::Error::other)
+}
+
+/// Makes `cmd`'s child join the cgroups of `procs` (from [`procs_file`]) between fork and
+/// exec, so nothing it starts escapes.
+pub fn join_on_spawn(cmd: &mut tokio::process::Command, procs: Vec<CString>) {
+    // SAFETY: the closure runs in the forked child before exec; it only formats into a
+    // stack buffer and calls open/write/close, which are async-signal-safe.
+    unsafe {
+        cmd.pre_exec(move || {
+            let mut buf = [0u8; 20];
+            let mut pid = libc::getpid() as u64;
+            let mut i = buf.len();
+            loop {
+                i -= 1;
+                buf[i] = b'0' + (pid % 10) as u8;
+                pid /= 10;
+                if pid == 0 {
+                    break;
+                }
+            }
+            for p in &procs {
+                let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
+                if fd < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+                let n = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
+                libc::close(fd);
+                if n < 0 {
+                    return Err(io::Error::last_os_error());
+                }
+            }
+            Ok(())
+        });
+    }
+}
+
 impl SampleCgroup {
     /// Makes `name`'s cgroup with `limits`; `None` when there is nothing to limit.
     pub fn create(name: &str, limits: &Limits) -> io::Result<Option<SampleCgroup>> {
@@ -168,10 +207,7 @@ impl SampleCgroup {
                 if h.v2 {
                     cg.v2_dir = Some(dir.clone());
                 }
-                cg.procs.push(
-                    CString::new(dir.join("cgroup.procs").as_os_str().as_encoded_bytes())
-                        .map_err(io::Error::other)?,
-                );
+                cg.procs.push(procs_file(&dir)?);
             }
             match controller {
                 "memory" => {
@@ -205,36 +241,7 @@ impl SampleCgroup {
 
     /// Makes `cmd`'s child join this cgroup before it executes anything.
     pub fn enter_on_spawn(&self, cmd: &mut tokio::process::Command) {
-        let procs = self.procs.clone();
-        // SAFETY: the closure runs in the forked child before exec; it only formats into a
-        // stack buffer and calls open/write/close, which are async-signal-safe.
-        unsafe {
-            cmd.pre_exec(move || {
-                let mut buf = [0u8; 20];
-                let mut pid = libc::getpid() as u64;
-                let mut i = buf.len();
-                loop {
-                    i -= 1;
-                    buf[i] = b'0' + (pid % 10) as u8;
-                    pid /= 10;
-                    if pid == 0 {
-                        break;
-                    }
-                }
-                for p in &procs {
-                    let fd = libc::open(p.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                    let n = libc::write(fd, buf[i..].as_ptr().cast(), buf.len() - i);
-                    libc::close(fd);
-                    if n < 0 {
-                        return Err(io::Error::last_os_error());
-                    }
-                }
-                Ok(())
-            });
-        }
+        join_on_spawn(cmd, self.procs.clone());
     }
 
     /// Its directory on the unified (v2) hierarchy: where a connect redirect for the agent

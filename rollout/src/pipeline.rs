@@ -579,7 +579,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     let interception = match intercepting {
         Some((t, c)) => {
             let v2 = cgroup.as_ref().and_then(SampleCgroup::v2_dir);
-            let i = SampleInterception::start(t, c.service.clone(), &session, v2, &job.dir)
+            let i = SampleInterception::start(t, c.service.clone(), &session, v2)
                 .await
                 .map_err(|e| anyhow::anyhow!("starting transparent capture: {e:#}"))?;
             i.prepare(&mut cmd);
@@ -654,7 +654,14 @@ async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
         Some(c) => Some(build_traces(c, job).await?),
         None => None,
     };
-    let traces = built.as_ref().map(|b| b.path.as_path());
+    // Shown to the evaluator unrewarded, when it reads them.
+    let traces = match &built {
+        Some(b) if job.rollout.spec.evaluator.reads_traces() => {
+            write_traces(&b.path, &b.traces).await?;
+            Some(b.path.as_path())
+        }
+        _ => None,
+    };
     let (outcome, trace_rewards) = outcome(&sh.store, &sh.cfg, job, traces).await?;
     if let Some(built) = built {
         let summary = reward_traces(built, job, &outcome, &trace_rewards).await?;
@@ -663,8 +670,8 @@ async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
     Ok(outcome)
 }
 
-/// The traces of a sample's captured calls, written (not yet rewarded) to `traces.jsonl` of
-/// its directory.
+/// The traces of a sample's captured calls, not yet rewarded; they go to `traces.jsonl` of its
+/// directory.
 struct BuiltTraces {
     traces: Vec<Trace>,
     calls: u32,
@@ -688,14 +695,12 @@ async fn build_traces(capture: &NodeCapture, job: &Job) -> anyhow::Result<BuiltT
     for t in &mut traces {
         t.group_id = Some(job.rollout.spec.task_id.clone());
     }
-    let path = job.dir.join("traces.jsonl");
-    write_traces(&path, &traces).await?;
     Ok(BuiltTraces {
         traces,
         calls: records.len() as u32,
         faithfulness_violations: faithfulness.violations,
         complete,
-        path,
+        path: job.dir.join("traces.jsonl"),
     })
 }
 
@@ -751,8 +756,7 @@ async fn reward_traces(
 async fn write_traces(path: &Path, traces: &[Trace]) -> anyhow::Result<()> {
     let mut out = Vec::new();
     for t in traces {
-        serde_json::to_writer(&mut out, t)?;
-        out.push(b'\n');
+        tokentap_schema::ndjson::encode_line(t, &mut out)?;
     }
     tokio::fs::write(path, out).await?;
     Ok(())

@@ -182,6 +182,13 @@ pub enum Evaluator {
     SessionCompleted,
 }
 
+impl Evaluator {
+    /// Whether it is shown the sample's traces (`$TOKENTAP_TRACES`) to reward them one by one.
+    pub fn reads_traces(&self) -> bool {
+        matches!(self, Evaluator::Command { .. })
+    }
+}
+
 /// Where a sample is in the pipeline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "snake_case")]

@@ -15,23 +15,26 @@ use tokentap_proxy::tls::CertificateAuthority;
 use tokentap_proxy::transparent::{InterceptList, OriginalDestination, TransparentListener};
 use tokentap_proxy::CaptureService;
 
+use crate::isolation::{join_on_spawn, procs_file};
+
 /// What a node's transparent capture uses for every sample.
 pub struct TransparentConfig {
     pub ca: Arc<CertificateAuthority>,
     pub intercept: InterceptList,
     /// Destination ports whose TCP connects are redirected (443 by default).
     pub ports: Vec<u16>,
+    /// The system's trust store plus the CA ([`CertificateAuthority::write_bundle`]), written
+    /// once for every sample.
+    pub bundle: PathBuf,
 }
 
 /// One sample's interception; stops, detaches and removes its cgroup on drop.
 pub struct SampleInterception {
     shutdown: tokio::sync::watch::Sender<bool>,
-    /// The cgroup the redirect is attached to, when it is not the sample's limits cgroup.
-    own_cgroup: Option<Cgroup>,
-    /// `cgroup.procs` of the redirect's own cgroup, for the agent to join.
-    procs: CString,
-    bundle: PathBuf,
-    ca: Arc<CertificateAuthority>,
+    /// The cgroup the redirect is attached to, when it is not the sample's limits cgroup,
+    /// with its `cgroup.procs` for the agent to join.
+    own_cgroup: Option<(Cgroup, CString)>,
+    trust_env: Vec<(&'static str, String)>,
 }
 
 struct Destinations(Redirect);
@@ -49,22 +52,20 @@ impl OriginalDestination for Destinations {
 impl SampleInterception {
     /// Starts intercepting for `session`. `v2_cgroup`: the sample's limits cgroup when it is
     /// on the unified hierarchy (the agent can be in only one v2 cgroup); otherwise a cgroup
-    /// of its own is made. The CA bundle for the agent goes to `sample_dir`.
+    /// of its own is made.
     pub async fn start(
         config: &TransparentConfig,
         service: Arc<CaptureService>,
         session: &str,
         v2_cgroup: Option<&Path>,
-        sample_dir: &Path,
     ) -> anyhow::Result<SampleInterception> {
-        let own_cgroup = match v2_cgroup {
-            Some(_) => None,
-            None => Some(Cgroup::create(&format!("sample-{session}"))?),
-        };
-        let dir = match (&own_cgroup, v2_cgroup) {
-            (Some(c), _) => c.path().to_owned(),
-            (None, Some(d)) => d.to_owned(),
-            (None, None) => unreachable!("made above"),
+        let (own_cgroup, dir) = match v2_cgroup {
+            Some(dir) => (None, dir.to_owned()),
+            None => {
+                let c = Cgroup::create(&format!("sample-{session}"))?;
+                let dir = c.path().to_owned();
+                (Some((c, procs_file(&dir)?)), dir)
+            }
         };
         let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
         let SocketAddr::V4(at) = listener.local_addr()? else {
@@ -90,44 +91,19 @@ impl SampleInterception {
         );
         let (shutdown, watch) = tokio::sync::watch::channel(false);
         tokio::spawn(front.serve(listener, watch));
-        let bundle = sample_dir.join("ca-bundle.pem");
-        config.ca.write_bundle(&bundle)?;
         Ok(SampleInterception {
             shutdown,
             own_cgroup,
-            procs: CString::new(
-                dir.join("cgroup.procs")
-                    .into_os_string()
-                    .into_encoded_bytes(),
-            )?,
-            bundle,
-            ca: config.ca.clone(),
+            trust_env: config.ca.trust_env(&config.bundle),
         })
     }
 
     /// Makes the agent trust the CA and, when the redirect has a cgroup of its own, join it
     /// between fork and exec.
     pub fn prepare(&self, cmd: &mut tokio::process::Command) {
-        cmd.envs(self.ca.trust_env(&self.bundle));
-        if self.own_cgroup.is_some() {
-            let procs = self.procs.clone();
-            // SAFETY: the closure runs in the forked child before exec; it allocates nothing
-            // and calls open/write/close, which are async-signal-safe.
-            unsafe {
-                cmd.pre_exec(move || {
-                    let fd = libc::open(procs.as_ptr(), libc::O_WRONLY | libc::O_CLOEXEC);
-                    if fd < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    // "0": the writing process itself.
-                    let n = libc::write(fd, b"0".as_ptr().cast(), 1);
-                    libc::close(fd);
-                    if n < 0 {
-                        return Err(std::io::Error::last_os_error());
-                    }
-                    Ok(())
-                });
-            }
+        cmd.envs(self.trust_env.iter().map(|(k, v)| (k, v)));
+        if let Some((_, procs)) = &self.own_cgroup {
+            join_on_spawn(cmd, vec![procs.clone()]);
         }
     }
 }
@@ -136,7 +112,7 @@ impl Drop for SampleInterception {
     fn drop(&mut self) {
         // The listener stops accepting; the redirect is detached once its connections end.
         let _ = self.shutdown.send(true);
-        if let Some(c) = self.own_cgroup.take() {
+        if let Some((c, _)) = self.own_cgroup.take() {
             let path = c.path().to_owned();
             if let Err(e) = c.remove() {
                 tracing::warn!(error = %e, cgroup = %path.display(), "could not remove a sample's cgroup");

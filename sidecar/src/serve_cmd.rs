@@ -149,11 +149,17 @@ impl NodeArgs {
             None => None,
         };
         config.transparent = match tokentap_ebpf::preflight(true) {
-            Ok(_) => Some(Arc::new(TransparentConfig {
-                ca: self.interception.ca(self.data_dir().join("ca"))?,
-                intercept: self.interception.intercept_list(),
-                ports: self.interception.ports(),
-            })),
+            Ok(_) => {
+                let ca = self.interception.ca(self.data_dir().join("ca"))?;
+                let bundle = self.data_dir().join("ca-bundle.pem");
+                ca.write_bundle(&bundle)?;
+                Some(Arc::new(TransparentConfig {
+                    ca,
+                    intercept: self.interception.intercept_list(),
+                    ports: self.interception.ports(),
+                    bundle,
+                }))
+            }
             Err(e) => {
                 tracing::info!(reason = %e, "no transparent capture on this node");
                 None
