@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use serde_json::{json, Value};
+use tokentap_e2e::node_api::{get_json, results_within};
 use tokentap_rollout::api::{router, ApiState};
 use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
@@ -93,23 +94,7 @@ async fn submit_poll_show_and_cancel_over_http() {
     assert_eq!(accepted["samples"].as_array().unwrap().len(), 2);
 
     // Long poll until both samples are in.
-    let mut after = 0;
-    let mut seen = Vec::new();
-    while seen.len() < 2 {
-        let page: Value = http
-            .get(format!("{url}/v1/results?after={after}&wait=20"))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        after = page["next"].as_u64().unwrap();
-        for item in page["results"].as_array().unwrap() {
-            seen.push(item["sample"].clone());
-        }
-    }
+    let seen = results_within(&url, TOKEN, 0, 2, 20, Duration::from_secs(60)).await;
     for s in &seen {
         assert_eq!(
             s["outcome"],
@@ -117,15 +102,7 @@ async fn submit_poll_show_and_cancel_over_http() {
             "{s}"
         );
     }
-    let shown: Value = http
-        .get(format!("{url}/v1/rollouts/{id}"))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let shown = get_json(&format!("{url}/v1/rollouts/{id}"), TOKEN).await;
     assert_eq!(shown["status"], "done");
 
     // A rollout that hangs is cancelled: its running agents are killed, all samples end.
@@ -151,28 +128,9 @@ async fn submit_poll_show_and_cancel_over_http() {
         .unwrap();
     assert_eq!(r.status(), 200);
     // Both samples end (one cancelled while queued or in INIT, one killed while running).
-    let mut outcomes: Vec<Value> = Vec::new();
-    let deadline = std::time::Instant::now() + Duration::from_secs(20);
-    while outcomes.len() < 2 && std::time::Instant::now() < deadline {
-        let page: Value = http
-            .get(format!("{url}/v1/results?after={after}&wait=5"))
-            .bearer_auth(TOKEN)
-            .send()
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        after = page["next"].as_u64().unwrap();
-        outcomes.extend(
-            page["results"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| i["sample"]["outcome"].clone()),
-        );
-    }
-    assert_eq!(outcomes, vec![json!({"status": "cancelled"}); 2]);
+    let ended = results_within(&url, TOKEN, 2, 2, 5, Duration::from_secs(20)).await;
+    let outcomes: Vec<&Value> = ended.iter().map(|s| &s["outcome"]).collect();
+    assert_eq!(outcomes, vec![&json!({"status": "cancelled"}); 2]);
 
     let r = http
         .get(format!("{url}/v1/rollouts/ro-nope"))

@@ -7,6 +7,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
+use tokentap_e2e::node_api::stored_results;
 use tokentap_e2e::scripted::{
     counting_replies, curl_agent, ScriptedBackend, Tokens, SCRIPTED_MODEL,
 };
@@ -200,16 +201,7 @@ async fn samples_come_back_with_rewarded_traces() {
         let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
         pipeline.submit(rollout, samples);
     }
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let results = loop {
-        let r = store.results_after(0, 10).unwrap();
-        if r.len() == 4 {
-            break r;
-        }
-        assert!(Instant::now() < deadline, "{r:?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
-    for (_, s) in results {
+    for s in stored_results(&store, 4, Duration::from_secs(60)).await {
         let task = store.rollout(&s.rollout_id).unwrap().0.spec.task_id;
         let t = s
             .trajectory
@@ -284,14 +276,9 @@ async fn a_transparent_task_on_a_node_without_it_fails_with_the_reason() {
     };
     let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
     pipeline.submit(rollout, samples);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let (_, s) = loop {
-        if let Some(r) = store.results_after(0, 1).unwrap().pop() {
-            break r;
-        }
-        assert!(Instant::now() < deadline);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    };
+    let s = stored_results(&store, 1, Duration::from_secs(30))
+        .await
+        .remove(0);
     match s.outcome {
         Some(Outcome::Error { reason }) => {
             assert!(reason.contains("transparent capture"), "{reason}")

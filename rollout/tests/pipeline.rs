@@ -4,8 +4,9 @@
 //! the task names its test files), samples running concurrently.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
+use tokentap_e2e::node_api::stored_results;
 use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 use tokentap_rollout::task::{Outcome, Sample, TaskSpec};
@@ -46,19 +47,7 @@ fn guarded_task(
 }
 
 async fn wait_results(store: &Store, n: usize) -> Vec<Sample> {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let r = store.results_after(0, 1000).unwrap();
-        if r.len() >= n {
-            return r.into_iter().map(|(_, s)| s).collect();
-        }
-        assert!(
-            Instant::now() < deadline,
-            "{} of {n} samples ended",
-            r.len()
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    stored_results(store, n, Duration::from_secs(60)).await
 }
 
 const CHEAT: &str = "printf 'import unittest\\nclass T(unittest.TestCase):\\n    def test_add(self):\\n        pass\\n' > test_calc.py";

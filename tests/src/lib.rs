@@ -10,6 +10,7 @@ pub mod checks;
 pub mod fixtures;
 pub mod harness;
 pub mod llama;
+pub mod node_api;
 pub mod procs;
 pub mod scripted;
 pub mod sse;

@@ -9,6 +9,7 @@ use serde_json::{json, Value};
 use tokentap_e2e::artefacts::tokentap_bin;
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
+use tokentap_e2e::node_api;
 use tokentap_e2e::procs::{
     free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
 };
@@ -54,6 +55,16 @@ fn agent_log(node_dir: &std::path::Path, sample: &Value) -> String {
         .unwrap_or_default()
 }
 
+/// The sample completed with `reward` (else: the sample and its agent's log).
+fn assert_completed(node_dir: &std::path::Path, sample: &Value, reward: f64) {
+    assert_eq!(
+        sample["outcome"],
+        json!({"status": "completed", "reward": reward}),
+        "{sample}\nagent log: {}",
+        agent_log(node_dir, sample)
+    );
+}
+
 /// A node running real harnesses (`harnesses`, on its harness path) against the scripted
 /// policy, with llama-server's tokenizer for token ids.
 async fn harness_node(
@@ -76,15 +87,7 @@ async fn harness_node(
 
 /// GET with the node's token, as JSON.
 async fn get_json(url: &str) -> Value {
-    http_client()
-        .get(url)
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap()
+    node_api::get_json(url, TOKEN).await
 }
 
 async fn post(url: &str, body: &Value) -> Value {
@@ -104,26 +107,7 @@ async fn results(base: &str, after: u64, want: usize) -> Vec<Value> {
 }
 
 async fn results_within(base: &str, after: u64, want: usize, limit: Duration) -> Vec<Value> {
-    let mut out = Vec::new();
-    let mut after = after;
-    let deadline = std::time::Instant::now() + limit;
-    while out.len() < want {
-        assert!(
-            std::time::Instant::now() < deadline,
-            "{} of {want} results",
-            out.len()
-        );
-        let page = get_json(&format!("{base}/v1/results?after={after}&wait=10")).await;
-        after = page["next"].as_u64().unwrap();
-        out.extend(
-            page["results"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .map(|i| i["sample"].clone()),
-        );
-    }
-    out
+    node_api::results_within(base, TOKEN, after, want, 10, limit).await
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -147,11 +131,7 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
     post(&format!("{base}/v1/rollouts"), &task(curl_agent(2, "true"))).await;
     let done = results(&base, 0, 2).await;
     for s in &done {
-        assert_eq!(
-            s["outcome"],
-            json!({"status": "completed", "reward": 1.0}),
-            "{s}"
-        );
+        assert_completed(dir.path(), s, 1.0);
         let t = &s["trajectory"];
         assert_eq!(
             (t["calls"].as_u64(), t["traces"].as_u64()),
@@ -180,11 +160,7 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
         .collect();
     for s in &after_restart {
         assert!(slow_ids.contains(&s["sample_id"].as_str().unwrap()));
-        assert_eq!(
-            s["outcome"],
-            json!({"status": "completed", "reward": 1.0}),
-            "{s}"
-        );
+        assert_completed(dir.path(), s, 1.0);
         assert_eq!(s["attempt"], 2, "re-run after the restart: {s}");
         assert_eq!(s["trajectory"]["calls"], 1, "{s}");
         // The re-run is captured under a session of its own: an offline reconstruction of the
@@ -367,12 +343,7 @@ async fn heavy_rollout_groups_through_pi_and_qwen_code() {
         let group = s["task_id"].as_str().unwrap().to_owned();
         let reward = expected[&group];
         *per_group.entry(group.clone()).or_default() += 1;
-        assert_eq!(
-            s["outcome"],
-            json!({"status": "completed", "reward": reward}),
-            "{s}\nagent log: {}",
-            agent_log(dir.path(), s)
-        );
+        assert_completed(dir.path(), s, reward);
         let t = &s["trajectory"];
         assert_eq!(t["faithfulness_violations"], 0, "{s}");
         assert_eq!(t["complete"], true, "{s}");
@@ -444,12 +415,7 @@ async fn heavy_rollout_through_codex_and_claude_code_presets() {
     let done = results_within(&base, 0, 2, Duration::from_secs(240)).await;
     for s in &done {
         let group = s["task_id"].as_str().unwrap();
-        assert_eq!(
-            s["outcome"],
-            json!({"status": "completed", "reward": 1.0}),
-            "{s}\nagent log: {}",
-            agent_log(dir.path(), s)
-        );
+        assert_completed(dir.path(), s, 1.0);
         let t = &s["trajectory"];
         assert_eq!(t["faithfulness_violations"], 0, "{s}");
         assert_eq!(t["complete"], true, "{s}");
@@ -847,12 +813,7 @@ async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_endpoint()
     let done = results(&base, 0, 2).await;
     let spool = read_spool(&dir.path().join("node/spool"));
     for s in &done {
-        assert_eq!(
-            s["outcome"],
-            json!({"status": "completed", "reward": 1.0}),
-            "{s}\nagent log: {}",
-            agent_log(dir.path(), s)
-        );
+        assert_completed(dir.path(), s, 1.0);
         let t = &s["trajectory"];
         assert_eq!(
             (t["calls"].as_u64(), t["traces"].as_u64()),

@@ -1,0 +1,74 @@
+//! A trainer's side of a rollout node, as the tests use it: bearer GETs and the results long
+//! poll over HTTP, or the results log of an in-process node's store.
+
+use std::time::{Duration, Instant};
+
+use serde_json::Value;
+
+use tokentap_rollout::store::Store;
+use tokentap_rollout::task::Sample;
+
+use crate::procs::http_client;
+
+/// GET `url` with the node's bearer `token`, as JSON.
+pub async fn get_json(url: &str, token: &str) -> Value {
+    http_client()
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap()
+}
+
+/// The next `want` finished samples after the results cursor `after`, by long poll (`wait`
+/// seconds a page); fails the test after `limit`.
+pub async fn results_within(
+    base: &str,
+    token: &str,
+    after: u64,
+    want: usize,
+    wait: u64,
+    limit: Duration,
+) -> Vec<Value> {
+    let mut out = Vec::new();
+    let mut after = after;
+    let deadline = Instant::now() + limit;
+    while out.len() < want {
+        assert!(Instant::now() < deadline, "{} of {want} results", out.len());
+        let page = get_json(
+            &format!("{base}/v1/results?after={after}&wait={wait}"),
+            token,
+        )
+        .await;
+        after = page["next"].as_u64().unwrap();
+        out.extend(
+            page["results"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|i| i["sample"].clone()),
+        );
+    }
+    out
+}
+
+/// The samples in an in-process node's results log, once there are at least `n`; fails the
+/// test after `limit`.
+pub async fn stored_results(store: &Store, n: usize, limit: Duration) -> Vec<Sample> {
+    let deadline = Instant::now() + limit;
+    loop {
+        let r = store.results_after(0, 1000).unwrap();
+        if r.len() >= n {
+            return r.into_iter().map(|(_, s)| s).collect();
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{} of {n} samples ended",
+            r.len()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
