@@ -28,6 +28,13 @@ fn main() {
         }
         Err(why) => {
             println!("cargo:warning=tokentap-ebpf: the kernel program was not built ({why}); transparent capture will be unavailable. Run scripts/setup --only ebpf and rebuild.");
+            // A path that never exists makes cargo run this script again on every build, so
+            // the program is built as soon as the toolchain appears (`scripts/demo` before
+            // `scripts/setup --only ebpf` in one clone would otherwise keep the empty object).
+            println!(
+                "cargo:rerun-if-changed={}",
+                out.join("toolchain-missing-retry").display()
+            );
             std::fs::write(&object, b"").expect("write the placeholder object");
         }
     }

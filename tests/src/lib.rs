@@ -11,6 +11,7 @@ pub mod fixtures;
 pub mod harness;
 pub mod llama;
 pub mod node_api;
+pub mod privileged;
 pub mod procs;
 pub mod scripted;
 pub mod sse;

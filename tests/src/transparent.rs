@@ -118,14 +118,11 @@ pub fn loaded_bpf_programs() -> Vec<String> {
         .collect()
 }
 
-/// Whether this test process may do what transparent capture needs (root, cgroup v2).
+/// Whether this test may do what transparent capture needs (root, cgroup v2); when it may
+/// not, the test fails under `TOKENTAP_REQUIRE_PRIVILEGED=1` or reports its skip
+/// ([`crate::privileged::runs`]).
 pub fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    let cgroup2 = std::fs::read_to_string("/proc/mounts")
-        .unwrap_or_default()
-        .contains(" cgroup2 ");
-    root && cgroup2
+    crate::privileged::runs(crate::privileged::root_with_cgroup2())
 }
 
 /// A TLS server of the test's own (its own self-signed certificate for `name`), answering

@@ -779,7 +779,6 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_endpoint() {
     if !tokentap_e2e::transparent::privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;

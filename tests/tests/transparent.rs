@@ -73,7 +73,6 @@ async fn heavy_transparent_nftables_fallback_captures_the_same_way() {
 
 async fn curl_is_captured(redirect: &str) {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
@@ -161,7 +160,6 @@ fn spool_file(spool: &Path) -> std::path::PathBuf {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redirected() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let server = OwnTlsServer::start("127.0.0.3:443", "internal.test", "internal").await;
@@ -246,7 +244,6 @@ async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redire
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_run_cleans_up_after_a_failing_command_and_ctrl_c() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
@@ -381,7 +378,6 @@ async fn harness_without_base_url(
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_codex_with_its_default_openai_endpoint() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let records = harness_without_base_url(
@@ -409,7 +405,6 @@ async fn heavy_transparent_codex_with_its_default_openai_endpoint() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_claude_code_with_its_default_anthropic_endpoint() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let records = harness_without_base_url(
@@ -430,7 +425,6 @@ async fn heavy_transparent_claude_code_with_its_default_anthropic_endpoint() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_a_client_that_rejects_the_certificate_fails_visibly_and_is_recorded() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
@@ -479,7 +473,6 @@ async fn heavy_transparent_a_client_that_rejects_the_certificate_fails_visibly_a
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_run_without_root_says_what_is_missing() {
     if !privileged() {
-        eprintln!("skipped: needs root to drop to another user");
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -514,7 +507,6 @@ async fn heavy_transparent_run_without_root_says_what_is_missing() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_transparent_sidecar_captures_an_existing_cgroup_until_stopped() {
     if !privileged() {
-        eprintln!("skipped: needs root and cgroup v2");
         return;
     }
     let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;

@@ -138,9 +138,7 @@ mod tests {
 
     #[test]
     fn a_cgroup_is_made_filled_emptied_and_removed() {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 || cgroup2_mount().is_err() {
-            eprintln!("skipped: needs root and cgroup v2");
+        if !tokentap_e2e::privileged::runs(tokentap_e2e::privileged::root_with_cgroup2()) {
             return;
         }
         let cg = Cgroup::create(&format!("unit-{}", std::process::id())).unwrap();

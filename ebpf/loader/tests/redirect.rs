@@ -11,14 +11,10 @@ use std::time::Duration;
 
 use tokentap_ebpf::{Cgroup, Redirect, RedirectConfig};
 
+/// Root and cgroup v2, or the test fails under `TOKENTAP_REQUIRE_PRIVILEGED=1` (CI) and
+/// reports its skip otherwise.
 fn privileged() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    let root = unsafe { libc::geteuid() } == 0;
-    if !root || tokentap_ebpf::cgroup2_mount().is_err() {
-        eprintln!("skipped: needs root and cgroup v2");
-        return false;
-    }
-    true
+    tokentap_e2e::privileged::runs(tokentap_e2e::privileged::root_with_cgroup2())
 }
 
 /// A port nothing listens on at 127.0.0.2 (the "hard-coded endpoint").
