@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokentap_schema::{CaptureRecord, Strategy};
-use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
 
 use crate::output::{SinkMark, TraceSink};
 use crate::{Error, FinishedSession, Reconstructor};
@@ -122,14 +122,14 @@ pub struct LiveReconstructor {
 impl LiveReconstructor {
     /// Opens `out` (creating it) and resumes from its checkpoint, if any.
     pub fn open(spool: &Path, out: &Path, options: LiveOptions) -> Result<Self, Error> {
-        std::fs::create_dir_all(out)?;
+        owner_only::create_dir_all(out)?;
         let checkpoint: Checkpoint = match std::fs::read(out.join(CHECKPOINT_JSON)) {
             Ok(bytes) => serde_json::from_slice(&bytes)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Checkpoint::default(),
             Err(e) => return Err(e.into()),
         };
         let sink = TraceSink::resume(out, &checkpoint.sink)?;
-        let finished_log = OpenOptions::new()
+        let finished_log = owner_only::options()
             .create(true)
             .truncate(false)
             .read(true)
@@ -294,7 +294,11 @@ impl LiveReconstructor {
             finished_bytes: self.finished_bytes,
         };
         let tmp = self.out.join(format!("{CHECKPOINT_JSON}.tmp"));
-        let mut f = File::create(&tmp)?;
+        let mut f = owner_only::options()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
         f.write_all(&serde_json::to_vec_pretty(&checkpoint)?)?;
         f.sync_all()?;
         std::fs::rename(&tmp, self.out.join(CHECKPOINT_JSON))?;
