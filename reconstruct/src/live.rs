@@ -108,7 +108,8 @@ pub struct LiveReconstructor {
     reader: SpoolReader,
     recon: Reconstructor,
     sink: TraceSink,
-    /// Finished sessions: position past their last record.
+    /// Finished sessions: position past their last record; only those past the last
+    /// checkpoint's replay point (older ones can never be replayed).
     finished: HashMap<String, SpoolPosition>,
     finished_log: File,
     finished_bytes: u64,
@@ -145,7 +146,10 @@ impl LiveReconstructor {
             }
             let mark: FinishedMark = serde_json::from_str(&line)?;
             recon.continue_session(&mark.session_id, mark.next_index);
-            finished.insert(mark.session_id, mark.upto);
+            // Only a session whose records can be replayed needs its skip mark.
+            if mark.upto > checkpoint.resume_from {
+                finished.insert(mark.session_id, mark.upto);
+            }
         }
         drop(finished_log);
         let reader = SpoolReader::open_at(spool, checkpoint.resume_from)?;
@@ -288,6 +292,9 @@ impl LiveReconstructor {
             .min()
             .copied()
             .unwrap_or_else(|| self.reader.position());
+        // Replay after a crash starts at `resume_from`: marks of sessions that ended before it
+        // can never be needed again (this keeps the map as small as the open window).
+        self.finished.retain(|_, upto| *upto > resume_from);
         let checkpoint = Checkpoint {
             resume_from,
             sink: mark,
