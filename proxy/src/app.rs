@@ -163,10 +163,10 @@ impl CaptureService {
         let reused = http
             .take_connection_user_context()
             .and_then(|c| c.downcast::<OpenConnection>().ok());
-        let (permit, wait) = match reused {
-            Some(open) => (open._permit, limits.idle_timeout),
+        let (permit, wait, fresh) = match reused {
+            Some(open) => (open._permit, limits.idle_timeout, false),
             None => match admitted.or_else(|| self.connections.admit()) {
-                Some(p) => (p, limits.header_timeout),
+                Some(p) => (p, limits.header_timeout, true),
                 None => {
                     self.closed_by("max_connections");
                     tracing::warn!(
@@ -186,7 +186,7 @@ impl CaptureService {
                 return None;
             }
             Err(_) => {
-                if wait == limits.header_timeout {
+                if fresh {
                     self.closed_by("header_timeout");
                 }
                 tracing::debug!(?wait, "no complete request head in time; connection closed");
