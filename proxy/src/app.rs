@@ -215,6 +215,7 @@ impl CaptureService {
         sink: RecordSink,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let connections = ConnectionGate::new(config.limits.max_connections);
         CaptureService {
             config,
             backend,
@@ -223,7 +224,7 @@ impl CaptureService {
             sessions: SessionCounters::default(),
             resolved_layout: std::sync::OnceLock::new(),
             gate: None,
-            connections: ConnectionGate::new(config.limits.max_connections),
+            connections,
         }
     }
 

@@ -5,7 +5,6 @@
 //! one per run, so concurrent runs sharing a key stay apart), the API key (hashed: the key
 //! itself never reaches a record), else a fresh id for this call alone.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
