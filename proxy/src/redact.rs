@@ -139,6 +139,8 @@ static ASSIGNMENT: LazyLock<Regex> = LazyLock::new(|| {
 /// Whether the word after an authorization scheme is a credential rather than prose: long, or
 /// not all letters.
 fn looks_like_credential(w: &str) -> bool {
+    // A sentence's full stop is not part of the word.
+    let w = w.trim_end_matches('.');
     w.len() >= 16 || !w.chars().all(|c| c.is_ascii_alphabetic())
 }
 
@@ -147,7 +149,7 @@ fn looks_like_credential(w: &str) -> bool {
 fn is_secret_assignment(name: &str) -> bool {
     let lone_word = matches!(
         name.to_ascii_lowercase().as_str(),
-        "key" | "auth" | "sig" | "signature" | "cookie" | "credential" | "credentials" | "bearer"
+        "key" | "auth" | "sig" | "signature" | "credential" | "credentials" | "bearer"
     );
     !lone_word && is_secret_name(name)
 }
