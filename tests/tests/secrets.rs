@@ -19,7 +19,7 @@ const TEXT_KEY: &str = "sk-ant-api03-textBodySecret778899";
 #[tokio::test(flavor = "multi_thread")]
 async fn mcp_and_nested_credentials_never_reach_the_spool() {
     let (_backend, tokentap) = scripted_tokentap(always(Reply::text("ok")), &[]).await;
-    let base = tokentap.base_url();
+    let base = tokentap.url.clone();
 
     // Responses API with a remote MCP server whose headers carry a bearer token, and a
     // function tool with a credential in an extra config object.
@@ -34,13 +34,13 @@ async fn mcp_and_nested_credentials_never_reach_the_spool() {
              "config": {"api_key": TOOL_API_KEY}}
         ]
     });
-    let (status, _) = post_raw(
+    let (status, answer) = post_raw(
         &format!("{base}/v1/responses"),
         &[],
         serde_json::to_vec(&responses).unwrap(),
     )
     .await;
-    assert_eq!(status, 200);
+    assert_eq!(status, 200, "{answer}");
 
     // Anthropic Messages with an MCP connector's authorization_token.
     let messages = json!({
@@ -49,13 +49,13 @@ async fn mcp_and_nested_credentials_never_reach_the_spool() {
         "mcp_servers": [{"type": "url", "url": "https://mcp.example.test", "name": "x",
                          "authorization_token": MCP_AUTH_TOKEN}]
     });
-    let (status, _) = post_raw(
+    let (status, answer) = post_raw(
         &format!("{base}/v1/messages"),
         &[("anthropic-version", "2023-06-01")],
         serde_json::to_vec(&messages).unwrap(),
     )
     .await;
-    assert_eq!(status, 200);
+    assert_eq!(status, 200, "{answer}");
 
     // A body that is not JSON at all, with a key in it: refused, and recorded redacted.
     let (status, _) = post_raw(
