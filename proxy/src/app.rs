@@ -552,7 +552,9 @@ impl CaptureService {
                 let err = CallError::new(
                     ErrorKind::ClientDisconnected,
                     408,
-                    format!("the request body did not arrive within {d:?} (the proxy's --body-timeout)"),
+                    format!(
+                        "the request body did not arrive within {d:?} (the proxy's --body-timeout)"
+                    ),
                 );
                 self.fail(http, codec, call, err).await;
                 return false;

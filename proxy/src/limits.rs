@@ -81,7 +81,9 @@ mod tests {
     #[test]
     fn the_gate_refuses_past_the_cap_and_frees_on_drop() {
         let gate = ConnectionGate::new(3);
-        let held: Vec<_> = (0..3).map(|_| gate.admit().expect("under the cap")).collect();
+        let held: Vec<_> = (0..3)
+            .map(|_| gate.admit().expect("under the cap"))
+            .collect();
         assert_eq!(gate.open(), 3);
         assert!(gate.admit().is_none(), "a fourth connection is refused");
         drop(held);

@@ -243,12 +243,9 @@ fn redact_value(v: Value, under: Under) -> Value {
             Cow::Borrowed(_) => Value::String(s),
             Cow::Owned(o) => Value::String(o),
         },
-        Value::Array(items) => Value::Array(
-            items
-                .into_iter()
-                .map(|i| redact_value(i, under))
-                .collect(),
-        ),
+        Value::Array(items) => {
+            Value::Array(items.into_iter().map(|i| redact_value(i, under)).collect())
+        }
         Value::Object(fields) => {
             let mut out = Map::with_capacity(fields.len());
             for (k, val) in fields {
@@ -256,9 +253,7 @@ fn redact_value(v: Value, under: Under) -> Value {
                     Under::Secret => Under::Secret,
                     Under::SchemaProperties => Under::Plain,
                     Under::Plain if is_secret_name(&k) => Under::Secret,
-                    Under::Plain if k == "properties" && val.is_object() => {
-                        Under::SchemaProperties
-                    }
+                    Under::Plain if k == "properties" && val.is_object() => Under::SchemaProperties,
                     Under::Plain => Under::Plain,
                 };
                 out.insert(text(&k).into_owned(), redact_value(val, child));
@@ -334,7 +329,17 @@ mod tests {
             "messages": [{"role": "user", "content": "my key is sk-ant-api03-SECRET5 ok?"}]
         }));
         let s = b.to_string();
-        for secret in ["ghs-token-1", "abc.def.ghi", "k-2", "cfg-3", "cfg-4", "1234", "cfg-5", "cfg-6", "SECRET5"] {
+        for secret in [
+            "ghs-token-1",
+            "abc.def.ghi",
+            "k-2",
+            "cfg-3",
+            "cfg-4",
+            "1234",
+            "cfg-5",
+            "cfg-6",
+            "SECRET5",
+        ] {
             assert!(!s.contains(secret), "{secret} kept in {s}");
         }
         // Schemas and ordinary content are kept.
@@ -347,10 +352,7 @@ mod tests {
             "token"
         );
         assert_eq!(b["tools"][0]["server_url"], "https://x");
-        assert_eq!(
-            b["messages"][0]["content"],
-            "my key is [redacted] ok?"
-        );
+        assert_eq!(b["messages"][0]["content"], "my key is [redacted] ok?");
     }
 
     #[test]
@@ -419,7 +421,7 @@ mod tests {
                     inner,
                     0..6,
                 )
-                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
             ]
         })
     }
@@ -467,7 +469,13 @@ mod tests {
             Value::Object(m) if !path.is_empty() && !m.is_empty() => {
                 let i = path[0] % m.len();
                 let key = m.keys().nth(i).expect("in range").clone();
-                plant(m.get_mut(&key).expect("present"), &path[1..], name, secret, filler)
+                plant(
+                    m.get_mut(&key).expect("present"),
+                    &path[1..],
+                    name,
+                    secret,
+                    filler,
+                )
             }
             Value::Array(a) if !path.is_empty() && !a.is_empty() => {
                 let i = path[0] % a.len();

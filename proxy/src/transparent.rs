@@ -211,7 +211,11 @@ impl TransparentListener {
                 // A stalled handshake is a slow or hostile client, not a rejected certificate:
                 // counted, not recorded (records of it could flood the spool).
                 self.service.closed_by("tls_handshake_timeout");
-                tracing::debug!(host, ?deadline, "TLS handshake not finished in time; closed");
+                tracing::debug!(
+                    host,
+                    ?deadline,
+                    "TLS handshake not finished in time; closed"
+                );
                 Outcome::TlsFailed
             }
             Ok(Ok(tls)) => {

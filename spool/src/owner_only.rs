@@ -23,7 +23,10 @@ pub fn options() -> OpenOptions {
 /// Creates `dir` and its missing parents `0700`, and tightens `dir` itself to `0700` if it
 /// already existed with a wider mode and belongs to this user.
 pub fn create_dir_all(dir: &Path) -> io::Result<()> {
-    DirBuilder::new().recursive(true).mode(DIR_MODE).create(dir)?;
+    DirBuilder::new()
+        .recursive(true)
+        .mode(DIR_MODE)
+        .create(dir)?;
     tighten_dir(dir)
 }
 

@@ -313,7 +313,8 @@ impl Drop for SpoolWriter {
 /// Creates the spool directory if missing (`0700`, or tightens an existing one of ours); fsyncs its parent so the directory itself survives.
 fn create_dir(dir: &Path, durable: bool) -> Result<(), SpoolError> {
     if dir.is_dir() {
-        return owner_only::tighten_dir(dir).map_err(SpoolError::io("tighten spool directory", dir));
+        return owner_only::tighten_dir(dir)
+            .map_err(SpoolError::io("tighten spool directory", dir));
     }
     owner_only::create_dir_all(dir).map_err(SpoolError::io("create spool directory", dir))?;
     if durable {

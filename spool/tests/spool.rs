@@ -686,7 +686,11 @@ fn spool_files_are_owner_only() {
     let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o777;
     let t = tempfile::tempdir().unwrap();
     let dir = t.path().join("new/spool");
-    write_records(&dir, config(2_000), &(0..10).map(|i| record(i, 300)).collect::<Vec<_>>());
+    write_records(
+        &dir,
+        config(2_000),
+        &(0..10).map(|i| record(i, 300)).collect::<Vec<_>>(),
+    );
     assert_eq!(mode(&dir), 0o700);
     assert_eq!(mode(&t.path().join("new")), 0o700, "created parents too");
     let segments = list_segments(&dir).unwrap();

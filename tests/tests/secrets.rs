@@ -69,19 +69,32 @@ async fn mcp_and_nested_credentials_never_reach_the_spool() {
     let records = tokentap.wait_records(3).await;
     assert_eq!(records.len(), 3);
     let spool = String::from_utf8_lossy(&tokentap.spool_bytes()).into_owned();
-    for secret in [MCP_BEARER, MCP_AUTH_TOKEN, TOOL_API_KEY, TEXT_KEY, "textBodySecret"] {
+    for secret in [
+        MCP_BEARER,
+        MCP_AUTH_TOKEN,
+        TOOL_API_KEY,
+        TEXT_KEY,
+        "textBodySecret",
+    ] {
         assert!(!spool.contains(secret), "{secret} reached the spool");
     }
     // What is not a secret is kept: the MCP server's URL, the parameter schema, the text.
     let r = &records[0];
     let body = r.request.body.as_ref().expect("JSON body kept");
-    assert_eq!(body["tools"][0]["server_url"], "https://mcp.example.test/sse");
+    assert_eq!(
+        body["tools"][0]["server_url"],
+        "https://mcp.example.test/sse"
+    );
     assert_eq!(body["tools"][0]["headers"]["Authorization"], "[redacted]");
     assert_eq!(
         body["tools"][1]["parameters"]["properties"]["token"]["type"],
         "string"
     );
-    let text = records[2].request.body_text.as_deref().expect("non-JSON body kept as text");
+    let text = records[2]
+        .request
+        .body_text
+        .as_deref()
+        .expect("non-JSON body kept as text");
     assert!(text.contains("note=hello"), "{text}");
 }
 
@@ -114,12 +127,7 @@ async fn spool_and_trace_files_are_owner_only_after_a_capture() {
     let out = traces.path().join("out");
     let (_backend, tokentap) = scripted_tokentap(
         always(Reply::text("ok")),
-        &[
-            "--traces",
-            out.to_str().unwrap(),
-            "--session-idle",
-            "1",
-        ],
+        &["--traces", out.to_str().unwrap(), "--session-idle", "1"],
     )
     .await;
     let (status, _) = post_raw(

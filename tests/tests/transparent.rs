@@ -643,7 +643,10 @@ async fn heavy_transparent_sidecar_refuses_a_cgroup_that_contains_itself() {
         .expect("the sidecar exits at once")
         .unwrap();
         let err = String::from_utf8_lossy(&out.stderr);
-        assert!(!out.status.success(), "accepted a cgroup holding itself: {err}");
+        assert!(
+            !out.status.success(),
+            "accepted a cgroup holding itself: {err}"
+        );
         assert!(err.contains("tokentap itself runs in"), "{err}");
     }
     assert!(!loaded_bpf_programs().iter().any(|p| p == "record_client"));
@@ -703,7 +706,10 @@ async fn heavy_transparent_a_killed_runs_cgroups_and_nft_tables_are_removed_at_s
     );
     assert!(!stale.exists(), "the killed run's cgroup is still there");
     let status = orphan.wait().unwrap();
-    assert!(!status.success(), "the orphaned agent was killed with its cgroup");
+    assert!(
+        !status.success(),
+        "the orphaned agent was killed with its cgroup"
+    );
     if nft {
         let listing = std::process::Command::new("nft")
             .args(["list", "tables"])

@@ -80,7 +80,9 @@ pub fn remove_stale_tables() -> Vec<String> {
                 tracing::warn!(%table, "removed an nftables redirect left by a killed tokentap run");
                 removed.push(table);
             }
-            Err(e) => tracing::warn!(error = %e, %table, "could not remove a stale nftables redirect"),
+            Err(e) => {
+                tracing::warn!(error = %e, %table, "could not remove a stale nftables redirect")
+            }
         }
     }
     removed

@@ -4,8 +4,8 @@
 //! used [`LEAF_CACHE_CAP`] of them kept (a client sending endless distinct SNI names cannot
 //! grow the process).
 
-use std::num::NonZeroUsize;
 use std::io::Write;
+use std::num::NonZeroUsize;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -373,6 +373,10 @@ mod tests {
         assert_eq!(mode(&d), 0o700);
         std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
         CertificateAuthority::load(&d).unwrap();
-        assert_eq!(mode(&d), 0o700, "a widened CA directory is tightened on load");
+        assert_eq!(
+            mode(&d),
+            0o700,
+            "a widened CA directory is tightened on load"
+        );
     }
 }
