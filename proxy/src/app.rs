@@ -20,6 +20,7 @@ use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, Wir
 use crate::backend::{Backend, CallMode, GenerationStream};
 use crate::capture::{CallCapture, RecordSink};
 use crate::gate::CallGate;
+use crate::limits::{ConnectionGate, ConnectionPermit, ListenerLimits};
 use crate::metrics::Metrics;
 use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
@@ -49,6 +50,8 @@ pub struct ProxyConfig {
     pub system_layout: SystemLayout,
     /// Every call belongs to this session (a `tokentap run`'s), whatever the request says.
     pub fixed_session: Option<String>,
+    /// Deadlines and the connection cap of every listener serving this service.
+    pub limits: ListenerLimits,
 }
 
 impl Default for ProxyConfig {
@@ -60,6 +63,7 @@ impl Default for ProxyConfig {
             policy_version: None,
             system_layout: SystemLayout::Auto,
             fixed_session: None,
+            limits: ListenerLimits::default(),
         }
     }
 }
@@ -122,6 +126,13 @@ pub struct CaptureService {
     resolved_layout: std::sync::OnceLock<SystemLayout>,
     /// Admission before the engine (a rollout node's pause, sampling and policy version).
     gate: Option<Arc<dyn CallGate>>,
+    /// The connection cap, over every listener of this service.
+    connections: ConnectionGate,
+}
+
+/// What a kept-alive connection carries from one request to the next.
+struct OpenConnection {
+    _permit: ConnectionPermit,
 }
 
 #[async_trait]
@@ -131,31 +142,67 @@ impl HttpServerApp for CaptureService {
         http: ServerSession,
         shutdown: &ShutdownWatch,
     ) -> Option<ReusedHttpStream> {
-        self.process(http, shutdown, self.fixed_session(None)).await
+        self.process(http, shutdown, self.fixed_session(None), None)
+            .await
     }
 }
 
 impl CaptureService {
     /// Reads and answers one request; `fixed`: the connection's session, if it has one.
+    /// `admitted`: the connection's permit if the listener took one already; a new connection
+    /// without one takes one here, and is closed when the cap is reached.
     async fn process(
         &self,
         mut http: ServerSession,
         shutdown: &ShutdownWatch,
         fixed: Option<&str>,
+        admitted: Option<ConnectionPermit>,
     ) -> Option<ReusedHttpStream> {
-        match http.read_request().await {
-            Ok(true) => {}
-            Ok(false) => return None,
-            Err(e) => {
+        let limits = &self.config.limits;
+        // A kept-alive connection carries its permit from request to request.
+        let reused = http
+            .take_connection_user_context()
+            .and_then(|c| c.downcast::<OpenConnection>().ok());
+        let (permit, wait, fresh) = match reused {
+            Some(open) => (open._permit, limits.idle_timeout, false),
+            None => match admitted.or_else(|| self.connections.admit()) {
+                Some(p) => (p, limits.header_timeout, true),
+                None => {
+                    self.closed_by("max_connections");
+                    tracing::warn!(
+                        max = limits.max_connections,
+                        "connection closed: the proxy is at its connection limit (--max-connections)"
+                    );
+                    return None;
+                }
+            },
+        };
+        // The whole head within the deadline: a client trickling bytes cannot hold it open.
+        match tokio::time::timeout(wait, http.read_request()).await {
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => return None,
+            Ok(Err(e)) => {
                 tracing::debug!(error = %e, "reading a request head failed");
                 return None;
             }
+            Err(_) => {
+                if fresh {
+                    self.closed_by("header_timeout");
+                }
+                tracing::debug!(?wait, "no complete request head in time; connection closed");
+                return None;
+            }
         }
-        http.set_keepalive(if *shutdown.borrow() { None } else { Some(60) });
+        http.set_keepalive(if *shutdown.borrow() {
+            None
+        } else {
+            Some(limits.idle_timeout.as_secs().max(1))
+        });
         if !self.serve(&mut http, fixed).await {
             return None;
         }
-        let settings = HttpPersistentSettings::for_session(&http);
+        let mut settings = HttpPersistentSettings::for_session(&http);
+        settings.set_user_context(Box::new(OpenConnection { _permit: permit }));
         match http.finish().await {
             Ok(stream) => stream.map(|s| ReusedHttpStream::from_reusable_stream(s, settings)),
             Err(_) => None,
@@ -168,6 +215,7 @@ impl CaptureService {
         sink: RecordSink,
         metrics: Arc<Metrics>,
     ) -> Self {
+        let connections = ConnectionGate::new(config.limits.max_connections);
         CaptureService {
             config,
             backend,
@@ -176,6 +224,7 @@ impl CaptureService {
             sessions: SessionCounters::default(),
             resolved_layout: std::sync::OnceLock::new(),
             gate: None,
+            connections,
         }
     }
 
@@ -271,6 +320,28 @@ impl CaptureService {
         &self.metrics
     }
 
+    pub fn limits(&self) -> &ListenerLimits {
+        &self.config.limits
+    }
+
+    /// A place under the connection cap for a connection a listener just accepted, or `None`
+    /// at the cap (the listener closes it; counted in `tokentap_connections_closed_total`).
+    pub fn admit_connection(&self) -> Option<ConnectionPermit> {
+        let p = self.connections.admit();
+        if p.is_none() {
+            self.closed_by("max_connections");
+        }
+        p
+    }
+
+    /// Counts a connection a listener limit closed.
+    pub fn closed_by(&self, limit: &str) {
+        self.metrics
+            .connections_closed
+            .with_label_values(&[limit])
+            .inc();
+    }
+
     /// Serves HTTP/1.1 requests on a connection accepted elsewhere (an intercepted TLS
     /// connection from the transparent listener) until it closes. `session`: every call on
     /// the connection belongs to it (a rollout sample's interception), whatever the request
@@ -281,12 +352,31 @@ impl CaptureService {
         shutdown: &ShutdownWatch,
         session: Option<&str>,
     ) {
+        let Some(permit) = self.admit_connection() else {
+            return;
+        };
+        self.serve_admitted_stream(stream, shutdown, session, permit)
+            .await
+    }
+
+    /// [`Self::serve_stream`] for a connection its listener already admitted under the cap.
+    pub async fn serve_admitted_stream(
+        &self,
+        stream: pingora::protocols::Stream,
+        shutdown: &ShutdownWatch,
+        session: Option<&str>,
+        permit: ConnectionPermit,
+    ) {
         let fixed = self.fixed_session(session);
-        let mut next = Some(stream);
-        while let Some(stream) = next.take() {
-            let http = ServerSession::new_http1(stream);
-            if let Some(reused) = self.process(http, shutdown, fixed).await {
-                next = Some(reused.consume().0);
+        let mut next = Some((stream, None));
+        let mut admitted = Some(permit);
+        while let Some((stream, settings)) = next.take() {
+            let mut http = ServerSession::new_http1(stream);
+            if let Some(settings) = settings {
+                HttpPersistentSettings::apply_to_session(settings, &mut http);
+            }
+            if let Some(reused) = self.process(http, shutdown, fixed, admitted.take()).await {
+                next = Some(reused.consume());
             }
         }
     }
@@ -320,17 +410,27 @@ impl CaptureService {
         self.end_call(call).await;
     }
 
+    /// The request body within the size limit and `--body-timeout` (counted when it times out).
+    async fn read_body(&self, http: &mut ServerSession) -> Result<Vec<u8>, BodyError> {
+        let limits = &self.config.limits;
+        let r = read_body(http, self.config.max_body_bytes, limits.body_timeout).await;
+        if matches!(r, Err(BodyError::TimedOut(_))) {
+            self.closed_by("body_timeout");
+        }
+        r
+    }
+
     /// Anthropic token counting: the engine's own count of the prompt it would see. Not a model
     /// call, so no record; errors come back in the Messages shape.
     async fn count_tokens(&self, http: &mut ServerSession) -> bool {
-        let body = match read_body(http, self.config.max_body_bytes).await {
+        let body = match self.read_body(http).await {
             Ok(b) => b,
             Err(BodyError::TooLarge) => {
                 let err = CallError::body_too_large(self.config.max_body_bytes);
                 let _ = self.write_error(http, &MESSAGES, &err).await;
                 return false;
             }
-            Err(BodyError::Io(_)) => return false,
+            Err(BodyError::TimedOut(_)) | Err(BodyError::Io(_)) => return false,
         };
         let mut request = match MESSAGES.parse_count_tokens(&body) {
             Ok(p) => p.request,
@@ -437,7 +537,7 @@ impl CaptureService {
         call.session = Some((session, seq));
 
         // Read the body, within the limit.
-        let body = match read_body(http, self.config.max_body_bytes).await {
+        let body = match self.read_body(http).await {
             Ok(b) => b,
             Err(BodyError::TooLarge) => {
                 let err = CallError::body_too_large(self.config.max_body_bytes);
@@ -447,6 +547,17 @@ impl CaptureService {
                 let drain = std::time::Duration::from_secs(5);
                 let _ = tokio::time::timeout(drain, http.drain_request_body()).await;
                 return false; // the connection is not reused after an oversized body
+            }
+            Err(BodyError::TimedOut(d)) => {
+                let err = CallError::new(
+                    ErrorKind::ClientDisconnected,
+                    408,
+                    format!(
+                        "the request body did not arrive within {d:?} (the proxy's --body-timeout)"
+                    ),
+                );
+                self.fail(http, codec, call, err).await;
+                return false;
             }
             Err(BodyError::Io(e)) => {
                 call.error = Some(CallError::new(
@@ -462,8 +573,14 @@ impl CaptureService {
         match serde_json::from_slice::<serde_json::Value>(&body) {
             Ok(v) => call.request.body = Some(redact::body(v)),
             Err(_) => {
-                let shown = &body[..body.len().min(64 << 10)];
-                call.request.body_text = Some(String::from_utf8_lossy(shown).into_owned());
+                // Redacted whole, then cut: a cut first could leave half a secret unrecognised.
+                let mut shown = redact::text(&String::from_utf8_lossy(&body)).into_owned();
+                let mut cut = shown.len().min(64 << 10);
+                while !shown.is_char_boundary(cut) {
+                    cut -= 1;
+                }
+                shown.truncate(cut);
+                call.request.body_text = Some(shown);
             }
         }
 
@@ -646,9 +763,22 @@ impl CaptureService {
 enum BodyError {
     TooLarge,
     Io(String),
+    /// Not all of it arrived within `--body-timeout`.
+    TimedOut(std::time::Duration),
 }
 
-async fn read_body(http: &mut ServerSession, limit: usize) -> Result<Vec<u8>, BodyError> {
+/// The whole request body, at most `limit` bytes, arriving within `deadline`.
+async fn read_body(
+    http: &mut ServerSession,
+    limit: usize,
+    deadline: std::time::Duration,
+) -> Result<Vec<u8>, BodyError> {
+    tokio::time::timeout(deadline, read_body_unbounded(http, limit))
+        .await
+        .unwrap_or(Err(BodyError::TimedOut(deadline)))
+}
+
+async fn read_body_unbounded(http: &mut ServerSession, limit: usize) -> Result<Vec<u8>, BodyError> {
     let declared = http
         .req_header()
         .headers

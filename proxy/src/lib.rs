@@ -7,6 +7,7 @@ pub mod backend;
 pub mod canonical;
 pub mod capture;
 pub mod gate;
+pub mod limits;
 pub mod metrics;
 pub mod normalize;
 pub mod redact;

@@ -28,6 +28,8 @@ pub struct Metrics {
     pub spool_write_errors: IntCounter,
     pub websocket_refused: IntCounter,
     pub transparent: IntCounterVec,
+    /// Connections closed by a listener limit, by `limit`.
+    pub connections_closed: IntCounterVec,
 }
 
 impl Metrics {
@@ -119,6 +121,11 @@ impl Metrics {
                 "tokentap_transparent_connections_total",
                 "Redirected connections by outcome (intercepted, passed_through, tls_failed, dropped)",
                 &["outcome"],
+            ),
+            connections_closed: counter_vec(
+                "tokentap_connections_closed_total",
+                "Connections closed by a listener limit (max_connections, header_timeout, body_timeout, tls_handshake_timeout)",
+                &["limit"],
             ),
             registry,
         }

@@ -1,9 +1,21 @@
-//! Secrets never reach a record: credentials in headers, query strings and well-known body
-//! fields are replaced by a marker before anything is stored.
+//! Secrets never reach a record: credentials in headers, query strings and request bodies are
+//! replaced by a marker before anything is stored.
+//!
+//! Two rules, applied everywhere in a body (at any depth of a JSON body, and over the text of
+//! a body that is not JSON):
+//! - by name: the value of a field, header or `name=value` pair whose name says it is a
+//!   credential (`authorization`, `api_key`, `x-api-key`, `access_token`, `password`, ...);
+//! - by shape: strings that look like a credential wherever they appear (`Bearer ...`,
+//!   `Basic ...`, `sk-...`/`sk-ant-...` keys and other well-known key formats).
+//!
+//! Token counts (`max_tokens`, `tokens`) and ordinary words are not credentials and are kept.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
+use std::sync::LazyLock;
 
-use serde_json::Value;
+use regex::{Captures, Regex};
+use serde_json::{Map, Value};
 
 pub const REDACTED: &str = "[redacted]";
 
@@ -17,30 +29,158 @@ const SECRET_HEADERS: &[&str] = &[
     "set-cookie",
 ];
 
+/// Words that make a name a credential's (matched as whole words of the name).
+const SECRET_WORDS: &[&str] = &[
+    "key",
+    "apikey",
+    "token",
+    "secret",
+    "password",
+    "passwd",
+    "pwd",
+    "credential",
+    "credentials",
+    "signature",
+    "sig",
+    "auth",
+    "authorization",
+    "cookie",
+    "bearer",
+    "passphrase",
+    "privatekey",
+    "accesstoken",
+    "refreshtoken",
+    "sessiontoken",
+];
+
+/// Names with a credential word that are not credentials (a cache or idempotency key is an
+/// opaque id the client made up).
+const NOT_SECRET_NAMES: &[&str] = &["prompt_cache_key", "cache_key", "idempotency_key"];
+
+/// The words of a name: split at `-`, `_`, `.`, spaces and lower-to-upper case changes
+/// (`accessToken` is `access`, `token`), lower-cased.
+fn words(name: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut cur = String::new();
+    let mut prev_lower = false;
+    for c in name.chars() {
+        if matches!(c, '-' | '_' | '.' | ' ' | ':' | '/') {
+            if !cur.is_empty() {
+                out.push(std::mem::take(&mut cur));
+            }
+            prev_lower = false;
+            continue;
+        }
+        if c.is_uppercase() && prev_lower && !cur.is_empty() {
+            out.push(std::mem::take(&mut cur));
+        }
+        prev_lower = c.is_lowercase() || c.is_ascii_digit();
+        cur.extend(c.to_lowercase());
+    }
+    if !cur.is_empty() {
+        out.push(cur);
+    }
+    out
+}
+
 /// Whether a header, query parameter or body field name looks like it carries a credential:
 /// a known header, or a name with a word such as `key` or `token` (`x-api-key`,
-/// `access_token`), matched by word so `x-tokentap-session` and `max_tokens` are not.
-fn is_secret_name(name: &str) -> bool {
+/// `access_token`, `authorizationToken`), matched by word so `x-tokentap-session` and
+/// `max_tokens` are not.
+pub fn is_secret_name(name: &str) -> bool {
     let n = name.to_ascii_lowercase();
+    if NOT_SECRET_NAMES.contains(&n.as_str()) {
+        return false;
+    }
     SECRET_HEADERS.contains(&n.as_str())
-        || n.split(['-', '_', '.']).any(|w| {
-            matches!(
-                w,
-                "key"
-                    | "apikey"
-                    | "token"
-                    | "secret"
-                    | "password"
-                    | "passwd"
-                    | "credential"
-                    | "credentials"
-                    | "signature"
-                    | "sig"
-                    | "auth"
-                    | "authorization"
-                    | "cookie"
-            )
-        })
+        || words(name)
+            .iter()
+            .any(|w| SECRET_WORDS.contains(&w.as_str()))
+}
+
+/// Credential-shaped strings, wherever they appear in text.
+static SECRET_SHAPES: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(
+        r"(?x)
+        # OpenAI / Anthropic / OpenRouter style keys
+        \bsk-[A-Za-z0-9_\-]{16,}
+        # GitHub, Hugging Face, Slack, Google, AWS, GitLab, Stripe-style keys
+        | \b(?:ghp|gho|ghu|ghs|ghr)_[A-Za-z0-9]{20,}
+        | \bgithub_pat_[A-Za-z0-9_]{20,}
+        | \bhf_[A-Za-z0-9]{20,}
+        | \bxox[abposr]-[A-Za-z0-9\-]{10,}
+        | \bAIza[0-9A-Za-z_\-]{30,}
+        | \b(?:AKIA|ASIA)[0-9A-Z]{16}\b
+        | \bglpat-[A-Za-z0-9_\-]{16,}
+        | \b(?:rk|pk)_(?:live|test)_[A-Za-z0-9]{10,}
+        # JSON web tokens
+        | \beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]*
+        # PEM private keys
+        | -----BEGIN[A-Z\ ]*PRIVATE\ KEY-----[\s\S]*?(?:-----END[A-Z\ ]*PRIVATE\ KEY-----|$)
+        ",
+    )
+    .expect("valid regex")
+});
+
+/// An HTTP authorization scheme followed by what may be its credential (`Bearer abc`,
+/// `Basic dXNl...`); [`looks_like_credential`] decides, so "basic understanding" is kept.
+static AUTH_SCHEME: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=\-]{6,})").expect("valid regex")
+});
+
+/// `name: value`, `name=value`, `"name": "value"`: an assignment whose value is redacted when
+/// the name is a credential's (`OPENAI_API_KEY=...` in an environment dump, a header line, a
+/// truncated JSON body).
+static ASSIGNMENT: LazyLock<Regex> = LazyLock::new(|| {
+    Regex::new(r#"([A-Za-z_][A-Za-z0-9_.\-]*)(["']?[ \t]*[:=][ \t]*["']?)([^\s"'&,;}\]]+)"#)
+        .expect("valid regex")
+});
+
+/// Whether the word after an authorization scheme is a credential rather than prose: long, or
+/// not all letters.
+fn looks_like_credential(w: &str) -> bool {
+    // A sentence's full stop is not part of the word.
+    let w = w.trim_end_matches('.');
+    w.len() >= 16 || !w.chars().all(|c| c.is_ascii_alphabetic())
+}
+
+/// Whether `name` in `name: value` free text names a credential. A lone common word ("key:",
+/// "auth:") in prose is not enough; `password:`, `api_key=`, `Authorization:` are.
+fn is_secret_assignment(name: &str) -> bool {
+    let lone_word = matches!(
+        name.to_ascii_lowercase().as_str(),
+        "key" | "auth" | "sig" | "signature" | "credential" | "credentials" | "bearer"
+    );
+    !lone_word && is_secret_name(name)
+}
+
+/// Applies one regex replacement to `s`, allocating only when something matched.
+fn replace<'a>(
+    s: Cow<'a, str>,
+    re: &Regex,
+    f: impl Fn(&Captures) -> Option<String>,
+) -> Cow<'a, str> {
+    if !re.is_match(&s) {
+        return s;
+    }
+    let out = re.replace_all(&s, |c: &Captures| f(c).unwrap_or_else(|| c[0].to_owned()));
+    match out {
+        Cow::Borrowed(_) => s,
+        Cow::Owned(o) => Cow::Owned(o),
+    }
+}
+
+/// Credentials in free text redacted, everything else kept: credential-shaped strings, the
+/// credential after an authorization scheme, and values assigned to credential names.
+pub fn text(s: &str) -> Cow<'_, str> {
+    let s = replace(Cow::Borrowed(s), &SECRET_SHAPES, |_| Some(REDACTED.into()));
+    let s = replace(s, &AUTH_SCHEME, |c| {
+        looks_like_credential(&c[3]).then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
+    });
+    replace(s, &ASSIGNMENT, |c| {
+        (is_secret_assignment(&c[1]) && &c[3] != REDACTED)
+            .then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
+    })
 }
 
 /// Headers with lower-case names and credentials redacted.
@@ -51,7 +191,7 @@ pub fn headers<'a>(pairs: impl Iterator<Item = (&'a str, &'a [u8])>) -> BTreeMap
         let value = if is_secret_name(&name) {
             REDACTED.to_owned()
         } else {
-            String::from_utf8_lossy(value).into_owned()
+            text(&String::from_utf8_lossy(value)).into_owned()
         };
         // Repeated headers are joined as HTTP allows.
         out.entry(name)
@@ -69,29 +209,65 @@ pub fn query(q: &str) -> String {
     q.split('&')
         .map(|pair| match pair.split_once('=') {
             Some((k, _)) if is_secret_name(k) => format!("{k}={REDACTED}"),
-            _ => pair.to_owned(),
+            _ => text(pair).into_owned(),
         })
         .collect::<Vec<_>>()
         .join("&")
 }
 
-/// Redacts string-valued credential fields at the top level of a JSON request body (e.g.
-/// `api_key`; numeric fields such as `max_tokens` are not credentials).
-/// Deeper fields are content (tool schemas, messages) and are kept as the model saw them.
-pub fn body(mut v: Value) -> Value {
-    if let Some(obj) = v.as_object_mut() {
-        for (k, val) in obj.iter_mut() {
-            if is_secret_name(k) && val.is_string() {
-                *val = Value::String(REDACTED.into());
-            }
+/// A JSON request body with credentials redacted at every depth: everything under a
+/// credential name (MCP server `headers.Authorization`, `authorization_token`, a tool
+/// config's `api_key` or `credentials` object), and credential-shaped strings in any string
+/// (and object key). Numbers and booleans under ordinary names (`max_tokens`) are kept, and
+/// so are JSON Schema property names (a tool parameter called `token` is not a credential).
+pub fn body(v: Value) -> Value {
+    redact_value(v, Under::Plain)
+}
+
+/// What a JSON value sits under.
+#[derive(Clone, Copy, PartialEq)]
+enum Under {
+    Plain,
+    /// A credential name: every string and number in it is a credential.
+    Secret,
+    /// A JSON Schema `properties` object: its keys are parameter names, not credentials.
+    SchemaProperties,
+}
+
+fn redact_value(v: Value, under: Under) -> Value {
+    match v {
+        Value::String(_) | Value::Number(_) if under == Under::Secret => {
+            Value::String(REDACTED.into())
         }
+        Value::String(s) => match text(&s) {
+            Cow::Borrowed(_) => Value::String(s),
+            Cow::Owned(o) => Value::String(o),
+        },
+        Value::Array(items) => {
+            Value::Array(items.into_iter().map(|i| redact_value(i, under)).collect())
+        }
+        Value::Object(fields) => {
+            let mut out = Map::with_capacity(fields.len());
+            for (k, val) in fields {
+                let child = match under {
+                    Under::Secret => Under::Secret,
+                    Under::SchemaProperties => Under::Plain,
+                    Under::Plain if is_secret_name(&k) => Under::Secret,
+                    Under::Plain if k == "properties" && val.is_object() => Under::SchemaProperties,
+                    Under::Plain => Under::Plain,
+                };
+                out.insert(text(&k).into_owned(), redact_value(val, child));
+            }
+            Value::Object(out)
+        }
+        other => other,
     }
-    v
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
     use serde_json::json;
 
     #[test]
@@ -103,6 +279,7 @@ mod tests {
                 ("Cookie", b"s=1"),
                 ("Content-Type", b"application/json"),
                 ("x-tokentap-session", b"s1"),
+                ("x-custom", b"Bearer abcdefgh123"),
             ]
             .into_iter(),
         );
@@ -111,6 +288,7 @@ mod tests {
         assert_eq!(h["cookie"], REDACTED);
         assert_eq!(h["content-type"], "application/json");
         assert_eq!(h["x-tokentap-session"], "s1");
+        assert_eq!(h["x-custom"], "Bearer [redacted]");
         assert!(!format!("{h:?}").contains("sk-live"));
     }
 
@@ -125,11 +303,224 @@ mod tests {
     #[test]
     fn body_credentials_are_redacted_but_token_limits_kept() {
         let b = body(
-            json!({"api_key": "sk-1", "max_tokens": 5, "max_completion_tokens": 7, "model": "m"}),
+            json!({"api_key": "sk-1", "max_tokens": 5, "max_completion_tokens": 7, "model": "m", "tokens": 3}),
         );
         assert_eq!(
             b,
-            json!({"api_key": REDACTED, "max_tokens": 5, "max_completion_tokens": 7, "model": "m"})
+            json!({"api_key": REDACTED, "max_tokens": 5, "max_completion_tokens": 7, "model": "m", "tokens": 3})
         );
+    }
+
+    #[test]
+    fn nested_mcp_and_tool_credentials_are_redacted() {
+        let b = body(json!({
+            "model": "m",
+            "mcp_servers": [{"type": "url", "url": "https://mcp.example/sse", "name": "gh",
+                             "authorization_token": "ghs-token-1"}],
+            "tools": [
+                {"type": "mcp", "server_label": "x", "server_url": "https://x",
+                 "headers": {"Authorization": "Bearer abc.def.ghi", "X-Api-Key": "k-2"}},
+                {"type": "function", "function": {"name": "f", "parameters":
+                    {"type": "object", "properties": {"token": {"type": "string"}},
+                     "required": ["token"]}},
+                 "config": {"apiKey": "cfg-3", "accessToken": "cfg-4", "password": 1234,
+                            "credentials": {"user": "cfg-5", "pass": ["cfg-6"]}}}
+            ],
+            "messages": [{"role": "user", "content": "my key is sk-ant-api03-SECRET5 ok?"}]
+        }));
+        let s = b.to_string();
+        for secret in [
+            "ghs-token-1",
+            "abc.def.ghi",
+            "k-2",
+            "cfg-3",
+            "cfg-4",
+            "1234",
+            "cfg-5",
+            "cfg-6",
+            "SECRET5",
+        ] {
+            assert!(!s.contains(secret), "{secret} kept in {s}");
+        }
+        // Schemas and ordinary content are kept.
+        assert_eq!(
+            b["tools"][1]["function"]["parameters"]["properties"]["token"]["type"],
+            "string"
+        );
+        assert_eq!(
+            b["tools"][1]["function"]["parameters"]["required"][0],
+            "token"
+        );
+        assert_eq!(b["tools"][0]["server_url"], "https://x");
+        assert_eq!(b["messages"][0]["content"], "my key is [redacted] ok?");
+    }
+
+    #[test]
+    fn names_are_matched_by_word_and_case() {
+        for n in [
+            "Authorization",
+            "proxy-authorization",
+            "API_KEY",
+            "api-key",
+            "apiKey",
+            "x-api-key",
+            "access_token",
+            "accessToken",
+            "authorization_token",
+            "client_secret",
+            "Password",
+            "COOKIE",
+            "OPENAI_API_KEY",
+        ] {
+            assert!(is_secret_name(n), "{n}");
+        }
+        for n in [
+            "max_tokens",
+            "maxTokens",
+            "tokens",
+            "max_output_tokens",
+            "x-tokentap-session",
+            "keyboard",
+            "monkey",
+            "prompt_cache_key",
+            "content",
+        ] {
+            assert!(!is_secret_name(n), "{n}");
+        }
+    }
+
+    #[test]
+    fn non_json_text_keeps_all_but_credentials() {
+        let t = "POST /x\nAuthorization: Bearer abcdef123456\nHost: h\n\
+                 OPENAI_API_KEY=sk-proj-xyz12345 max_tokens=5 note=hello\n\
+                 basic auth: Basic dXNlcjpwYXNzd29yZA== done";
+        let r = text(t);
+        assert!(!r.contains("abcdef123456"), "{r}");
+        assert!(!r.contains("sk-proj-xyz12345"), "{r}");
+        assert!(!r.contains("dXNlcjpwYXNzd29yZA"), "{r}");
+        assert!(r.contains("Host: h") && r.contains("max_tokens=5") && r.contains("note=hello"));
+        assert!(r.contains("done"));
+        let plain = "The tokens were counted; I like keyboards and sk- prefixes. A basic \
+                     understanding of bearer tokens. The key: it is here. max_tokens: 5";
+        assert_eq!(text(plain), plain);
+    }
+
+    /// A random JSON value (no secrets of its own: lower-case letters and digits only).
+    fn json_value() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(Value::from),
+            "[a-z0-9 ]{0,12}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(4, 48, 6, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..6).prop_map(Value::Array),
+                prop::collection::btree_map(
+                    "[a-z_]{1,10}".prop_filter("an ordinary name", |k| !is_secret_name(k)),
+                    inner,
+                    0..6,
+                )
+                .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    /// How a secret can be planted: under a credential name, or in a credential's shape.
+    fn planting() -> impl Strategy<Value = (Option<&'static str>, String)> {
+        let secret = "[A-Za-z0-9]{16,24}";
+        prop_oneof![
+            (
+                prop::sample::select(vec![
+                    "Authorization",
+                    "authorization_token",
+                    "api_key",
+                    "x-api-key",
+                    "apiKey",
+                    "access_token",
+                    "client_secret",
+                    "password",
+                    "Cookie",
+                    "proxy-authorization",
+                    "refreshToken",
+                ]),
+                secret
+            )
+                .prop_map(|(k, s)| (Some(k), s)),
+            (
+                prop::sample::select(vec![
+                    "Bearer ",
+                    "bearer ",
+                    "Basic ",
+                    "sk-",
+                    "sk-ant-api03-",
+                    "sk-proj-"
+                ]),
+                secret
+            )
+                .prop_map(|(p, s)| (None, format!("{p}{s}"))),
+        ]
+    }
+
+    /// Plants `(name, secret)` at a random place in `v`, guided by `path`.
+    fn plant(v: &mut Value, path: &[usize], name: Option<&str>, secret: &str, filler: &str) {
+        let shaped = |s: &str| format!("{filler} {s} {filler}");
+        match v {
+            Value::Object(m) if !path.is_empty() && !m.is_empty() => {
+                let i = path[0] % m.len();
+                let key = m.keys().nth(i).expect("in range").clone();
+                plant(
+                    m.get_mut(&key).expect("present"),
+                    &path[1..],
+                    name,
+                    secret,
+                    filler,
+                )
+            }
+            Value::Array(a) if !path.is_empty() && !a.is_empty() => {
+                let i = path[0] % a.len();
+                plant(&mut a[i], &path[1..], name, secret, filler)
+            }
+            Value::Object(m) => {
+                match name {
+                    Some(n) => m.insert(n.to_owned(), Value::String(secret.to_owned())),
+                    None => m.insert("note".into(), Value::String(shaped(secret))),
+                };
+            }
+            Value::Array(a) => match name {
+                Some(n) => a.push(json!({ n: secret })),
+                None => a.push(Value::String(shaped(secret))),
+            },
+            other => {
+                *other = match name {
+                    Some(n) => json!({ n: secret }),
+                    None => Value::String(shaped(secret)),
+                }
+            }
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn a_planted_secret_never_survives_redaction(
+            mut v in json_value(),
+            path in prop::collection::vec(any::<usize>(), 0..6),
+            (name, planted) in planting(),
+            filler in "[a-z ]{0,10}",
+        ) {
+            plant(&mut v, &path, name, &planted, &filler);
+            // The secret part of what was planted, without its scheme or prefix.
+            let secret = planted.rsplit(['-', ' ']).next().expect("non-empty").to_owned();
+            let redacted = body(v.clone()).to_string();
+            prop_assert!(!redacted.contains(&secret), "{} kept in {}", secret, redacted);
+            // The same body stored as text (not JSON) keeps no secret either.
+            let as_text = text(&v.to_string()).into_owned();
+            prop_assert!(!as_text.contains(&secret), "{} kept in text {}", secret, as_text);
+        }
+
+        #[test]
+        fn bodies_without_secrets_are_unchanged(v in json_value()) {
+            prop_assert_eq!(body(v.clone()), v);
+        }
     }
 }

@@ -5,7 +5,6 @@
 //! one per run, so concurrent runs sharing a key stay apart), the API key (hashed: the key
 //! itself never reaches a record), else a fresh id for this call alone.
 
-use std::collections::HashMap;
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
@@ -102,28 +101,55 @@ fn validate(id: &str, origin: &str) -> Result<(), WireError> {
     }
 }
 
+/// Sessions whose counters are kept: the least recently called one is forgotten past this, so
+/// endless distinct session ids cannot grow the process. A live session calls far more often
+/// than this many other sessions start; one forgotten after a long idle spell restarts at
+/// `seq` 0 (its records stay in arrival order in the spool).
+pub const SESSION_COUNTERS_CAP: usize = 65_536;
+
 /// Hands out per-session sequence numbers (from 0, in arrival order).
-#[derive(Default)]
 pub struct SessionCounters {
-    next: Mutex<HashMap<String, u64>>,
+    next: Mutex<lru::LruCache<String, u64>>,
+}
+
+impl Default for SessionCounters {
+    fn default() -> Self {
+        SessionCounters::with_cap(SESSION_COUNTERS_CAP)
+    }
 }
 
 impl SessionCounters {
+    pub fn with_cap(cap: usize) -> Self {
+        let cap = std::num::NonZeroUsize::new(cap.max(1)).expect("at least 1");
+        SessionCounters {
+            next: Mutex::new(lru::LruCache::new(cap)),
+        }
+    }
+
     pub fn next_seq(&self, session: &Session) -> u64 {
         if session.source == SessionSource::Generated {
             return 0; // a generated session holds exactly one call
         }
         let mut map = self.next.lock().unwrap_or_else(|e| e.into_inner());
-        let n = map.entry(session.id.clone()).or_insert(0);
+        let n = map.get_or_insert_mut(session.id.clone(), || 0);
         let seq = *n;
         *n += 1;
         seq
     }
 
-    /// Calls begun so far in the session `id`.
+    /// Calls begun so far in the session `id` (asking does not count as use).
     pub fn calls(&self, id: &str) -> u64 {
         let map = self.next.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(id).copied().unwrap_or(0)
+        map.peek(id).copied().unwrap_or(0)
+    }
+
+    /// Sessions whose counters are held.
+    pub fn len(&self) -> usize {
+        self.next.lock().unwrap_or_else(|e| e.into_inner()).len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
     }
 }
 
@@ -270,5 +296,26 @@ mod tests {
             ),
             (0, 1, 0, 2)
         );
+    }
+
+    #[test]
+    fn counters_are_bounded_and_keep_live_sessions() {
+        let c = SessionCounters::with_cap(100);
+        let s = |id: String| Session {
+            id,
+            source: SessionSource::Header,
+        };
+        let live = s("live".into());
+        c.next_seq(&live);
+        for i in 0..1_000 {
+            c.next_seq(&s(format!("s{i}")));
+            if i % 50 == 0 {
+                c.next_seq(&live); // a live session keeps calling
+            }
+        }
+        assert_eq!(c.len(), 100, "held past the cap");
+        assert_eq!(c.calls("live"), 21, "the live session's count survived");
+        assert_eq!(c.calls("s0"), 0, "a long-idle session was forgotten");
+        assert_eq!(c.calls("s999"), 1);
     }
 }

@@ -24,6 +24,7 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 use crate::app::CaptureService;
+use crate::limits::ConnectionPermit;
 use crate::tls::sni::{peek_opening, Opening};
 use crate::tls::{server_config, CertificateAuthority};
 
@@ -137,9 +138,14 @@ impl TransparentListener {
             tokio::select! {
                 accepted = listener.accept() => match accepted {
                     Ok((conn, peer)) => {
+                        // Past the cap the connection is closed at once: accepting never waits.
+                        let Some(permit) = self.service.admit_connection() else {
+                            tracing::debug!(%peer, "transparent connection closed: at --max-connections");
+                            continue;
+                        };
                         let this = self.clone();
                         let watch = shutdown.clone();
-                        tokio::spawn(async move { this.handle(conn, peer, watch).await });
+                        tokio::spawn(async move { this.handle(conn, peer, watch, permit).await });
                     }
                     Err(e) => {
                         tracing::warn!(error = %e, "transparent accept failed");
@@ -155,7 +161,13 @@ impl TransparentListener {
         }
     }
 
-    async fn handle(self: Arc<Self>, conn: TcpStream, peer: SocketAddr, shutdown: ShutdownWatch) {
+    async fn handle(
+        self: Arc<Self>,
+        conn: TcpStream,
+        peer: SocketAddr,
+        shutdown: ShutdownWatch,
+        permit: ConnectionPermit,
+    ) {
         let _ = conn.set_nodelay(true);
         let original = self.destinations.original_destination(&conn, peer);
         let opening = match peek_opening(&conn, self.peek_wait).await {
@@ -171,7 +183,9 @@ impl TransparentListener {
                     server_name: Some(host),
                 },
                 _,
-            ) if self.intercept.contains(&host) => self.intercept(conn, &host, shutdown).await,
+            ) if self.intercept.contains(&host) => {
+                self.intercept(conn, &host, shutdown, permit).await
+            }
             (_, Some(dest)) => splice(conn, dest).await,
             (_, None) => Outcome::Dropped,
         };
@@ -183,17 +197,35 @@ impl TransparentListener {
         tracing::debug!(%peer, ?original, outcome = outcome.as_str(), "transparent connection");
     }
 
-    async fn intercept(&self, conn: TcpStream, host: &str, shutdown: ShutdownWatch) -> Outcome {
+    async fn intercept(
+        &self,
+        conn: TcpStream,
+        host: &str,
+        shutdown: ShutdownWatch,
+        permit: ConnectionPermit,
+    ) -> Outcome {
         let id = std::os::fd::AsRawFd::as_raw_fd(&conn);
-        match self.acceptor.accept(conn).await {
-            Ok(tls) => {
+        let deadline = self.service.limits().tls_handshake_timeout;
+        match tokio::time::timeout(deadline, self.acceptor.accept(conn)).await {
+            Err(_) => {
+                // A stalled handshake is a slow or hostile client, not a rejected certificate:
+                // counted, not recorded (records of it could flood the spool).
+                self.service.closed_by("tls_handshake_timeout");
+                tracing::debug!(
+                    host,
+                    ?deadline,
+                    "TLS handshake not finished in time; closed"
+                );
+                Outcome::TlsFailed
+            }
+            Ok(Ok(tls)) => {
                 let stream = Box::new(InterceptedStream { tls, id });
                 self.service
-                    .serve_stream(stream, &shutdown, self.session.as_deref())
+                    .serve_admitted_stream(stream, &shutdown, self.session.as_deref(), permit)
                     .await;
                 Outcome::Intercepted
             }
-            Err(e) => {
+            Ok(Err(e)) => {
                 let message = format!(
                     "TLS handshake for {host} failed: {e}. The client does not accept tokentap's certificate (it may pin its certificates, or not trust the CA: see `tokentap ca path`); leave {host} off the intercept list to let it through untouched."
                 );

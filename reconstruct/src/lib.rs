@@ -11,6 +11,7 @@
 pub mod builder;
 pub mod live;
 pub mod output;
+pub mod recent;
 pub mod synthetic;
 pub mod verify;
 
@@ -21,6 +22,7 @@ use tokentap_schema::{CaptureRecord, SessionReport, Strategy, Trace, TRAJECTORY_
 pub use builder::{build_all, SessionBuilder, SessionTraces};
 pub use live::{LiveOptions, LiveReconstructor, LiveStats};
 pub use output::{SinkMark, TraceSink};
+pub use recent::RecentIds;
 pub use verify::{verify, RecordDigest};
 
 #[derive(Debug, thiserror::Error)]
@@ -57,22 +59,29 @@ pub struct Reconstructor {
     strategy: Strategy,
     open: HashMap<String, OpenSession>,
     /// Sessions finished before: the index their next trace gets if more records arrive.
-    next_index: HashMap<String, u32>,
+    /// The [`FINISHED_SESSIONS_KEPT`] most recent are kept; a session forgotten here that
+    /// gets records again numbers its new traces from 0.
+    next_index: lru::LruCache<String, u32>,
 }
+
+/// Finished sessions whose next trace index is remembered.
+pub const FINISHED_SESSIONS_KEPT: usize = 65_536;
 
 impl Reconstructor {
     pub fn new(strategy: Strategy) -> Reconstructor {
         Reconstructor {
             strategy,
             open: HashMap::new(),
-            next_index: HashMap::new(),
+            next_index: lru::LruCache::new(
+                std::num::NonZeroUsize::new(FINISHED_SESSIONS_KEPT).expect("non-zero"),
+            ),
         }
     }
 
     /// Declares that `session` was finished earlier with traces up to `next_index - 1`
     /// (after a restart), so late records continue its numbering.
     pub fn continue_session(&mut self, session_id: &str, next_index: u32) {
-        self.next_index.insert(session_id.to_owned(), next_index);
+        self.next_index.put(session_id.to_owned(), next_index);
     }
 
     pub fn push(&mut self, r: &CaptureRecord) {
@@ -83,7 +92,7 @@ impl Reconstructor {
                 builder: SessionBuilder::continuing(
                     &r.session_id,
                     self.strategy,
-                    self.next_index.get(&r.session_id).copied().unwrap_or(0),
+                    self.next_index.peek(&r.session_id).copied().unwrap_or(0),
                 ),
                 digests: HashMap::new(),
                 last_record_ms: 0,
@@ -142,7 +151,7 @@ impl Reconstructor {
         let s = self.open.remove(session_id)?;
         let built = s.builder.finish();
         if let Some(last) = built.traces.iter().map(|t| t.index).max() {
-            self.next_index.insert(session_id.to_owned(), last + 1);
+            self.next_index.put(session_id.to_owned(), last + 1);
         }
         let faithfulness = verify(&built.traces, &s.digests);
         Some(FinishedSession {

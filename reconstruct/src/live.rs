@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokentap_schema::{CaptureRecord, Strategy};
-use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
 
 use crate::output::{SinkMark, TraceSink};
 use crate::{Error, FinishedSession, Reconstructor};
@@ -108,7 +108,8 @@ pub struct LiveReconstructor {
     reader: SpoolReader,
     recon: Reconstructor,
     sink: TraceSink,
-    /// Finished sessions: position past their last record.
+    /// Finished sessions: position past their last record; only those past the last
+    /// checkpoint's replay point (older ones can never be replayed).
     finished: HashMap<String, SpoolPosition>,
     finished_log: File,
     finished_bytes: u64,
@@ -122,14 +123,14 @@ pub struct LiveReconstructor {
 impl LiveReconstructor {
     /// Opens `out` (creating it) and resumes from its checkpoint, if any.
     pub fn open(spool: &Path, out: &Path, options: LiveOptions) -> Result<Self, Error> {
-        std::fs::create_dir_all(out)?;
+        owner_only::create_dir_all(out)?;
         let checkpoint: Checkpoint = match std::fs::read(out.join(CHECKPOINT_JSON)) {
             Ok(bytes) => serde_json::from_slice(&bytes)?,
             Err(e) if e.kind() == std::io::ErrorKind::NotFound => Checkpoint::default(),
             Err(e) => return Err(e.into()),
         };
         let sink = TraceSink::resume(out, &checkpoint.sink)?;
-        let finished_log = OpenOptions::new()
+        let finished_log = owner_only::options()
             .create(true)
             .truncate(false)
             .read(true)
@@ -145,7 +146,10 @@ impl LiveReconstructor {
             }
             let mark: FinishedMark = serde_json::from_str(&line)?;
             recon.continue_session(&mark.session_id, mark.next_index);
-            finished.insert(mark.session_id, mark.upto);
+            // Only a session whose records can be replayed needs its skip mark.
+            if mark.upto > checkpoint.resume_from {
+                finished.insert(mark.session_id, mark.upto);
+            }
         }
         drop(finished_log);
         let reader = SpoolReader::open_at(spool, checkpoint.resume_from)?;
@@ -288,13 +292,20 @@ impl LiveReconstructor {
             .min()
             .copied()
             .unwrap_or_else(|| self.reader.position());
+        // Replay after a crash starts at `resume_from`: marks of sessions that ended before it
+        // can never be needed again (this keeps the map as small as the open window).
+        self.finished.retain(|_, upto| *upto > resume_from);
         let checkpoint = Checkpoint {
             resume_from,
             sink: mark,
             finished_bytes: self.finished_bytes,
         };
         let tmp = self.out.join(format!("{CHECKPOINT_JSON}.tmp"));
-        let mut f = File::create(&tmp)?;
+        let mut f = owner_only::options()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?;
         f.write_all(&serde_json::to_vec_pretty(&checkpoint)?)?;
         f.sync_all()?;
         std::fs::rename(&tmp, self.out.join(CHECKPOINT_JSON))?;

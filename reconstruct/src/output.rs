@@ -1,10 +1,12 @@
 //! Writing traces: `traces.jsonl` and `sessions.jsonl` (appended as sessions finish) and
 //! `parquet/part-NNNNN.parquet` (one file per flush, zstd), in an output directory.
 //!
+//! Files are `0600` in `0700` directories: traces hold whole conversations.
+//!
 //! pandas: `pd.read_json("OUT/traces.jsonl", lines=True)` or `pd.read_parquet("OUT/parquet")`;
 //! Hugging Face: `load_dataset("parquet", data_files="OUT/parquet/*.parquet")`.
 
-use std::fs::{File, OpenOptions};
+use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -16,6 +18,7 @@ use parquet::file::properties::WriterProperties;
 use serde::{Deserialize, Serialize};
 use serde_arrow::schema::{SchemaLike, TracingOptions};
 use tokentap_schema::{SessionReport, Trace};
+use tokentap_spool::owner_only;
 
 use crate::Error;
 
@@ -55,9 +58,10 @@ impl TraceSink {
     /// Opens (creating) `dir`; existing files are appended to and new Parquet parts numbered
     /// after the existing ones, so a restarted worker adds to its earlier output.
     pub fn open(dir: &Path) -> Result<TraceSink, Error> {
-        std::fs::create_dir_all(dir.join(PARQUET_DIR))?;
+        owner_only::create_dir_all(dir)?;
+        owner_only::create_dir_all(&dir.join(PARQUET_DIR))?;
         let append = |name: &str| -> Result<BufWriter<File>, Error> {
-            let f = OpenOptions::new()
+            let f = owner_only::options()
                 .create(true)
                 .append(true)
                 .open(dir.join(name))?;
@@ -93,12 +97,13 @@ impl TraceSink {
     /// Reopens `dir` at `mark`: JSONL files cut back to the mark's lengths, Parquet parts past
     /// it removed, and the traces after `parquet_covers` reloaded as pending Parquet rows.
     pub fn resume(dir: &Path, mark: &SinkMark) -> Result<TraceSink, Error> {
-        std::fs::create_dir_all(dir.join(PARQUET_DIR))?;
+        owner_only::create_dir_all(dir)?;
+        owner_only::create_dir_all(&dir.join(PARQUET_DIR))?;
         for (name, len) in [
             (TRACES_JSONL, mark.traces_bytes),
             (SESSIONS_JSONL, mark.sessions_bytes),
         ] {
-            let f = OpenOptions::new()
+            let f = owner_only::options()
                 .create(true)
                 .truncate(false)
                 .write(true)
@@ -212,7 +217,11 @@ fn write_parquet(path: &Path, fields: &[FieldRef], traces: &[Trace]) -> Result<(
     // Written under a temporary name and renamed, so readers never see half a file.
     let tmp = path.with_extension("parquet.tmp");
     let mut w = ArrowWriter::try_new(
-        File::create(&tmp)?,
+        owner_only::options()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&tmp)?,
         Arc::clone(batch.schema_ref()),
         Some(props),
     )?;

@@ -6,7 +6,7 @@
 //! cgroup and never redirected.
 
 use std::ffi::CString;
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
@@ -62,21 +62,19 @@ impl SampleInterception {
         let (own_cgroup, dir) = match v2_cgroup {
             Some(dir) => (None, dir.to_owned()),
             None => {
-                let c = Cgroup::create(&format!("sample-{session}"))?;
+                let c = Cgroup::create_for_this_process(&format!("sample-{session}"))?;
                 let dir = c.path().to_owned();
                 (Some((c, procs_file(&dir)?)), dir)
             }
         };
-        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
-        let SocketAddr::V4(at) = listener.local_addr()? else {
-            unreachable!("bound to IPv4")
-        };
+        let (listener, listener6, at) = bind_loopback_pair().await?;
         let redirect = Redirect::attach(
             &dir,
             &RedirectConfig {
-                listener: SocketAddrV4::new(*at.ip(), at.port()),
-                // IPv6 connects are left alone (the listener is IPv4 only).
-                listener_v6: None,
+                listener: at,
+                // IPv6 connects (connect6) land on [::1] at the same port, when the host has
+                // IPv6 loopback; otherwise they are left alone.
+                listener_v6: listener6.as_ref().map(|_| Ipv6Addr::LOCALHOST),
                 ports: config.ports.clone(),
             },
         )?;
@@ -90,6 +88,9 @@ impl SampleInterception {
             .with_session(session.to_owned()),
         );
         let (shutdown, watch) = tokio::sync::watch::channel(false);
+        if let Some(l6) = listener6 {
+            tokio::spawn(front.clone().serve(l6, watch.clone()));
+        }
         tokio::spawn(front.serve(listener, watch));
         Ok(SampleInterception {
             shutdown,
@@ -106,6 +107,35 @@ impl SampleInterception {
             join_on_spawn(cmd, vec![procs.clone()]);
         }
     }
+}
+
+/// A listener on 127.0.0.1 and, when the host has IPv6 loopback, one on [::1] at the same
+/// port (the redirect sends both families to one port).
+async fn bind_loopback_pair() -> std::io::Result<(
+    tokio::net::TcpListener,
+    Option<tokio::net::TcpListener>,
+    SocketAddrV4,
+)> {
+    let mut last = None;
+    for _ in 0..8 {
+        let listener = tokio::net::TcpListener::bind((Ipv4Addr::LOCALHOST, 0)).await?;
+        let SocketAddr::V4(at) = listener.local_addr()? else {
+            unreachable!("bound to IPv4")
+        };
+        match tokio::net::TcpListener::bind((Ipv6Addr::LOCALHOST, at.port())).await {
+            Ok(l6) => return Ok((listener, Some(l6), at)),
+            // The port is taken on [::1]: try another.
+            Err(e) if e.kind() == std::io::ErrorKind::AddrInUse => last = Some((listener, at)),
+            // No IPv6 loopback here: IPv4 only.
+            Err(e) => {
+                tracing::debug!(error = %e, "no IPv6 loopback; IPv6 connects are not intercepted");
+                return Ok((listener, None, at));
+            }
+        }
+    }
+    let (listener, at) = last.expect("the loop ran");
+    tracing::warn!("no port free on both 127.0.0.1 and [::1]; IPv6 connects are not intercepted");
+    Ok((listener, None, at))
 }
 
 impl Drop for SampleInterception {

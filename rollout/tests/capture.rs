@@ -63,6 +63,7 @@ async fn node(
             policy_version: None,
             system_layout: SystemLayout::AsSent,
             fixed_session: None,
+            ..ProxyConfig::default()
         },
         backend,
         record_sink,

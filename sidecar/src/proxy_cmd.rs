@@ -12,6 +12,7 @@ use pingora::server::{RunArgs, Server};
 use pingora::services::listening::Service;
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
 use tokentap_proxy::capture::RecordSink;
+use tokentap_proxy::limits::ListenerLimits;
 use tokentap_proxy::metrics::Metrics;
 use tokentap_proxy::normalize::SystemLayout;
 use tokentap_proxy::{CaptureService, ProxyConfig};
@@ -107,6 +108,41 @@ pub struct CaptureArgs {
     /// when it rejects or drops a second system message or does not know `developer`.
     #[arg(long, default_value = "auto")]
     system_layout: SystemLayout,
+    #[command(flatten)]
+    pub limits: LimitArgs,
+}
+
+/// Limits on every listener of the capture service (plain and transparent), so that slow or
+/// hostile clients cannot starve harness calls.
+#[derive(Args, Clone)]
+pub struct LimitArgs {
+    /// A new connection's request head must arrive whole within this (e.g. `10s`).
+    #[arg(long, default_value = "10s", value_parser = tokentap_spool::parse_duration)]
+    header_timeout: Duration,
+    /// A request body must arrive whole within this.
+    #[arg(long, default_value = "60s", value_parser = tokentap_spool::parse_duration)]
+    body_timeout: Duration,
+    /// A TLS handshake on the transparent listener must finish within this.
+    #[arg(long, default_value = "10s", value_parser = tokentap_spool::parse_duration)]
+    tls_handshake_timeout: Duration,
+    /// A kept-alive connection without a new request for this long is closed.
+    #[arg(long, default_value = "60s", value_parser = tokentap_spool::parse_duration)]
+    idle_timeout: Duration,
+    /// Connections open at once; more are closed at once.
+    #[arg(long, default_value_t = 4096)]
+    max_connections: usize,
+}
+
+impl LimitArgs {
+    pub fn limits(&self) -> ListenerLimits {
+        ListenerLimits {
+            header_timeout: self.header_timeout,
+            body_timeout: self.body_timeout,
+            tls_handshake_timeout: self.tls_handshake_timeout,
+            idle_timeout: self.idle_timeout,
+            max_connections: self.max_connections,
+        }
+    }
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
@@ -201,6 +237,7 @@ impl CaptureArgs {
             policy_version: args.policy_version.clone(),
             system_layout: args.system_layout,
             fixed_session,
+            limits: args.limits.limits(),
         };
         Ok((
             CaptureService::new(config, backend, sink, metrics),

@@ -97,7 +97,7 @@ impl NodeArgs {
 
     pub fn prepare(&self) -> anyhow::Result<NodeParts> {
         let data = self.data_dir();
-        std::fs::create_dir_all(&data)?;
+        tokentap_spool::owner_only::create_dir_all(&data)?;
         let index = Arc::new(SessionIndex::default());
         let (service, spool_thread) = self
             .capture
@@ -150,6 +150,7 @@ impl NodeArgs {
         };
         config.transparent = match tokentap_ebpf::preflight(true) {
             Ok(_) => {
+                crate::run_cmd::remove_stale_interception();
                 let ca = self.interception.ca(self.data_dir().join("ca"))?;
                 let bundle = self.data_dir().join("ca-bundle.pem");
                 ca.write_bundle(&bundle)?;

@@ -21,7 +21,7 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
-use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats};
+use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
 use tokentap_schema::ndjson::decode_line;
 use tokentap_schema::ship::{ShipAck, SHIP_PATH};
 use tokentap_schema::CaptureRecord;
@@ -181,7 +181,8 @@ impl WorkerMetrics {
 
 struct Ingest {
     writer: SpoolWriter,
-    seen: HashSet<String>,
+    /// Recently received record ids (a bounded window: redeliveries are always recent).
+    seen: RecentIds,
     /// Records made durable since start (for the backlog gauge).
     accepted: u64,
 }
@@ -196,7 +197,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let spool = args.spool.clone().unwrap_or_else(|| args.out.join("spool"));
     std::fs::create_dir_all(&args.out)?;
     // Every id already received: a redelivery after a restart is still a duplicate.
-    let mut seen = HashSet::new();
+    let mut seen = RecentIds::default();
     if spool.exists() {
         for item in SpoolReader::open(&spool)? {
             if let SpoolItem::Record(e) = item? {

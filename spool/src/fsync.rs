@@ -66,7 +66,7 @@ impl FromStr for FsyncPolicy {
 
 /// `<number><unit>` with unit `us`, `ms`, `s` or `m`; the number may have a fraction (`1.5s`).
 /// Integer arithmetic on nanoseconds, so `100ms` is exactly 100 ms (no float rounding).
-fn parse_duration(s: &str) -> Result<Duration, &'static str> {
+pub fn parse_duration(s: &str) -> Result<Duration, &'static str> {
     let split = s
         .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(s.len());

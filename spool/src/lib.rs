@@ -16,6 +16,9 @@
 //! can leave at most one unterminated line, at the end of the last segment; readers report it
 //! as [`SpoolItem::Torn`] and never parse it, and the next writer truncates it.
 //!
+//! The directory is `0700` and its files `0600` ([`owner_only`]): records hold prompts, tool
+//! output and sometimes secrets.
+//!
 //! One writer per directory (enforced by a `flock` on `spool.lock`, so a second
 //! [`SpoolWriter::open`] fails with [`SpoolError::Locked`]); readers never lock.
 
@@ -23,6 +26,7 @@ mod cursor;
 mod error;
 mod fsync;
 mod lock;
+pub mod owner_only;
 mod query;
 mod reader;
 mod recovery;
@@ -30,7 +34,7 @@ pub mod segment;
 mod writer;
 
 pub use error::SpoolError;
-pub use fsync::{FsyncPolicy, ParseFsyncPolicyError};
+pub use fsync::{parse_duration, FsyncPolicy, ParseFsyncPolicyError};
 pub use lock::LOCK_FILE_NAME;
 pub use query::{find, stats, tail, SpoolStats};
 pub use reader::{SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};

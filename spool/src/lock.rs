@@ -5,7 +5,7 @@
 //! complete lines. The lock is advisory (it does not stop `echo >> segment`) and, being
 //! `flock`, may not work across machines on network filesystems.
 
-use std::fs::{File, OpenOptions, TryLockError};
+use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
 
 use crate::SpoolError;
@@ -23,7 +23,7 @@ pub(crate) struct SpoolLock {
 impl SpoolLock {
     pub(crate) fn acquire(dir: &Path) -> Result<SpoolLock, SpoolError> {
         let path: PathBuf = dir.join(LOCK_FILE_NAME);
-        let file = OpenOptions::new()
+        let file = crate::owner_only::options()
             .create(true)
             .truncate(false)
             .write(true)

@@ -10,6 +10,7 @@ use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::CaptureRecord;
 
 use crate::lock::SpoolLock;
+use crate::owner_only;
 use crate::recovery::truncate_torn_tail;
 use crate::segment::{list_segments, segment_path};
 use crate::{FsyncPolicy, SpoolError, SpoolPosition};
@@ -309,12 +310,13 @@ impl Drop for SpoolWriter {
     }
 }
 
-/// Creates the spool directory if missing; fsyncs its parent so the directory itself survives.
+/// Creates the spool directory if missing (`0700`, or tightens an existing one of ours); fsyncs its parent so the directory itself survives.
 fn create_dir(dir: &Path, durable: bool) -> Result<(), SpoolError> {
     if dir.is_dir() {
-        return Ok(());
+        return owner_only::tighten_dir(dir)
+            .map_err(SpoolError::io("tighten spool directory", dir));
     }
-    fs::create_dir_all(dir).map_err(SpoolError::io("create spool directory", dir))?;
+    owner_only::create_dir_all(dir).map_err(SpoolError::io("create spool directory", dir))?;
     if durable {
         if let Some(parent) = dir.parent().filter(|p| !p.as_os_str().is_empty()) {
             sync_dir(parent)?;
@@ -332,7 +334,7 @@ fn create_segment(
     dir_unsynced: &mut bool,
 ) -> Result<File, SpoolError> {
     let path = segment_path(dir, seq);
-    let file = OpenOptions::new()
+    let file = owner_only::options()
         .read(true)
         .append(true)
         .create_new(true)

@@ -677,3 +677,33 @@ proptest! {
         prop_assert_eq!(records_of(&items), want);
     }
 }
+
+/// Records hold prompts and tool output: another user on the host can read neither the spool
+/// directory nor its files, whether the spool was created now or existed with a wide mode.
+#[test]
+fn spool_files_are_owner_only() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let mode = |p: &Path| fs::metadata(p).unwrap().mode() & 0o777;
+    let t = tempfile::tempdir().unwrap();
+    let dir = t.path().join("new/spool");
+    write_records(
+        &dir,
+        config(2_000),
+        &(0..10).map(|i| record(i, 300)).collect::<Vec<_>>(),
+    );
+    assert_eq!(mode(&dir), 0o700);
+    assert_eq!(mode(&t.path().join("new")), 0o700, "created parents too");
+    let segments = list_segments(&dir).unwrap();
+    assert!(segments.len() > 1, "the test rolls segments");
+    for seq in segments {
+        assert_eq!(mode(&segment_path(&dir, seq)), 0o600, "segment {seq}");
+    }
+    assert_eq!(mode(&dir.join(tokentap_spool::LOCK_FILE_NAME)), 0o600);
+
+    // An existing world-readable spool directory is tightened when a writer opens it.
+    let old = t.path().join("old");
+    fs::create_dir(&old).unwrap();
+    fs::set_permissions(&old, fs::Permissions::from_mode(0o755)).unwrap();
+    write_records(&old, config(1 << 20), &[record(0, 10)]);
+    assert_eq!(mode(&old), 0o700);
+}

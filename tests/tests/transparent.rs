@@ -592,3 +592,126 @@ async fn heavy_transparent_sidecar_captures_an_existing_cgroup_until_stopped() {
     assert!(pod.exists());
     std::fs::remove_dir(&pod).unwrap();
 }
+
+/// The cgroup v2 mount.
+fn cgroup2_root() -> std::path::PathBuf {
+    std::fs::read_to_string("/proc/mounts")
+        .unwrap()
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f[2] == "cgroup2").then(|| std::path::PathBuf::from(f[1]))
+        })
+        .expect("a cgroup2 mount")
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_sidecar_refuses_a_cgroup_that_contains_itself() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let pod = cgroup2_root().join(format!("e2e-selfpod-{}", std::process::id()));
+    let inner = pod.join("inner");
+    std::fs::create_dir_all(&inner).unwrap();
+    // tokentap started inside the cgroup it is asked to capture (directly, and one level down).
+    for own in [&pod, &inner] {
+        let script = format!(
+            "echo $$ > {}/cgroup.procs && exec {} sidecar --backend http://127.0.0.1:9 --backend-kind vllm --spool {}/spool --cgroup {}",
+            own.display(),
+            tokentap_e2e::artefacts::tokentap_bin().display(),
+            dir.path().display(),
+            pod.display()
+        );
+        let out = tokio::time::timeout(
+            Duration::from_secs(30),
+            tokio::process::Command::new("sh")
+                .args(["-c", &script])
+                .env("TOKENTAP_CA_DIR", dir.path().join("ca"))
+                .output(),
+        )
+        .await
+        .expect("the sidecar exits at once")
+        .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            !out.status.success(),
+            "accepted a cgroup holding itself: {err}"
+        );
+        assert!(err.contains("tokentap itself runs in"), "{err}");
+    }
+    assert!(!loaded_bpf_programs().iter().any(|p| p == "record_client"));
+    let _ = std::fs::remove_dir(&inner);
+    let _ = std::fs::remove_dir(&pod);
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_transparent_a_killed_runs_cgroups_and_nft_tables_are_removed_at_start() {
+    if !privileged() {
+        eprintln!("skipped: needs root and cgroup v2");
+        return;
+    }
+    // A pid that is gone: a child that has exited and been reaped.
+    let dead_pid = {
+        let mut c = std::process::Command::new("true").spawn().unwrap();
+        let pid = c.id();
+        c.wait().unwrap();
+        pid
+    };
+    // What a killed `tokentap run` leaves: its cgroup, with an agent still running in it …
+    let stale = cgroup2_root()
+        .join("tokentap")
+        .join(format!("e2e-killed-pid{dead_pid}"));
+    std::fs::create_dir_all(&stale).unwrap();
+    let mut orphan = std::process::Command::new("sleep")
+        .arg("300")
+        .spawn()
+        .unwrap();
+    std::fs::write(stale.join("cgroup.procs"), orphan.id().to_string()).unwrap();
+    // … and its nftables redirect (when nft is installed).
+    let table = format!("tokentap_e2e_killed_pid{dead_pid}");
+    let nft = std::process::Command::new("nft")
+        .args(["add", "table", "inet", &table])
+        .status()
+        .is_ok_and(|s| s.success());
+
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = tokio::time::timeout(
+        Duration::from_secs(60),
+        tokio::process::Command::new(tokentap_e2e::artefacts::tokentap_bin())
+            .args(["run", "--backend", &backend.url, "--backend-kind", "vllm"])
+            .arg("--spool")
+            .arg(dir.path().join("spool"))
+            .args(["--", "true"])
+            .env("TOKENTAP_CA_DIR", dir.path().join("ca"))
+            .output(),
+    )
+    .await
+    .expect("tokentap run finishes")
+    .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(!stale.exists(), "the killed run's cgroup is still there");
+    let status = orphan.wait().unwrap();
+    assert!(
+        !status.success(),
+        "the orphaned agent was killed with its cgroup"
+    );
+    if nft {
+        let listing = std::process::Command::new("nft")
+            .args(["list", "tables"])
+            .output()
+            .unwrap();
+        assert!(
+            !String::from_utf8_lossy(&listing.stdout).contains(&table),
+            "the killed run's nftables table is still there"
+        );
+    } else {
+        eprintln!("nft not installed: only the cgroup clean-up was checked");
+    }
+}

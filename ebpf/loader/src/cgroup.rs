@@ -16,6 +16,8 @@ pub enum CgroupError {
     },
     #[error("cgroup {0} still has processes after they were killed")]
     Busy(String),
+    #[error("refusing to capture cgroup {cgroup}: tokentap itself runs in {own}, inside it, so its own connections to the engine and the spool's receiver would be redirected back to itself. Run tokentap outside the captured cgroup (e.g. as a sibling of the pod's cgroup, or from the host's root cgroup)")]
+    ContainsSelf { cgroup: String, own: String },
 }
 
 fn io(what: &'static str, path: &Path) -> impl FnOnce(std::io::Error) -> CgroupError {
@@ -38,6 +40,59 @@ pub fn cgroup2_mount() -> Result<PathBuf, CgroupError> {
         .ok_or(CgroupError::NoCgroup2)
 }
 
+/// The cgroup v2 directory this process is in (the `0::` line of `/proc/self/cgroup`).
+pub fn own_cgroup() -> Result<PathBuf, CgroupError> {
+    let path = Path::new("/proc/self/cgroup");
+    let text = std::fs::read_to_string(path).map_err(io("reading", path))?;
+    let rel = text
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .ok_or(CgroupError::NoCgroup2)?;
+    Ok(cgroup2_mount()?.join(rel.trim().trim_start_matches('/')))
+}
+
+/// Removes what a killed run left under `<cgroup2 mount>/tokentap`: cgroups named
+/// `...-<pid>` whose process is gone (their processes are killed first). Returns the paths
+/// removed. Cgroups of live tokentap processes, and names without a pid, are left alone.
+pub fn remove_stale() -> Result<Vec<PathBuf>, CgroupError> {
+    let parent = cgroup2_mount()?.join("tokentap");
+    let Ok(entries) = std::fs::read_dir(&parent) else {
+        return Ok(Vec::new());
+    };
+    let mut removed = Vec::new();
+    for e in entries.filter_map(|e| e.ok()) {
+        let name = e.file_name().to_string_lossy().into_owned();
+        let Some(pid) = creator_pid(&name) else {
+            continue;
+        };
+        if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+            continue;
+        }
+        let path = e.path();
+        if !path.is_dir() {
+            continue;
+        }
+        let mut stale = Cgroup {
+            path: path.clone(),
+            owned: true,
+        };
+        match stale.take_down() {
+            Ok(()) => {
+                tracing::warn!(cgroup = %path.display(), pid, "removed a cgroup left by a killed tokentap run");
+                removed.push(path);
+            }
+            Err(e) => tracing::warn!(error = %e, "could not remove a stale tokentap cgroup"),
+        }
+    }
+    Ok(removed)
+}
+
+/// The pid a cgroup name of [`Cgroup::create_for_this_process`] ends in.
+fn creator_pid(name: &str) -> Option<u32> {
+    let (_, pid) = name.rsplit_once("-pid")?;
+    pid.parse().ok().filter(|&p| p > 1)
+}
+
 /// A cgroup this process made; removed (after killing what is left in it) on drop.
 #[derive(Debug)]
 pub struct Cgroup {
@@ -55,6 +110,12 @@ impl Cgroup {
         Ok(Cgroup { path, owned: true })
     }
 
+    /// Makes `<cgroup2 mount>/tokentap/<name>-pid<PID>`: named after this process, so that
+    /// [`remove_stale`] at a later start can take it down if this process is killed.
+    pub fn create_for_this_process(name: &str) -> Result<Cgroup, CgroupError> {
+        Cgroup::create(&format!("{name}-pid{}", std::process::id()))
+    }
+
     /// An existing cgroup (a pod's), never removed by this process.
     pub fn existing(path: &Path) -> Result<Cgroup, CgroupError> {
         let procs = path.join("cgroup.procs");
@@ -67,6 +128,21 @@ impl Cgroup {
 
     pub fn path(&self) -> &Path {
         &self.path
+    }
+
+    /// Fails when this process is in this cgroup or one below it: a redirect attached here
+    /// would catch tokentap's own connections.
+    pub fn ensure_outside(&self) -> Result<(), CgroupError> {
+        let own = own_cgroup()?;
+        let canon = |p: &Path| std::fs::canonicalize(p).unwrap_or_else(|_| p.to_owned());
+        let (own_c, cg_c) = (canon(&own), canon(&self.path));
+        if own_c.starts_with(&cg_c) {
+            return Err(CgroupError::ContainsSelf {
+                cgroup: self.path.display().to_string(),
+                own: own.display().to_string(),
+            });
+        }
+        Ok(())
     }
 
     /// The file a process writes `0` to (from `pre_exec`) to move itself in.
@@ -155,5 +231,13 @@ mod tests {
         // The process was killed with the cgroup.
         let status = child.wait().unwrap();
         assert!(!status.success());
+    }
+
+    #[test]
+    fn stale_names_carry_their_creator_pid() {
+        assert_eq!(creator_pid("run-abc-pid1234"), Some(1234));
+        assert_eq!(creator_pid("sample-s-1-pid77"), Some(77));
+        assert_eq!(creator_pid("run-abc-1234"), None);
+        assert_eq!(creator_pid("x-pid1"), None, "never init");
     }
 }

@@ -18,8 +18,10 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr, SockOps};
 use aya::{include_bytes_aligned, Ebpf};
 use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
 
-pub use cgroup::{cgroup2_mount, Cgroup, CgroupError};
-pub use nft::{conntrack_original_destination, NftError, NftRedirect};
+pub use cgroup::{
+    cgroup2_mount, own_cgroup, remove_stale as remove_stale_cgroups, Cgroup, CgroupError,
+};
+pub use nft::{conntrack_original_destination, remove_stale_tables, NftError, NftRedirect};
 
 /// The kernel object built by `build.rs` (empty when the eBPF toolchain was missing).
 static OBJECT: &[u8] = include_bytes_aligned!(env!("TOKENTAP_EBPF_OBJECT"));

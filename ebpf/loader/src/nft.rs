@@ -39,12 +39,14 @@ impl NftRedirect {
             NftError::CgroupOutside(cgroup.display().to_string(), root.display().to_string())
         })?;
         let level = rel.components().count();
+        // Named after this process too, so a later start can tell a killed run's table.
         let table = format!(
-            "tokentap_{}",
+            "tokentap_{}_pid{}",
             rel.to_string_lossy()
                 .chars()
                 .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-                .collect::<String>()
+                .collect::<String>(),
+            std::process::id()
         );
         let ports = ports
             .iter()
@@ -64,6 +66,44 @@ impl NftRedirect {
     }
 }
 
+/// Deletes the redirect tables of tokentap processes that are gone (a killed run's), so their
+/// rules stop redirecting to a dead port. Returns the tables deleted. Without `nft` there is
+/// nothing to clean.
+pub fn remove_stale_tables() -> Vec<String> {
+    let Ok(listing) = nft(&["list", "tables", "inet"], None, None) else {
+        return Vec::new();
+    };
+    let mut removed = Vec::new();
+    for table in stale_tables(&listing, |pid| Path::new(&format!("/proc/{pid}")).exists()) {
+        match nft(&["delete", "table", "inet", &table], None, None) {
+            Ok(_) => {
+                tracing::warn!(%table, "removed an nftables redirect left by a killed tokentap run");
+                removed.push(table);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, %table, "could not remove a stale nftables redirect")
+            }
+        }
+    }
+    removed
+}
+
+/// The tokentap tables in `nft list tables` output whose creator is not alive.
+fn stale_tables(listing: &str, alive: impl Fn(u32) -> bool) -> Vec<String> {
+    listing
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("table inet "))
+        .map(str::trim)
+        .filter(|t| t.starts_with("tokentap_"))
+        .filter(|t| {
+            t.rsplit_once("_pid")
+                .and_then(|(_, pid)| pid.parse::<u32>().ok())
+                .is_some_and(|pid| pid != std::process::id() && !alive(pid))
+        })
+        .map(str::to_owned)
+        .collect()
+}
+
 impl Drop for NftRedirect {
     fn drop(&mut self) {
         if let Err(e) = nft(&["delete", "table", "inet", &self.table], None, None) {
@@ -72,7 +112,7 @@ impl Drop for NftRedirect {
     }
 }
 
-fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<(), NftError> {
+fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<String, NftError> {
     let mut cmd = match cgroup2_at {
         None => Command::new("nft"),
         Some(root) => {
@@ -86,7 +126,7 @@ fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<
     let mut child = cmd
         .args(args)
         .stdin(Stdio::piped())
-        .stdout(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .map_err(NftError::NoNft)?;
@@ -96,7 +136,7 @@ fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<
     drop(child.stdin.take());
     let out = child.wait_with_output().map_err(NftError::NoNft)?;
     if out.status.success() {
-        Ok(())
+        Ok(String::from_utf8_lossy(&out.stdout).into_owned())
     } else {
         Err(NftError::Refused(
             String::from_utf8_lossy(&out.stderr).trim().to_owned(),
@@ -153,5 +193,19 @@ pub fn conntrack_original_destination(conn: &impl AsRawFd, peer: SocketAddr) -> 
                 ))
             })
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn stale_tables_are_those_of_dead_tokentap_processes() {
+        let listing = "table inet filter\ntable inet tokentap_tokentap_run_a_pid100\ntable inet tokentap_tokentap_run_b_pid200\ntable inet tokentap_old\n";
+        assert_eq!(
+            stale_tables(listing, |pid| pid == 200),
+            vec!["tokentap_tokentap_run_a_pid100".to_owned()]
+        );
     }
 }

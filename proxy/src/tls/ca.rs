@@ -1,9 +1,11 @@
 //! The per-installation certificate authority that transparent capture presents leaf
 //! certificates from: created on first use (`ca.pem`, and `ca-key.pem` readable by its owner
-//! only), leaves minted per server name on demand and kept for the life of the process.
+//! only, in a `0700` directory), leaves minted per server name on demand and the most recently
+//! used [`LEAF_CACHE_CAP`] of them kept (a client sending endless distinct SNI names cannot
+//! grow the process).
 
-use std::collections::HashMap;
 use std::io::Write;
+use std::num::NonZeroUsize;
 use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
@@ -19,6 +21,8 @@ use rustls::sign::CertifiedKey;
 pub const CA_CERT_FILE: &str = "ca.pem";
 pub const CA_KEY_FILE: &str = "ca-key.pem";
 const CA_NAME: &str = "tokentap local interception CA";
+/// Leaf certificates kept in memory; minting one again costs about a millisecond.
+pub const LEAF_CACHE_CAP: usize = 1024;
 
 #[derive(Debug, thiserror::Error)]
 pub enum CaError {
@@ -54,7 +58,7 @@ pub struct CertificateAuthority {
     cert_pem: String,
     cert_der: CertificateDer<'static>,
     issuer: Issuer<'static, KeyPair>,
-    leaves: Mutex<HashMap<String, Arc<CertifiedKey>>>,
+    leaves: Mutex<lru::LruCache<String, Arc<CertifiedKey>>>,
     provider: Arc<rustls::crypto::CryptoProvider>,
 }
 
@@ -90,8 +94,10 @@ impl CertificateAuthority {
         Ok((Self::load(dir)?, true))
     }
 
-    /// Loads an existing CA; refuses a key file others can read.
+    /// Loads an existing CA; refuses a key file others can read, and tightens a directory of
+    /// ours others can read to `0700`.
     pub fn load(dir: &Path) -> Result<CertificateAuthority, CaError> {
+        tokentap_spool::owner_only::tighten_dir(dir).map_err(io("tightening", dir))?;
         let key_path = dir.join(CA_KEY_FILE);
         let cert_path = dir.join(CA_CERT_FILE);
         let meta = std::fs::metadata(&key_path).map_err(io("reading", &key_path))?;
@@ -119,14 +125,15 @@ impl CertificateAuthority {
             cert_pem,
             cert_der,
             issuer,
-            leaves: Mutex::new(HashMap::new()),
+            leaves: Mutex::new(lru::LruCache::new(
+                NonZeroUsize::new(LEAF_CACHE_CAP).expect("non-zero"),
+            )),
             provider: Arc::new(rustls::crypto::ring::default_provider()),
         })
     }
 
     fn create(dir: &Path) -> Result<(), CaError> {
-        std::fs::create_dir_all(dir).map_err(io("creating", dir))?;
-        let _ = std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700));
+        tokentap_spool::owner_only::create_dir_all(dir).map_err(io("creating", dir))?;
         let mint = |m: rcgen::Error| CaError::Invalid {
             dir: dir.to_owned(),
             message: m.to_string(),
@@ -179,7 +186,8 @@ impl CertificateAuthority {
         &self.cert_der
     }
 
-    /// The leaf certificate and key for `host`, minted on first use and cached.
+    /// The leaf certificate and key for `host`, minted on first use and cached (least recently
+    /// used evicted past [`LEAF_CACHE_CAP`]).
     pub fn leaf(&self, host: &str) -> Result<Arc<CertifiedKey>, CaError> {
         let host = host.to_ascii_lowercase();
         if let Some(k) = self
@@ -192,7 +200,7 @@ impl CertificateAuthority {
         }
         let minted = Arc::new(self.mint(&host)?);
         let mut leaves = self.leaves.lock().unwrap_or_else(|e| e.into_inner());
-        Ok(leaves.entry(host).or_insert(minted).clone())
+        Ok(leaves.get_or_insert(host, || minted).clone())
     }
 
     fn mint(&self, host: &str) -> Result<CertifiedKey, CaError> {
@@ -339,5 +347,36 @@ mod tests {
         assert!(verifier
             .verify_server_cert(&a.cert[0], &a.cert[1..], &other, &[], now)
             .is_err());
+    }
+
+    #[test]
+    fn the_leaf_cache_is_bounded() {
+        let dir = tempfile::tempdir().unwrap();
+        let (ca, _) = CertificateAuthority::load_or_create(dir.path()).unwrap();
+        let first = ca.leaf("h0.test").unwrap();
+        for i in 1..LEAF_CACHE_CAP + 50 {
+            ca.leaf(&format!("h{i}.test")).unwrap();
+        }
+        assert_eq!(ca.leaves.lock().unwrap().len(), LEAF_CACHE_CAP);
+        // The oldest name was evicted: asking again mints a new leaf, still valid for it.
+        let again = ca.leaf("h0.test").unwrap();
+        assert!(!Arc::ptr_eq(&first, &again));
+        assert_eq!(ca.leaves.lock().unwrap().len(), LEAF_CACHE_CAP);
+    }
+
+    #[test]
+    fn the_ca_directory_is_owner_only() {
+        let t = tempfile::tempdir().unwrap();
+        let d = t.path().join("share/ca");
+        CertificateAuthority::load_or_create(&d).unwrap();
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&d), 0o700);
+        std::fs::set_permissions(&d, std::fs::Permissions::from_mode(0o755)).unwrap();
+        CertificateAuthority::load(&d).unwrap();
+        assert_eq!(
+            mode(&d),
+            0o700,
+            "a widened CA directory is tightened on load"
+        );
     }
 }
