@@ -28,6 +28,8 @@ pub struct Metrics {
     pub spool_write_errors: IntCounter,
     pub websocket_refused: IntCounter,
     pub transparent: IntCounterVec,
+    /// Counted by the shipper (`--ship-to`), which runs beside the proxy.
+    pub ship_dead_letter: IntCounter,
 }
 
 impl Metrics {
@@ -119,6 +121,10 @@ impl Metrics {
                 "tokentap_transparent_connections_total",
                 "Redirected connections by outcome (intercepted, passed_through, tls_failed, dropped)",
                 &["outcome"],
+            ),
+            ship_dead_letter: counter(
+                "tokentap_ship_dead_letter_total",
+                "Records the worker will never take (rejected, or over its body limit), kept in SPOOL/dead-letter.ndjson",
             ),
             registry,
         }

@@ -127,6 +127,7 @@ impl NodeArgs {
         config.capture = Some(capture.clone());
         config.gate = Some(parts.gate);
         config.prewarm = self.prewarm;
+        config.delivery.ca_roots = self.capture.ca_roots()?;
         config.harness_model = self.harness_model.clone();
         config.block_egress = self.block_egress;
         config.limits = tokentap_rollout::isolation::Limits {
@@ -185,12 +186,15 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
   tokentap serve --backend http://gpu:8000 --backend-kind vllm --data ./node --spool ./node/spool
   curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' -d @task.json http://127.0.0.1:8700/v1/rollouts
   curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' 'http://127.0.0.1:8700/v1/results?after=0&wait=30'
-  curl http://127.0.0.1:8700/openapi.json")]
+  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' http://127.0.0.1:8700/openapi.json
+
+Every route but /health (/metrics and /openapi.json included) needs the token when one is set;
+a listen address beyond loopback needs one.")]
 pub struct ServeArgs {
-    /// Address of the control plane.
+    /// Address of the control plane; anything but loopback needs --token.
     #[arg(long, default_value = "127.0.0.1:8700")]
     listen: SocketAddr,
-    /// Bearer token required on the control plane.
+    /// Bearer token required on every route of the control plane but /health.
     #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
@@ -198,6 +202,12 @@ pub struct ServeArgs {
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    crate::control_plane::check_exposure(
+        args.listen,
+        args.token.as_deref(),
+        "--token",
+        "TOKENTAP_NODE_TOKEN",
+    )?;
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
     let rt = runtime()?;
