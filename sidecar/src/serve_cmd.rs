@@ -198,6 +198,8 @@ pub struct ServeArgs {
     #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
+    tls: crate::control_plane::TlsListenArgs,
+    #[command(flatten)]
     pub node: NodeArgs,
 }
 
@@ -219,19 +221,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             token: args.token.clone(),
             extra_metrics: Some(Arc::new(move || service.metrics().render())),
         });
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(
-            listen = %listener.local_addr()?,
-            capture = %node.capture.addr,
-            data = %args.node.data_dir().display(),
-            "tokentap rollout node ready"
-        );
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
-        anyhow::Ok(())
+        let (capture, data) = (node.capture.addr, args.node.data_dir());
+        crate::control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
+            tracing::info!(%listen, tls, %capture, data = %data.display(), "tokentap rollout node ready")
+        })
+        .await
     })?;
     // Running samples are re-run after the next start (the store says where they were).
     drop(rt);

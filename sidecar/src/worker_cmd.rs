@@ -58,6 +58,8 @@ pub struct WorkerArgs {
     /// --max-body-bytes.
     #[arg(long, default_value_t = 128 << 20)]
     max_body_bytes: usize,
+    #[command(flatten)]
+    tls: crate::control_plane::TlsListenArgs,
     /// Output directory for traces.
     #[arg(long)]
     out: PathBuf,
@@ -266,16 +268,13 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(listen = %listener.local_addr()?, out = %args.out.display(), "tokentap worker ready");
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
-        anyhow::Ok(())
-    })?;
+    rt.block_on(crate::control_plane::serve(
+        args.listen,
+        &args.tls,
+        app,
+        shutdown_signal(),
+        |listen, tls| tracing::info!(%listen, tls, out = %args.out.display(), "tokentap worker ready"),
+    ))?;
     stop.store(true, Ordering::Relaxed);
     live_thread
         .join()
@@ -283,14 +282,6 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     tracing::info!("tokentap worker stopped");
     Ok(())
 }
-
-/// Every (method, path) [`router`] serves, `/health` first (for the authentication test).
-pub const ALL_ROUTES: &[(&str, &str)] = &[
-    ("GET", "/health"),
-    ("POST", SHIP_PATH),
-    ("GET", SHIP_LIMITS_PATH),
-    ("GET", "/metrics"),
-];
 
 fn router(state: AppState, token: BearerToken, max_body_bytes: usize) -> Router {
     let guarded = Router::new()
@@ -432,6 +423,9 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
             m.received.inc_by(ack.accepted + ack.duplicates);
             m.duplicates.inc_by(ack.duplicates);
             m.rejected.inc_by(ack.rejected);
+            if ack.rejected > 0 {
+                tracing::warn!(rejected = ack.rejected, errors = ?ack.errors, "rejected lines of a batch (the shipper keeps them in its dead-letter file)");
+            }
             Json(ack).into_response()
         }
         Ok(Err(e)) => {
