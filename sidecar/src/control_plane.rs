@@ -105,11 +105,11 @@ impl TlsListener {
                         continue;
                     }
                 };
-                let (acceptor, tx) = (acceptor.clone(), tx.clone());
+                let (acceptor, handed) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
                     match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
                         Ok(Ok(tls)) => {
-                            let _ = tx.send((tls, peer)).await;
+                            let _ = handed.send((tls, peer)).await;
                         }
                         Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
                         Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),

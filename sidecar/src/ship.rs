@@ -267,7 +267,6 @@ pub fn ship(
             worker_max = client.limits();
         }
         let budget = worker_max.map_or(limits.max_bytes, |m| limits.max_bytes.min(m as usize));
-        let mut caught_up = false;
         while pending.len() < limits.max_records && pending_bytes < budget {
             let line = match reader.next_available()? {
                 Some(SpoolItem::Record(e)) => {
@@ -277,10 +276,7 @@ pub fn ship(
                 }
                 Some(SpoolItem::Corrupt { position, error }) => (position, Err(error)),
                 Some(SpoolItem::Torn { .. }) => continue, // never from next_available
-                None => {
-                    caught_up = true;
-                    break;
-                }
+                None => break, // caught up
             };
             let p = Pending {
                 position: line.0,
