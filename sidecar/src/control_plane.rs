@@ -86,7 +86,10 @@ pub async fn serve(
 /// handshakes run in their own tasks: a client that stalls in one holds up nobody.
 struct TlsListener {
     local: SocketAddr,
-    ready: tokio::sync::mpsc::Receiver<(tokio_rustls::server::TlsStream<tokio::net::TcpStream>, SocketAddr)>,
+    ready: tokio::sync::mpsc::Receiver<(
+        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
+        SocketAddr,
+    )>,
 }
 
 impl TlsListener {

@@ -21,9 +21,7 @@ use prometheus::IntCounter;
 use serde::{Deserialize, Serialize};
 use serde_json::json;
 use tokentap_schema::ndjson::encode_line;
-use tokentap_schema::ship::{
-    ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH,
-};
+use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
 use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
 
 /// Next to the spool's segments; the spool reader ignores other files.
@@ -228,7 +226,9 @@ pub fn ship(
         builder = builder.add_root_certificate(ca.clone());
     }
     let client = Worker {
-        http: builder.build().context("building the shipper's HTTP client")?,
+        http: builder
+            .build()
+            .context("building the shipper's HTTP client")?,
         to: to.clone(),
         token: target.token.clone(),
     };
@@ -262,7 +262,9 @@ pub fn ship(
         if draining && drain_since.is_none() {
             drain_since = Some(Instant::now());
         }
-        if worker_max.is_none() && limits_asked.is_none_or(|t| t.elapsed() > Duration::from_secs(30)) {
+        if worker_max.is_none()
+            && limits_asked.is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+        {
             limits_asked = Some(Instant::now());
             worker_max = client.limits();
         }
@@ -276,7 +278,7 @@ pub fn ship(
                 }
                 Some(SpoolItem::Corrupt { position, error }) => (position, Err(error)),
                 Some(SpoolItem::Torn { .. }) => continue, // never from next_available
-                None => break, // caught up
+                None => break,                            // caught up
             };
             let p = Pending {
                 position: line.0,
@@ -347,7 +349,9 @@ pub fn ship(
                             dead.keep(p, &format!("the worker rejected it: {}", r.reason))?;
                             totals.dead_lettered += 1;
                         }
-                        None => tracing::error!(line = r.line, reason = %r.reason, "the worker rejected a line the batch does not have"),
+                        None => {
+                            tracing::error!(line = r.line, reason = %r.reason, "the worker rejected a line the batch does not have")
+                        }
                     }
                 }
                 if ack.rejected as usize > ack.rejected_lines.len() {
@@ -355,7 +359,13 @@ pub fn ship(
                     // of the rejected records is lost (the accepted ones are kept twice).
                     tracing::error!(rejected = ack.rejected, errors = ?ack.errors, "the worker rejected records without saying which: the whole batch goes to the dead-letter file");
                     for p in &batch {
-                        dead.keep(p, &format!("in a batch the worker rejected {} lines of: {:?}", ack.rejected, ack.errors))?;
+                        dead.keep(
+                            p,
+                            &format!(
+                                "in a batch the worker rejected {} lines of: {:?}",
+                                ack.rejected, ack.errors
+                            ),
+                        )?;
                         totals.dead_lettered += 1;
                     }
                 }
@@ -372,7 +382,13 @@ pub fn ship(
                     // One record the worker will not read, whatever it says its limit is.
                     let p = pending.pop_front().expect("front exists");
                     pending_bytes -= p.len();
-                    dead.keep(&p, &format!("the worker answered 413 to this record alone ({} bytes)", p.len()))?;
+                    dead.keep(
+                        &p,
+                        &format!(
+                            "the worker answered 413 to this record alone ({} bytes)",
+                            p.len()
+                        ),
+                    )?;
                     totals.dead_lettered += 1;
                     save(p.end)?;
                 } else {
@@ -568,7 +584,8 @@ pub fn load_ca_file(path: Option<&Path>) -> anyhow::Result<Vec<reqwest::Certific
     let Some(path) = path else {
         return Ok(Vec::new());
     };
-    let pem = std::fs::read(path).with_context(|| format!("reading --ca-file {}", path.display()))?;
+    let pem =
+        std::fs::read(path).with_context(|| format!("reading --ca-file {}", path.display()))?;
     let certs = reqwest::Certificate::from_pem_bundle(&pem)
         .with_context(|| format!("--ca-file {}: not PEM certificates", path.display()))?;
     if certs.is_empty() {

@@ -22,10 +22,10 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
-use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats};
-use tokentap_schema::ndjson::decode_line;
 use serde_json::json;
+use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats};
 use tokentap_rollout::bearer::{self, BearerToken};
+use tokentap_schema::ndjson::decode_line;
 use tokentap_schema::ship::{RejectedLine, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH};
 use tokentap_schema::{CaptureRecord, CAPTURE_SCHEMA_VERSION};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter};
@@ -263,7 +263,11 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
             max_body_bytes: args.max_body_bytes as u64,
         },
     };
-    let app = router(state, BearerToken::new(args.token.as_deref()), args.max_body_bytes);
+    let app = router(
+        state,
+        BearerToken::new(args.token.as_deref()),
+        args.max_body_bytes,
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -268,13 +268,7 @@ pub async fn metric_with(base: &str, name: &str, token: Option<&str>) -> Option<
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }
-    let text = req
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
+    let text = req.send().await.ok()?.text().await.ok()?;
     text.lines().find_map(|l| {
         let (n, v) = l.split_once(' ')?;
         (n == name).then(|| v.trim().parse().ok()).flatten()

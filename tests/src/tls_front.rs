@@ -45,13 +45,13 @@ impl TestCa {
     /// PEM).
     pub fn leaf(&self) -> (String, String) {
         let key = rcgen::KeyPair::generate().expect("a leaf key");
-        let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()])
-            .expect("leaf params");
+        let mut params =
+            rcgen::CertificateParams::new(vec!["localhost".to_owned()]).expect("leaf params");
         params
             .subject_alt_names
             .push(rcgen::SanType::IpAddress([127, 0, 0, 1].into()));
-        let issuer = rcgen::Issuer::from_ca_cert_der(self.cert.der(), &self.key)
-            .expect("the CA as issuer");
+        let issuer =
+            rcgen::Issuer::from_ca_cert_der(self.cert.der(), &self.key).expect("the CA as issuer");
         let cert = params.signed_by(&key, &issuer).expect("a signed leaf");
         (cert.pem(), key.serialize_pem())
     }

@@ -118,9 +118,13 @@ async fn every_route_of_serve_refuses_a_missing_or_wrong_token() {
     )
     .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    wait_healthy(&format!("{base}/health"), &mut node, Duration::from_secs(30))
-        .await
-        .unwrap();
+    wait_healthy(
+        &format!("{base}/health"),
+        &mut node,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
     attack(&base, routes).await;
     // Metrics with the token: the node's and its capture's.
     let text = http_client()
@@ -247,9 +251,13 @@ async fn serve_and_worker_refuse_a_non_loopback_listen_without_a_token() {
     )
     .unwrap();
     let base = format!("http://127.0.0.1:{port}");
-    wait_healthy(&format!("{base}/health"), &mut worker, Duration::from_secs(30))
-        .await
-        .unwrap();
+    wait_healthy(
+        &format!("{base}/health"),
+        &mut worker,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
     let r = http_client()
         .get(format!("{base}/metrics"))
         .send()

@@ -111,7 +111,11 @@ async fn a_40_mb_record_is_delivered_alone_and_later_records_keep_flowing() {
         .iter()
         .find(|r| r.session_id == "big")
         .expect("the big record");
-    assert!(big.request.body_bytes > 40_000_000, "{}", big.request.body_bytes);
+    assert!(
+        big.request.body_bytes > 40_000_000,
+        "{}",
+        big.request.body_bytes
+    );
     // Bigger than the shipper's batches (8 MiB), under the worker's limit: sent alone.
     assert!(dead_letters(&proxy.spool).is_empty());
     assert_eq!(
