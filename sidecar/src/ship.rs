@@ -610,3 +610,123 @@ pub fn signal_sets(signal: libc::c_int, flag: Arc<AtomicBool>) {
         });
     });
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::DefaultBodyLimit;
+    use std::sync::Mutex;
+    use tokentap_reconstruct::synthetic::LongSession;
+    use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+    /// A worker of an older kind: no `/v1/ship/limits`, and a bare 413 (no limit in it) for
+    /// a body over `limit`. The shipper must still get every record through that fits, and
+    /// dead-letter the one that does not, by splitting on 413s alone.
+    #[test]
+    fn without_advertised_limits_413s_split_batches_down_to_the_record_at_fault() {
+        const LIMIT: usize = 16 << 10;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let received: Arc<Mutex<Vec<String>>> = Arc::default();
+        let bodies: Arc<Mutex<Vec<usize>>> = Arc::default();
+        let url = {
+            let (received, bodies) = (received.clone(), bodies.clone());
+            rt.block_on(async move {
+                let app = axum::Router::new()
+                    .route(
+                        SHIP_PATH,
+                        axum::routing::post(move |body: axum::body::Bytes| async move {
+                            bodies.lock().unwrap().push(body.len());
+                            let mut ack = ShipAck::default();
+                            for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+                                let r: tokentap_schema::CaptureRecord =
+                                    serde_json::from_slice(line).unwrap();
+                                received.lock().unwrap().push(r.record_id);
+                                ack.accepted += 1;
+                            }
+                            axum::Json(ack)
+                        }),
+                    )
+                    .layer(DefaultBodyLimit::max(LIMIT));
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let url = format!("http://{}", listener.local_addr().unwrap());
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                url
+            })
+        };
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut records = LongSession {
+            calls: 40,
+            first_prompt: 200,
+            last_prompt: 400,
+            sampled: 8,
+            subagent_every: 0,
+            subagent_calls: 0,
+            subagent_prompt: 0,
+        }
+        .records("old-worker", 3);
+        // One record no batch of this worker can hold.
+        records[17].request.body = Some(json!({"padding": "p".repeat(2 * LIMIT)}));
+        let too_big = records[17].record_id.clone();
+        let mut w = SpoolWriter::open(dir.path(), SpoolConfig::default()).unwrap();
+        w.append_batch(&records).unwrap();
+        w.sync().unwrap();
+        drop(w);
+
+        let dead = IntCounter::new("dead", "dead").unwrap();
+        let target = ShipTarget {
+            to: url,
+            token: None,
+            ca_roots: Vec::new(),
+        };
+        let totals = ship(
+            dir.path(),
+            &target,
+            &ShipStop {
+                drain: Arc::new(AtomicBool::new(true)),
+                drain_deadline: Duration::from_secs(5),
+            },
+            BatchLimits::default(),
+            dead.clone(),
+        )
+        .unwrap();
+
+        let got = received.lock().unwrap().clone();
+        let want: Vec<String> = records
+            .iter()
+            .map(|r| r.record_id.clone())
+            .filter(|id| *id != too_big)
+            .collect();
+        assert_eq!(got, want, "every record that fits, once, in order");
+        assert_eq!(dead.get(), 1);
+        assert_eq!(totals.dead_lettered, 1);
+        let letters = std::fs::read_to_string(dir.path().join(DEAD_LETTER_FILE)).unwrap();
+        let letter: serde_json::Value = serde_json::from_str(letters.trim()).unwrap();
+        assert_eq!(letter["record"]["record_id"], too_big.as_str());
+        assert!(
+            letter["reason"].as_str().unwrap().contains("413"),
+            "{letter}"
+        );
+        // Everything settled: a second run from the cursor sends nothing.
+        let before = bodies.lock().unwrap().len();
+        let again = ship(
+            dir.path(),
+            &target,
+            &ShipStop {
+                drain: Arc::new(AtomicBool::new(true)),
+                drain_deadline: Duration::from_secs(1),
+            },
+            BatchLimits::default(),
+            dead,
+        )
+        .unwrap();
+        assert_eq!((again.records, again.dead_lettered), (0, 0));
+        assert_eq!(bodies.lock().unwrap().len(), before);
+        // And no body the worker read was over its limit.
+        assert!(bodies.lock().unwrap().iter().all(|&b| b <= LIMIT));
+    }
+}
