@@ -30,6 +30,8 @@ pub struct Metrics {
     pub transparent: IntCounterVec,
     /// Connections closed by a listener limit, by `limit`.
     pub connections_closed: IntCounterVec,
+    /// Counted by the shipper (`--ship-to`), which runs beside the proxy.
+    pub ship_dead_letter: IntCounter,
 }
 
 impl Metrics {
@@ -126,6 +128,10 @@ impl Metrics {
                 "tokentap_connections_closed_total",
                 "Connections closed by a listener limit (max_connections, header_timeout, body_timeout, tls_handshake_timeout)",
                 &["limit"],
+            ),
+            ship_dead_letter: counter(
+                "tokentap_ship_dead_letter_total",
+                "Records the worker will never take (rejected, or over its body limit), kept in SPOOL/dead-letter.ndjson",
             ),
             registry,
         }

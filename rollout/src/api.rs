@@ -1,18 +1,21 @@
 //! The node's HTTP control plane (`tokentap serve`): submit, inspect, cancel, and pull results.
-//! Every route but `/health` needs `Authorization: Bearer TOKEN` when a token is configured.
+//! Every route but `/health` needs `Authorization: Bearer TOKEN` when a token is configured,
+//! `/metrics` and `/openapi.json` included: the metrics name rollouts' progress and the node's
+//! capture figures, and one rule with one exception is the rule operators can check.
 
 use std::sync::Arc;
 use std::time::Duration;
 
-use axum::extract::{Path, Query, Request, State};
+use axum::extract::{Path, Query, State};
 use axum::http::{header, StatusCode};
-use axum::middleware::{self, Next};
+use axum::middleware;
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
+use crate::bearer::{self, BearerToken};
 use crate::pipeline::{now_ms, Pipeline};
 use crate::store::StoreError;
 use crate::task::TaskSpec;
@@ -26,6 +29,7 @@ pub struct ApiState {
 }
 
 pub fn router(state: ApiState) -> Router {
+    let token = BearerToken::new(state.token.as_deref());
     let guarded = Router::new()
         .route("/v1/rollouts", post(submit))
         .route("/v1/rollouts/{id}", get(show).delete(cancel))
@@ -35,17 +39,34 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/admin/pause", post(pause))
         .route("/v1/admin/resume", post(resume))
         .route("/v1/admin/status", get(admin_status))
-        .route_layer(middleware::from_fn_with_state(state.clone(), bearer));
-    Router::new()
-        .merge(guarded)
-        .route("/health", get(|| async { "ok" }))
         .route("/metrics", get(metrics))
         .route(
             "/openapi.json",
             get(|| async { Json(crate::openapi::document()) }),
         )
+        .route_layer(middleware::from_fn_with_state(token, bearer::require));
+    Router::new()
+        .merge(guarded)
+        .route("/health", get(|| async { "ok" }))
         .with_state(state)
 }
+
+/// Every (method, path) [`router`] serves, `/health` first: what an authentication test must
+/// try one by one (kept next to the router so a new route cannot be forgotten there).
+pub const ALL_ROUTES: &[(&str, &str)] = &[
+    ("GET", "/health"),
+    ("POST", "/v1/rollouts"),
+    ("GET", "/v1/rollouts/{id}"),
+    ("DELETE", "/v1/rollouts/{id}"),
+    ("GET", "/v1/rollouts/{id}/events"),
+    ("GET", "/v1/samples/{id}/traces"),
+    ("GET", "/v1/results"),
+    ("POST", "/v1/admin/pause"),
+    ("POST", "/v1/admin/resume"),
+    ("GET", "/v1/admin/status"),
+    ("GET", "/metrics"),
+    ("GET", "/openapi.json"),
+];
 
 /// An error in one shape for every route: `{"error": {"type", "message"}}`.
 fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
@@ -69,24 +90,6 @@ fn store_error(e: StoreError) -> Response {
             other.to_string(),
         ),
     }
-}
-
-async fn bearer(State(state): State<ApiState>, req: Request, next: Next) -> Response {
-    if let Some(token) = &state.token {
-        let given = req
-            .headers()
-            .get(header::AUTHORIZATION)
-            .and_then(|v| v.to_str().ok())
-            .and_then(|v| v.strip_prefix("Bearer "));
-        if given != Some(token.as_str()) {
-            return error(
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                "a valid bearer token is required",
-            );
-        }
-    }
-    next.run(req).await
 }
 
 async fn submit(State(state): State<ApiState>, body: axum::body::Bytes) -> Response {

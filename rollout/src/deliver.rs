@@ -23,6 +23,9 @@ pub struct DeliveryPolicy {
     pub max_backoff: Duration,
     /// Per attempt.
     pub timeout: Duration,
+    /// CA certificates trusted besides the built-in roots (`--ca-file`), for https:// callback
+    /// URLs.
+    pub ca_roots: Vec<reqwest::Certificate>,
 }
 
 impl Default for DeliveryPolicy {
@@ -32,6 +35,7 @@ impl Default for DeliveryPolicy {
             first_backoff: Duration::from_millis(500),
             max_backoff: Duration::from_secs(60),
             timeout: Duration::from_secs(30),
+            ca_roots: Vec::new(),
         }
     }
 }
@@ -47,10 +51,12 @@ enum Attempt {
 
 /// Runs deliveries until the process ends; `wake` is notified whenever a sample finishes.
 pub async fn run(store: Arc<Store>, wake: Arc<Notify>, policy: DeliveryPolicy) {
-    let client = reqwest::Client::builder()
-        .timeout(policy.timeout)
-        .build()
-        .expect("an HTTP client");
+    // rustls with ring; the system's and Mozilla's roots, plus `--ca-file`.
+    let mut builder = reqwest::Client::builder().timeout(policy.timeout);
+    for ca in &policy.ca_roots {
+        builder = builder.add_root_certificate(ca.clone());
+    }
+    let client = builder.build().expect("an HTTP client");
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);
@@ -154,7 +160,8 @@ async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value
         .await;
     let response = match sent {
         Ok(r) => r,
-        Err(e) => return Attempt::Transient(format!("{e}"), None),
+        // With its causes: a TLS failure says why (e.g. an unknown issuer) only there.
+        Err(e) => return Attempt::Transient(error_chain(&e), None),
     };
     let status = response.status();
     if status.is_success() {
@@ -176,6 +183,17 @@ async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value
     } else {
         Attempt::Refused(why)
     }
+}
+
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
 }
 
 #[cfg(test)]

@@ -5,6 +5,7 @@
 //! - [`store`]: the durable state (redb) that survives node restarts.
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
+//! - [`bearer`]: the token check of the control planes (`serve`, `worker`).
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
 //! - [`openapi`]: the control plane's OpenAPI document.
@@ -17,6 +18,7 @@
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
 pub mod api;
+pub mod bearer;
 pub mod capture;
 pub mod deliver;
 pub mod evaluate;

@@ -147,7 +147,7 @@ pub fn document() -> Value {
         "info": {
             "title": "tokentap rollout node",
             "version": env!("CARGO_PKG_VERSION"),
-            "description": "Tasks in, rewarded token-faithful trajectories out. Every route but /health, /metrics and /openapi.json needs `Authorization: Bearer TOKEN` when the node has a token."
+            "description": "Tasks in, rewarded token-faithful trajectories out. Every route but /health (this document and /metrics included) needs `Authorization: Bearer TOKEN` when the node has a token."
         },
         "paths": paths,
         "components": {

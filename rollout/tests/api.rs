@@ -142,7 +142,7 @@ async fn submit_poll_show_and_cancel_over_http() {
 }
 
 /// Every route the OpenAPI document lists is served (a missing one would answer axum's bare
-/// 404 or 405, not the node's JSON), and the document itself is served without a token.
+/// 404 or 405, not the node's JSON).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openapi_document_matches_the_router() {
     let dir = tempfile::tempdir().unwrap();
@@ -150,6 +150,7 @@ async fn the_openapi_document_matches_the_router() {
     let http = reqwest::Client::builder().no_proxy().build().unwrap();
     let doc: Value = http
         .get(format!("{url}/openapi.json"))
+        .bearer_auth(TOKEN)
         .send()
         .await
         .unwrap()

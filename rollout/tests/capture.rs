@@ -50,6 +50,7 @@ async fn node(
             kind: BackendKind::Vllm,
             url: engine.to_owned(),
             api_key: None,
+            ca_roots: Vec::new(),
             connect_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
         })

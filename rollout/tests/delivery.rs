@@ -24,6 +24,7 @@ async fn node(dir: &std::path::Path) -> String {
             max_backoff: Duration::from_millis(200),
             timeout: Duration::from_millis(500),
             max_attempts: 8,
+            ..DeliveryPolicy::default()
         },
         ..PipelineConfig::new(dir.join("data"))
     };

@@ -12,15 +12,19 @@ use anyhow::Context;
 use clap::Args;
 use tokentap_reconstruct::LiveReconstructor;
 
-use crate::ship::{self, ShipLimits, ShipStop};
+use crate::ship::{self, BatchLimits, ShipAuthArgs, ShipStop, ShipTarget};
 use crate::worker_cmd::LiveArgs;
 
 #[derive(Args, Clone)]
 pub struct DownstreamArgs {
     /// Ship records to a reconstruction worker (`tokentap worker`) at this base URL instead
     /// of reconstructing here; at least once, resuming after restarts.
+    /// Records the worker will never take go to SPOOL/dead-letter.ndjson (and count in
+    /// tokentap_ship_dead_letter_total).
     #[arg(long, value_name = "URL")]
     pub ship_to: Option<String>,
+    #[command(flatten)]
+    pub ship_auth: ShipAuthArgs,
     /// Local mode: where traces are written (traces.jsonl, sessions.jsonl, parquet/);
     /// default: SPOOL/traces.
     #[arg(long)]
@@ -40,12 +44,23 @@ pub struct Downstream {
 }
 
 impl DownstreamArgs {
-    /// Starts shipping or local reconstruction of `spool`, if configured.
-    pub fn start(&self, spool: &std::path::Path) -> anyhow::Result<Option<Downstream>> {
+    /// Starts shipping (trusting `ca_roots` besides the built-in roots, counting dead letters
+    /// on `dead_letters`) or local reconstruction of `spool`, if configured.
+    pub fn start(
+        &self,
+        spool: &std::path::Path,
+        ca_roots: Vec<reqwest::Certificate>,
+        dead_letters: prometheus::IntCounter,
+    ) -> anyhow::Result<Option<Downstream>> {
         let stop = Arc::new(AtomicBool::new(false));
         let finish_open = Arc::new(AtomicBool::new(false));
         let spool = spool.to_path_buf();
         let thread = if let Some(url) = self.ship_to.clone() {
+            let target = ShipTarget {
+                to: url,
+                token: self.ship_auth.ship_token.clone(),
+                ca_roots,
+            };
             let stop = ShipStop {
                 drain: stop.clone(),
                 drain_deadline: Duration::from_secs(10),
@@ -53,7 +68,9 @@ impl DownstreamArgs {
             std::thread::Builder::new()
                 .name("ship".into())
                 .spawn(move || {
-                    if let Err(e) = ship::ship(&spool, &url, &stop, ShipLimits::default()) {
+                    if let Err(e) =
+                        ship::ship(&spool, &target, &stop, BatchLimits::default(), dead_letters)
+                    {
                         tracing::error!(error = %e, "shipping stopped");
                     }
                 })?

@@ -2,6 +2,7 @@
 
 mod bench;
 mod ca_cmd;
+mod control_plane;
 mod downstream;
 mod generate_cmd;
 mod proxy_cmd;

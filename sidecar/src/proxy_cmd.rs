@@ -77,6 +77,10 @@ pub struct CaptureArgs {
     /// Bearer token for the engine (never recorded).
     #[arg(long, env = "TOKENTAP_BACKEND_API_KEY", hide_env_values = true)]
     backend_api_key: Option<String>,
+    /// A PEM file of CA certificates to trust, besides the system's and Mozilla's roots, for
+    /// every HTTPS connection tokentap makes: the engine, the worker (--ship-to), callbacks.
+    #[arg(long, env = "TOKENTAP_CA_FILE")]
+    pub ca_file: Option<PathBuf>,
     /// Seconds to wait for the engine's first byte and between streamed chunks.
     #[arg(long, default_value_t = 600)]
     backend_timeout: u64,
@@ -151,7 +155,11 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     let downstream = if capture.no_capture {
         None
     } else {
-        args.downstream.start(&capture.spool)?
+        args.downstream.start(
+            &capture.spool,
+            capture.ca_roots()?,
+            service.metrics().ship_dead_letter.clone(),
+        )?
     };
 
     let conf = ServerConf {
@@ -187,6 +195,11 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
 }
 
 impl CaptureArgs {
+    /// The `--ca-file` certificates (none without it).
+    pub fn ca_roots(&self) -> anyhow::Result<Vec<reqwest::Certificate>> {
+        crate::ship::load_ca_file(self.ca_file.as_deref())
+    }
+
     /// The capture service and the spool writer's thread (join it after the service is gone).
     pub fn build(
         &self,
@@ -206,6 +219,7 @@ impl CaptureArgs {
             kind: args.backend_kind.into(),
             url: args.backend.clone(),
             api_key: args.backend_api_key.clone(),
+            ca_roots: args.ca_roots()?,
             connect_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(args.backend_timeout),
         };

@@ -172,7 +172,11 @@ impl TransparentArgs {
         let downstream = if self.capture.no_capture {
             None
         } else {
-            self.downstream.start(&self.capture.spool)?
+            self.downstream.start(
+                &self.capture.spool,
+                self.capture.ca_roots()?,
+                service.metrics().ship_dead_letter.clone(),
+            )?
         };
         let service = Arc::new(service);
         let runtime = tokio::runtime::Builder::new_multi_thread()

@@ -127,6 +127,7 @@ impl NodeArgs {
         config.capture = Some(capture.clone());
         config.gate = Some(parts.gate);
         config.prewarm = self.prewarm;
+        config.delivery.ca_roots = self.capture.ca_roots()?;
         config.harness_model = self.harness_model.clone();
         config.block_egress = self.block_egress;
         config.limits = tokentap_rollout::isolation::Limits {
@@ -186,19 +187,30 @@ pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
   tokentap serve --backend http://gpu:8000 --backend-kind vllm --data ./node --spool ./node/spool
   curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' -d @task.json http://127.0.0.1:8700/v1/rollouts
   curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' 'http://127.0.0.1:8700/v1/results?after=0&wait=30'
-  curl http://127.0.0.1:8700/openapi.json")]
+  curl -H 'authorization: Bearer $TOKENTAP_NODE_TOKEN' http://127.0.0.1:8700/openapi.json
+
+Every route but /health (/metrics and /openapi.json included) needs the token when one is set;
+a listen address beyond loopback needs one.")]
 pub struct ServeArgs {
-    /// Address of the control plane.
+    /// Address of the control plane; anything but loopback needs --token.
     #[arg(long, default_value = "127.0.0.1:8700")]
     listen: SocketAddr,
-    /// Bearer token required on the control plane.
+    /// Bearer token required on every route of the control plane but /health.
     #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
+    #[command(flatten)]
+    tls: crate::control_plane::TlsListenArgs,
     #[command(flatten)]
     pub node: NodeArgs,
 }
 
 pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+    crate::control_plane::check_exposure(
+        args.listen,
+        args.token.as_deref(),
+        "--token",
+        "TOKENTAP_NODE_TOKEN",
+    )?;
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
     let rt = runtime()?;
@@ -210,19 +222,11 @@ pub fn run(args: ServeArgs) -> anyhow::Result<()> {
             token: args.token.clone(),
             extra_metrics: Some(Arc::new(move || service.metrics().render())),
         });
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(
-            listen = %listener.local_addr()?,
-            capture = %node.capture.addr,
-            data = %args.node.data_dir().display(),
-            "tokentap rollout node ready"
-        );
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
-        anyhow::Ok(())
+        let (capture, data) = (node.capture.addr, args.node.data_dir());
+        crate::control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
+            tracing::info!(%listen, tls, %capture, data = %data.display(), "tokentap rollout node ready")
+        })
+        .await
     })?;
     // Running samples are re-run after the next start (the store says where they were).
     drop(rt);

@@ -1,7 +1,15 @@
 //! The shipper: sends a spool's records to a reconstruction worker, at least once, resuming
-//! from a cursor file after either side restarts. Runs in `tokentap proxy --ship-to URL` and as
-//! `tokentap ship`.
+//! from a cursor file after either side restarts. Runs in `tokentap proxy --ship-to URL` (and
+//! `run`, `sidecar`) and as `tokentap ship`.
+//!
+//! It cannot stall: batches stay under the worker's advertised body limit, a record bigger than
+//! a batch goes alone, and a record the worker will never take (over its limit, or rejected in
+//! its ack) goes to the dead-letter file next to the cursor, loudly and counted, before the
+//! cursor moves past it. Only a worker that is down or refuses the token holds the stream, and
+//! that is retried until it comes back.
 
+use std::collections::VecDeque;
+use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -9,13 +17,18 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use clap::Args;
+use prometheus::IntCounter;
 use serde::{Deserialize, Serialize};
+use serde_json::json;
 use tokentap_schema::ndjson::encode_line;
-use tokentap_schema::ship::{ShipAck, SHIP_CONTENT_TYPE, SHIP_PATH};
+use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
 use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
 
 /// Next to the spool's segments; the spool reader ignores other files.
 pub const CURSOR_FILE: &str = "ship-cursor.json";
+/// Records that will never be delivered, one JSON object a line (`reason`, `worker`,
+/// `position`, `record`), next to the cursor; created 0600.
+pub const DEAD_LETTER_FILE: &str = "dead-letter.ndjson";
 
 #[derive(Debug, Serialize, Deserialize)]
 struct Cursor {
@@ -27,7 +40,9 @@ struct Cursor {
 #[derive(Args)]
 #[command(after_help = "Examples:
   # ship what a proxy captured to a worker, then keep following the spool
-  tokentap ship --spool ./spool --to http://worker:8900 --follow")]
+  TOKENTAP_WORKER_TOKEN=... tokentap ship --spool ./spool --to https://worker:8900 --follow
+
+Records the worker will never take are kept in SPOOL/dead-letter.ndjson.")]
 pub struct ShipArgs {
     /// The spool to ship.
     #[arg(long, default_value = "tokentap-spool")]
@@ -38,18 +53,41 @@ pub struct ShipArgs {
     /// Keep following the spool for new records (until SIGINT/SIGTERM).
     #[arg(long)]
     follow: bool,
+    #[command(flatten)]
+    auth: ShipAuthArgs,
+    /// A PEM file of CA certificates to trust (besides the system's) for an https:// worker.
+    #[arg(long, env = "TOKENTAP_CA_FILE")]
+    ca_file: Option<PathBuf>,
 }
 
-/// How a shipper batches.
+/// The worker's token, wherever records are shipped from.
+#[derive(Args, Clone)]
+pub struct ShipAuthArgs {
+    /// Bearer token of the worker (its --token).
+    #[arg(long, env = "TOKENTAP_WORKER_TOKEN", hide_env_values = true)]
+    pub ship_token: Option<String>,
+}
+
+/// Where and how records are sent.
+#[derive(Clone)]
+pub struct ShipTarget {
+    /// The worker's base URL.
+    pub to: String,
+    pub token: Option<String>,
+    /// CA certificates trusted besides the built-in roots (`--ca-file`).
+    pub ca_roots: Vec<reqwest::Certificate>,
+}
+
+/// How a shipper batches (the worker's own limit caps `max_bytes` further).
 #[derive(Debug, Clone, Copy)]
-pub struct ShipLimits {
+pub struct BatchLimits {
     pub max_records: usize,
     pub max_bytes: usize,
 }
 
-impl Default for ShipLimits {
+impl Default for BatchLimits {
     fn default() -> Self {
-        ShipLimits {
+        BatchLimits {
             max_records: 256,
             max_bytes: 8 << 20,
         }
@@ -63,6 +101,7 @@ pub struct ShipTotals {
     pub records: u64,
     pub duplicates: u64,
     pub rejected: u64,
+    pub dead_lettered: u64,
     pub retries: u64,
 }
 
@@ -76,15 +115,93 @@ pub struct ShipStop {
     pub drain_deadline: Duration,
 }
 
-/// Ships `spool` to `to` until the spool is drained and `stop.drain` is set.
+/// A spool line read but not yet settled (acked or dead-lettered).
+struct Pending {
+    /// Where the line starts (for the dead-letter file).
+    position: SpoolPosition,
+    /// Just past it: the cursor once it is settled.
+    end: SpoolPosition,
+    /// The record's NDJSON line, or why the spool line is not a record.
+    line: Result<Vec<u8>, String>,
+}
+
+impl Pending {
+    fn len(&self) -> usize {
+        self.line.as_ref().map_or(0, Vec::len)
+    }
+}
+
+/// How one batch went.
+enum Sent {
+    Acked(ShipAck),
+    /// 413: the batch is over the worker's limit (which it may say).
+    TooLarge(Option<u64>),
+    /// 401/403: the token is missing or wrong. Retried: records are not at fault.
+    Unauthorized(String),
+    /// Another 4xx: the worker refuses this batch as such; retrying it unchanged cannot help.
+    Refused(String),
+    /// Transport errors, 5xx, 408, 429: worth retrying as it is.
+    Transient(String),
+}
+
+/// Keeps the records the worker will never take, and counts them.
+struct DeadLetters {
+    path: PathBuf,
+    worker: String,
+    counter: IntCounter,
+}
+
+impl DeadLetters {
+    fn keep(&self, p: &Pending, reason: &str) -> anyhow::Result<()> {
+        tracing::error!(
+            position = %p.position,
+            bytes = p.len(),
+            file = %self.path.display(),
+            %reason,
+            "a record cannot be delivered to the worker: kept in the dead-letter file"
+        );
+        let mut line = serde_json::to_vec(&json!({
+            "dead_lettered_at_unix_ms": unix_ms(),
+            "worker": self.worker,
+            "position": p.position.to_string(),
+            "reason": reason,
+        }))?;
+        line.pop(); // the closing brace: the record's own line follows as it was shipped
+        line.extend_from_slice(b",\"record\":");
+        match &p.line {
+            Ok(record) => line.extend_from_slice(record.strip_suffix(b"\n").unwrap_or(record)),
+            Err(_) => line.extend_from_slice(b"null"),
+        }
+        line.extend_from_slice(b"}\n");
+        let mut f = open_private_append(&self.path)
+            .with_context(|| format!("opening the dead-letter file {}", self.path.display()))?;
+        f.write_all(&line)?;
+        f.sync_data()?;
+        self.counter.inc();
+        Ok(())
+    }
+}
+
+fn open_private_append(path: &Path) -> std::io::Result<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .mode(0o600)
+        .open(path)
+}
+
+/// Ships `spool` to `target` until the spool is drained and `stop.drain` is set. Records it
+/// dead-letters are counted on `dead_letters`.
 pub fn ship(
     spool: &Path,
-    to: &str,
+    target: &ShipTarget,
     stop: &ShipStop,
-    limits: ShipLimits,
+    limits: BatchLimits,
+    dead_letters: IntCounter,
 ) -> anyhow::Result<ShipTotals> {
     let cursor_path = spool.join(CURSOR_FILE);
-    let to = to.trim_end_matches('/').to_owned();
+    let to = target.to.trim_end_matches('/').to_owned();
     let start = match std::fs::read(&cursor_path) {
         Ok(b) => match serde_json::from_slice::<Cursor>(&b) {
             Ok(c) if c.to == to => c.position,
@@ -101,99 +218,314 @@ pub fn ship(
     };
     let mut reader = SpoolReader::open_at(spool, start)
         .with_context(|| format!("opening the spool at {}", spool.display()))?;
-    let client = reqwest::blocking::Client::builder()
+    let mut builder = reqwest::blocking::Client::builder()
         .connect_timeout(Duration::from_secs(5))
-        .timeout(Duration::from_secs(60))
-        .build()?;
-    let url = format!("{to}{SHIP_PATH}");
+        // Room for a batch of the worker's largest body over a slow link.
+        .timeout(Duration::from_secs(300));
+    for ca in &target.ca_roots {
+        builder = builder.add_root_certificate(ca.clone());
+    }
+    let client = Worker {
+        http: builder
+            .build()
+            .context("building the shipper's HTTP client")?,
+        to: to.clone(),
+        token: target.token.clone(),
+    };
+    let dead = DeadLetters {
+        path: spool.join(DEAD_LETTER_FILE),
+        worker: to.clone(),
+        counter: dead_letters,
+    };
+    let save = |position: SpoolPosition| {
+        save_cursor(
+            &cursor_path,
+            &Cursor {
+                to: to.clone(),
+                position,
+            },
+        )
+    };
     let mut totals = ShipTotals::default();
     let mut drain_since: Option<Instant> = None;
+    let mut pending: VecDeque<Pending> = VecDeque::new();
+    let mut pending_bytes = 0usize;
+    // The worker's body limit: asked for, or told in a 413; None until known.
+    let mut worker_max: Option<u64> = None;
+    let mut limits_asked: Option<Instant> = None;
+    // After a 413 or a refused batch: try at most this many records next.
+    let mut split_cap: Option<usize> = None;
+    let mut backoff = Duration::from_millis(100);
     tracing::info!(spool = %spool.display(), worker = %to, from = %start, "shipping records");
     loop {
         let draining = stop.drain.load(Ordering::Relaxed);
         if draining && drain_since.is_none() {
             drain_since = Some(Instant::now());
         }
-        let mut body = Vec::new();
-        let mut n = 0;
-        let mut caught_up = false;
-        while n < limits.max_records && body.len() < limits.max_bytes {
-            match reader.next_available()? {
+        if worker_max.is_none()
+            && limits_asked.is_none_or(|t| t.elapsed() > Duration::from_secs(30))
+        {
+            limits_asked = Some(Instant::now());
+            worker_max = client.limits();
+        }
+        let budget = worker_max.map_or(limits.max_bytes, |m| limits.max_bytes.min(m as usize));
+        while pending.len() < limits.max_records && pending_bytes < budget {
+            let line = match reader.next_available()? {
                 Some(SpoolItem::Record(e)) => {
-                    encode_line(&e.record, &mut body)?;
-                    n += 1;
+                    let mut line = Vec::new();
+                    encode_line(&e.record, &mut line)?;
+                    (e.position, Ok(line))
                 }
-                Some(_) => {} // corrupt line: the reader reports it; nothing to ship
-                None => {
-                    caught_up = true;
-                    break;
-                }
-            }
+                Some(SpoolItem::Corrupt { position, error }) => (position, Err(error)),
+                Some(SpoolItem::Torn { .. }) => continue, // never from next_available
+                None => break,                            // caught up
+            };
+            let p = Pending {
+                position: line.0,
+                end: reader.position(),
+                line: line.1,
+            };
+            pending_bytes += p.len();
+            pending.push_back(p);
         }
-        if n > 0 {
-            let mut backoff = Duration::from_millis(100);
-            loop {
-                match send(&client, &url, &body) {
-                    Ok(ack) => {
-                        totals.batches += 1;
-                        totals.records += ack.accepted;
-                        totals.duplicates += ack.duplicates;
-                        totals.rejected += ack.rejected;
-                        if ack.rejected > 0 {
-                            tracing::warn!(rejected = ack.rejected, errors = ?ack.errors, "the worker rejected records");
-                        }
-                        break;
-                    }
-                    Err(e) => {
-                        totals.retries += 1;
-                        let gave_up =
-                            drain_since.is_some_and(|t| t.elapsed() >= stop.drain_deadline);
-                        if gave_up {
-                            tracing::warn!(error = %e, "worker unreachable at shutdown; the cursor is saved and the next start resumes");
-                            return Ok(totals);
-                        }
-                        tracing::warn!(error = %e, retry_in = ?backoff, "shipping failed; retrying the same batch");
-                        std::thread::sleep(backoff);
-                        backoff = (backoff * 2).min(Duration::from_secs(5));
-                        if drain_since.is_none() && stop.drain.load(Ordering::Relaxed) {
-                            drain_since = Some(Instant::now());
-                        }
-                    }
-                }
-            }
-            save_cursor(
-                &cursor_path,
-                &Cursor {
-                    to: to.clone(),
-                    position: reader.position(),
-                },
-            )?;
-        }
-        if caught_up {
+        let Some(front) = pending.front() else {
             if draining {
                 tracing::info!(?totals, "shipper drained");
                 return Ok(totals);
             }
             std::thread::sleep(Duration::from_millis(50));
+            continue;
+        };
+
+        // Lines that will never be delivered are settled here, one at a time.
+        let undeliverable = match &front.line {
+            Err(e) => Some(format!("the spool line is not a record: {e}")),
+            Ok(l) => worker_max.filter(|&m| l.len() as u64 > m).map(|m| {
+                format!(
+                    "the record is {} bytes, over the worker's limit of {m} (its --max-body-bytes)",
+                    l.len()
+                )
+            }),
+        };
+        if let Some(reason) = undeliverable {
+            let p = pending.pop_front().expect("front exists");
+            pending_bytes -= p.len();
+            dead.keep(&p, &reason)?;
+            totals.dead_lettered += 1;
+            save(p.end)?;
+            continue;
+        }
+
+        // The batch: records from the front, under the budget (the first one alone may be
+        // over it), never past a line that is not a record.
+        let mut n = 0;
+        let mut bytes = 0;
+        let cap = split_cap.unwrap_or(limits.max_records).max(1);
+        for p in pending.iter().take(cap) {
+            let Ok(l) = &p.line else { break };
+            if n > 0 && bytes + l.len() > budget {
+                break;
+            }
+            bytes += l.len();
+            n += 1;
+        }
+        let mut body = Vec::with_capacity(bytes);
+        for p in pending.iter().take(n) {
+            body.extend_from_slice(p.line.as_ref().expect("records only"));
+        }
+        let transient = match client.send(&body) {
+            Sent::Acked(ack) => {
+                backoff = Duration::from_millis(100);
+                split_cap = None;
+                totals.batches += 1;
+                totals.records += ack.accepted;
+                totals.duplicates += ack.duplicates;
+                totals.rejected += ack.rejected;
+                let batch: Vec<Pending> = pending.drain(..n).collect();
+                pending_bytes -= bytes;
+                for r in &ack.rejected_lines {
+                    match batch.get((r.line as usize).wrapping_sub(1)) {
+                        Some(p) => {
+                            dead.keep(p, &format!("the worker rejected it: {}", r.reason))?;
+                            totals.dead_lettered += 1;
+                        }
+                        None => {
+                            tracing::error!(line = r.line, reason = %r.reason, "the worker rejected a line the batch does not have")
+                        }
+                    }
+                }
+                if ack.rejected as usize > ack.rejected_lines.len() {
+                    // A worker that does not say which lines: keep the whole batch, so none
+                    // of the rejected records is lost (the accepted ones are kept twice).
+                    tracing::error!(rejected = ack.rejected, errors = ?ack.errors, "the worker rejected records without saying which: the whole batch goes to the dead-letter file");
+                    for p in &batch {
+                        dead.keep(
+                            p,
+                            &format!(
+                                "in a batch the worker rejected {} lines of: {:?}",
+                                ack.rejected, ack.errors
+                            ),
+                        )?;
+                        totals.dead_lettered += 1;
+                    }
+                }
+                save(batch.last().expect("a batch has a record").end)?;
+                None
+            }
+            Sent::TooLarge(max) => {
+                let known = max.or_else(|| client.limits());
+                tracing::warn!(batch_bytes = bytes, records = n, worker_limit = ?known, "the worker found the batch too large; sending fewer records");
+                if known.is_some() {
+                    worker_max = known;
+                }
+                if n == 1 {
+                    // One record the worker will not read, whatever it says its limit is.
+                    let p = pending.pop_front().expect("front exists");
+                    pending_bytes -= p.len();
+                    dead.keep(
+                        &p,
+                        &format!(
+                            "the worker answered 413 to this record alone ({} bytes)",
+                            p.len()
+                        ),
+                    )?;
+                    totals.dead_lettered += 1;
+                    save(p.end)?;
+                } else {
+                    split_cap = Some(n / 2);
+                }
+                None
+            }
+            Sent::Refused(why) if n == 1 => {
+                let p = pending.pop_front().expect("front exists");
+                pending_bytes -= p.len();
+                dead.keep(&p, &format!("the worker refused it: {why}"))?;
+                totals.dead_lettered += 1;
+                save(p.end)?;
+                split_cap = None;
+                None
+            }
+            Sent::Refused(why) => {
+                tracing::warn!(%why, records = n, "the worker refused the batch; sending its records in smaller batches to find the one at fault");
+                split_cap = Some(n / 2);
+                None
+            }
+            Sent::Unauthorized(why) => {
+                tracing::error!(%why, "the worker refused the shipper's token: set --ship-token (or TOKENTAP_WORKER_TOKEN) to the worker's --token; retrying");
+                Some(why)
+            }
+            Sent::Transient(why) => Some(why),
+        };
+        if let Some(e) = transient {
+            totals.retries += 1;
+            let gave_up = drain_since.is_some_and(|t| t.elapsed() >= stop.drain_deadline);
+            if gave_up {
+                tracing::warn!(error = %e, "worker unreachable at shutdown; the cursor is saved and the next start resumes");
+                return Ok(totals);
+            }
+            tracing::warn!(error = %e, retry_in = ?backoff, "shipping failed; retrying the same batch");
+            std::thread::sleep(backoff);
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            if worker_max.is_none() {
+                limits_asked = None; // the worker may be back: ask again
+            }
         }
     }
 }
 
-fn send(client: &reqwest::blocking::Client, url: &str, body: &[u8]) -> anyhow::Result<ShipAck> {
-    let response = client
-        .post(url)
-        .header(reqwest::header::CONTENT_TYPE, SHIP_CONTENT_TYPE)
-        .body(body.to_vec())
-        .send()?;
-    let status = response.status();
-    if !status.is_success() {
+/// The worker, as the shipper talks to it.
+struct Worker {
+    http: reqwest::blocking::Client,
+    to: String,
+    token: Option<String>,
+}
+
+impl Worker {
+    fn request(&self, method: reqwest::Method, path: &str) -> reqwest::blocking::RequestBuilder {
+        let req = self.http.request(method, format!("{}{path}", self.to));
+        match &self.token {
+            Some(t) => req.bearer_auth(t),
+            None => req,
+        }
+    }
+
+    /// The worker's body limit, when it tells it (an older worker does not).
+    fn limits(&self) -> Option<u64> {
+        let r = self.request(reqwest::Method::GET, SHIP_LIMITS_PATH).send();
+        match r {
+            Ok(r) if r.status().is_success() => match r.json::<ShipLimits>() {
+                Ok(l) => {
+                    tracing::info!(max_body_bytes = l.max_body_bytes, "the worker's limits");
+                    Some(l.max_body_bytes)
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "unreadable worker limits");
+                    None
+                }
+            },
+            Ok(r) => {
+                tracing::warn!(status = %r.status(), "the worker did not tell its limits");
+                None
+            }
+            Err(e) => {
+                tracing::debug!(error = %error_chain(&e), "asking the worker's limits");
+                None
+            }
+        }
+    }
+
+    fn send(&self, body: &[u8]) -> Sent {
+        let sent = self
+            .request(reqwest::Method::POST, SHIP_PATH)
+            .header(reqwest::header::CONTENT_TYPE, SHIP_CONTENT_TYPE)
+            .body(body.to_vec())
+            .send();
+        let response = match sent {
+            Ok(r) => r,
+            Err(e) => return Sent::Transient(error_chain(&e)),
+        };
+        let status = response.status();
+        if status.is_success() {
+            return match response.json::<ShipAck>() {
+                Ok(ack) => Sent::Acked(ack),
+                Err(e) => Sent::Transient(format!("unreadable ack: {}", error_chain(&e))),
+            };
+        }
         let text = response.text().unwrap_or_default();
-        anyhow::bail!(
+        let why = format!(
             "worker answered {status}: {}",
             text.chars().take(300).collect::<String>()
         );
+        match status.as_u16() {
+            413 => Sent::TooLarge(
+                serde_json::from_str::<serde_json::Value>(&text)
+                    .ok()
+                    .and_then(|v| v["max_body_bytes"].as_u64()),
+            ),
+            401 | 403 => Sent::Unauthorized(why),
+            408 | 425 | 429 => Sent::Transient(why),
+            400..=499 => Sent::Refused(why),
+            _ => Sent::Transient(why),
+        }
     }
-    Ok(response.json()?)
+}
+
+/// An error with its causes (a TLS failure says why only in its source).
+fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+fn unix_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
 }
 
 fn save_cursor(path: &Path, cursor: &Cursor) -> anyhow::Result<()> {
@@ -211,20 +543,55 @@ pub fn run(args: ShipArgs) -> anyhow::Result<()> {
     for signal in [libc::SIGINT, libc::SIGTERM] {
         signal_sets(signal, drain.clone());
     }
+    let target = ShipTarget {
+        to: args.to.clone(),
+        token: args.auth.ship_token.clone(),
+        ca_roots: load_ca_file(args.ca_file.as_deref())?,
+    };
+    let dead_letters = IntCounter::new("tokentap_ship_dead_letter_total", "dead-lettered")?;
     let totals = ship(
         &args.spool,
-        &args.to,
+        &target,
         &ShipStop {
             drain,
             drain_deadline: Duration::from_secs(if args.follow { 10 } else { 60 }),
         },
-        ShipLimits::default(),
+        BatchLimits::default(),
+        dead_letters,
     )?;
     println!(
-        "shipped {} records in {} batches ({} duplicates dropped by the worker, {} rejected, {} retries)",
-        totals.records, totals.batches, totals.duplicates, totals.rejected, totals.retries
+        "shipped {} records in {} batches ({} duplicates dropped by the worker, {} rejected, {} dead-lettered, {} retries)",
+        totals.records,
+        totals.batches,
+        totals.duplicates,
+        totals.rejected,
+        totals.dead_lettered,
+        totals.retries
     );
+    if totals.dead_lettered > 0 {
+        eprintln!(
+            "{} records could not be delivered; they are in {}",
+            totals.dead_lettered,
+            args.spool.join(DEAD_LETTER_FILE).display()
+        );
+    }
     Ok(())
+}
+
+/// The CA certificates of a `--ca-file` (PEM, one or more), to trust besides the built-in
+/// roots; none without one.
+pub fn load_ca_file(path: Option<&Path>) -> anyhow::Result<Vec<reqwest::Certificate>> {
+    let Some(path) = path else {
+        return Ok(Vec::new());
+    };
+    let pem =
+        std::fs::read(path).with_context(|| format!("reading --ca-file {}", path.display()))?;
+    let certs = reqwest::Certificate::from_pem_bundle(&pem)
+        .with_context(|| format!("--ca-file {}: not PEM certificates", path.display()))?;
+    if certs.is_empty() {
+        anyhow::bail!("--ca-file {}: no certificate in it", path.display());
+    }
+    Ok(certs)
 }
 
 /// Sets `flag` when `signal` arrives (a thread waits on the signal through tokio).
@@ -242,4 +609,124 @@ pub fn signal_sets(signal: libc::c_int, flag: Arc<AtomicBool>) {
             }
         });
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use axum::extract::DefaultBodyLimit;
+    use std::sync::Mutex;
+    use tokentap_reconstruct::synthetic::LongSession;
+    use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+    /// A worker of an older kind: no `/v1/ship/limits`, and a bare 413 (no limit in it) for
+    /// a body over `limit`. The shipper must still get every record through that fits, and
+    /// dead-letter the one that does not, by splitting on 413s alone.
+    #[test]
+    fn without_advertised_limits_413s_split_batches_down_to_the_record_at_fault() {
+        const LIMIT: usize = 16 << 10;
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let received: Arc<Mutex<Vec<String>>> = Arc::default();
+        let bodies: Arc<Mutex<Vec<usize>>> = Arc::default();
+        let url = {
+            let (received, bodies) = (received.clone(), bodies.clone());
+            rt.block_on(async move {
+                let app = axum::Router::new()
+                    .route(
+                        SHIP_PATH,
+                        axum::routing::post(move |body: axum::body::Bytes| async move {
+                            bodies.lock().unwrap().push(body.len());
+                            let mut ack = ShipAck::default();
+                            for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+                                let r: tokentap_schema::CaptureRecord =
+                                    serde_json::from_slice(line).unwrap();
+                                received.lock().unwrap().push(r.record_id);
+                                ack.accepted += 1;
+                            }
+                            axum::Json(ack)
+                        }),
+                    )
+                    .layer(DefaultBodyLimit::max(LIMIT));
+                let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+                let url = format!("http://{}", listener.local_addr().unwrap());
+                tokio::spawn(async move { axum::serve(listener, app).await });
+                url
+            })
+        };
+
+        let dir = tempfile::tempdir().unwrap();
+        let mut records = LongSession {
+            calls: 40,
+            first_prompt: 200,
+            last_prompt: 400,
+            sampled: 8,
+            subagent_every: 0,
+            subagent_calls: 0,
+            subagent_prompt: 0,
+        }
+        .records("old-worker", 3);
+        // One record no batch of this worker can hold.
+        records[17].request.body = Some(json!({"padding": "p".repeat(2 * LIMIT)}));
+        let too_big = records[17].record_id.clone();
+        let mut w = SpoolWriter::open(dir.path(), SpoolConfig::default()).unwrap();
+        w.append_batch(&records).unwrap();
+        w.sync().unwrap();
+        drop(w);
+
+        let dead = IntCounter::new("dead", "dead").unwrap();
+        let target = ShipTarget {
+            to: url,
+            token: None,
+            ca_roots: Vec::new(),
+        };
+        let totals = ship(
+            dir.path(),
+            &target,
+            &ShipStop {
+                drain: Arc::new(AtomicBool::new(true)),
+                drain_deadline: Duration::from_secs(5),
+            },
+            BatchLimits::default(),
+            dead.clone(),
+        )
+        .unwrap();
+
+        let got = received.lock().unwrap().clone();
+        let want: Vec<String> = records
+            .iter()
+            .map(|r| r.record_id.clone())
+            .filter(|id| *id != too_big)
+            .collect();
+        assert_eq!(got, want, "every record that fits, once, in order");
+        assert_eq!(dead.get(), 1);
+        assert_eq!(totals.dead_lettered, 1);
+        let letters = std::fs::read_to_string(dir.path().join(DEAD_LETTER_FILE)).unwrap();
+        let letter: serde_json::Value = serde_json::from_str(letters.trim()).unwrap();
+        assert_eq!(letter["record"]["record_id"], too_big.as_str());
+        assert!(
+            letter["reason"].as_str().unwrap().contains("413"),
+            "{letter}"
+        );
+        // Everything settled: a second run from the cursor sends nothing.
+        let before = bodies.lock().unwrap().len();
+        let again = ship(
+            dir.path(),
+            &target,
+            &ShipStop {
+                drain: Arc::new(AtomicBool::new(true)),
+                drain_deadline: Duration::from_secs(1),
+            },
+            BatchLimits::default(),
+            dead,
+        )
+        .unwrap();
+        assert_eq!((again.records, again.dead_lettered), (0, 0));
+        assert_eq!(bodies.lock().unwrap().len(), before);
+        // And no body the worker read was over its limit.
+        assert!(bodies.lock().unwrap().iter().all(|&b| b <= LIMIT));
+    }
 }

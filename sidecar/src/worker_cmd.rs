@@ -14,17 +14,20 @@ use std::time::{Duration, SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use axum::body::Bytes;
-use axum::extract::State;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{DefaultBodyLimit, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::Args;
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
+use serde_json::json;
 use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
+use tokentap_rollout::bearer::{self, BearerToken};
 use tokentap_schema::ndjson::decode_line;
-use tokentap_schema::ship::{ShipAck, SHIP_PATH};
-use tokentap_schema::CaptureRecord;
+use tokentap_schema::ship::{RejectedLine, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH};
+use tokentap_schema::{CaptureRecord, CAPTURE_SCHEMA_VERSION};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter};
 
 use crate::reconstruct_cmd::StrategyArg;
@@ -32,16 +35,31 @@ use crate::reconstruct_cmd::StrategyArg;
 #[derive(Args)]
 #[command(after_help = "Examples:
   # on the worker node
-  tokentap worker --listen 0.0.0.0:8900 --out ./traces
+  TOKENTAP_WORKER_TOKEN=... tokentap worker --listen 0.0.0.0:8900 --out ./traces
   # on each proxy node
-  tokentap proxy --backend http://gpu:8000 --backend-kind vllm --ship-to http://worker:8900
+  TOKENTAP_WORKER_TOKEN=... tokentap proxy --backend http://gpu:8000 --backend-kind vllm \
+      --ship-to http://worker:8900
 
 Output (in --out): traces.jsonl, sessions.jsonl, parquet/part-*.parquet; the received records
-in --out/spool; /metrics on the listen address.")]
+in --out/spool; /metrics on the listen address. Every route but /health needs the token when
+one is set; a listen address beyond loopback needs one.")]
 pub struct WorkerArgs {
-    /// Address to receive records on (also serves /health and /metrics).
+    /// Address to receive records on (also serves /health, /metrics and /v1/ship/limits);
+    /// anything but loopback needs --token.
     #[arg(long, default_value = "127.0.0.1:8900")]
     listen: SocketAddr,
+    /// Bearer token required on every route but /health (shippers send it with
+    /// --ship-token, or the same environment variable).
+    #[arg(long, env = "TOKENTAP_WORKER_TOKEN", hide_env_values = true)]
+    token: Option<String>,
+    /// Largest batch body read, in bytes (told to shippers at /v1/ship/limits; a record
+    /// bigger than this is dead-lettered by its shipper). Records hold the harness request
+    /// and the engine's prompt, so leave room for about three times the proxies'
+    /// --max-body-bytes.
+    #[arg(long, default_value_t = 128 << 20)]
+    max_body_bytes: usize,
+    #[command(flatten)]
+    tls: crate::control_plane::TlsListenArgs,
     /// Output directory for traces.
     #[arg(long)]
     out: PathBuf,
@@ -191,9 +209,16 @@ struct Ingest {
 struct AppState {
     ingest: Arc<Mutex<Ingest>>,
     metrics: Arc<WorkerMetrics>,
+    limits: ShipLimits,
 }
 
 pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
+    crate::control_plane::check_exposure(
+        args.listen,
+        args.token.as_deref(),
+        "--token",
+        "TOKENTAP_WORKER_TOKEN",
+    )?;
     let spool = args.spool.clone().unwrap_or_else(|| args.out.join("spool"));
     std::fs::create_dir_all(&args.out)?;
     // Every id already received: a redelivery after a restart is still a duplicate.
@@ -235,32 +260,51 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     let state = AppState {
         ingest,
         metrics: metrics.clone(),
+        limits: ShipLimits {
+            max_body_bytes: args.max_body_bytes as u64,
+        },
     };
-    let app = Router::new()
-        .route(SHIP_PATH, post(receive))
-        .route("/health", get(|| async { "ok" }))
-        .route("/metrics", get(render_metrics))
-        .with_state(state);
+    let app = router(
+        state,
+        BearerToken::new(args.token.as_deref()),
+        args.max_body_bytes,
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(async {
-        let listener = tokio::net::TcpListener::bind(args.listen)
-            .await
-            .with_context(|| format!("listening on {}", args.listen))?;
-        tracing::info!(listen = %listener.local_addr()?, out = %args.out.display(), "tokentap worker ready");
-        axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown_signal())
-            .await?;
-        anyhow::Ok(())
-    })?;
+    rt.block_on(crate::control_plane::serve(
+        args.listen,
+        &args.tls,
+        app,
+        shutdown_signal(),
+        |listen, tls| tracing::info!(%listen, tls, out = %args.out.display(), "tokentap worker ready"),
+    ))?;
     stop.store(true, Ordering::Relaxed);
     live_thread
         .join()
         .map_err(|_| anyhow::anyhow!("the reconstruction thread panicked"))??;
     tracing::info!("tokentap worker stopped");
     Ok(())
+}
+
+fn router(state: AppState, token: BearerToken, max_body_bytes: usize) -> Router {
+    let guarded = Router::new()
+        .route(SHIP_PATH, post(receive))
+        .route(SHIP_LIMITS_PATH, get(limits))
+        .route("/metrics", get(render_metrics))
+        // Before any body is read: an unauthenticated client cannot make the worker buffer
+        // one.
+        .route_layer(axum::middleware::from_fn_with_state(token, bearer::require));
+    Router::new()
+        .merge(guarded)
+        .route("/health", get(|| async { "ok" }))
+        .layer(DefaultBodyLimit::max(max_body_bytes))
+        .with_state(state)
+}
+
+async fn limits(State(state): State<AppState>) -> Response {
+    Json(state.limits).into_response()
 }
 
 fn reconstruct_loop(
@@ -286,7 +330,43 @@ fn reconstruct_loop(
     Ok(result?)
 }
 
-async fn receive(State(state): State<AppState>, body: Bytes) -> Response {
+/// Why this worker cannot take a record it could parse, if it cannot.
+fn refusal(r: &CaptureRecord) -> Option<String> {
+    if r.schema_version > CAPTURE_SCHEMA_VERSION {
+        return Some(format!(
+            "record {} has schema version {}, newer than this worker's {CAPTURE_SCHEMA_VERSION}: \
+             upgrade the worker",
+            r.record_id, r.schema_version
+        ));
+    }
+    if r.record_id.is_empty() {
+        return Some("a record without a record_id cannot be de-duplicated".into());
+    }
+    None
+}
+
+async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
+    let body = match body {
+        Ok(b) => b,
+        Err(BytesRejection::FailedToBufferBody(e))
+            if e.status() == StatusCode::PAYLOAD_TOO_LARGE =>
+        {
+            // Says the limit, so a shipper of another version can still split its batches.
+            let max = state.limits.max_body_bytes;
+            return (
+                StatusCode::PAYLOAD_TOO_LARGE,
+                Json(json!({
+                    "error": {
+                        "type": "body_too_large",
+                        "message": format!("a batch may hold at most {max} bytes (--max-body-bytes)"),
+                    },
+                    "max_body_bytes": max,
+                })),
+            )
+                .into_response();
+        }
+        Err(e) => return e.into_response(),
+    };
     let received_at = unix_ms();
     let mut ack = ShipAck::default();
     let mut records: Vec<CaptureRecord> = Vec::new();
@@ -294,15 +374,22 @@ async fn receive(State(state): State<AppState>, body: Bytes) -> Response {
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
-        match decode_line::<CaptureRecord>(line) {
-            Ok(r) => records.push(r),
-            Err(e) => {
-                ack.rejected += 1;
-                if ack.errors.len() < 5 {
-                    ack.errors.push(format!("line {}: {e}", i + 1));
+        let reason = match decode_line::<CaptureRecord>(line) {
+            Ok(r) => match refusal(&r) {
+                None => {
+                    records.push(r);
+                    continue;
                 }
-            }
+                Some(why) => why,
+            },
+            Err(e) => e.to_string(),
+        };
+        let line = i as u64 + 1;
+        ack.rejected += 1;
+        if ack.errors.len() < 5 {
+            ack.errors.push(format!("line {line}: {reason}"));
         }
+        ack.rejected_lines.push(RejectedLine { line, reason });
     }
     let metrics = state.metrics.clone();
     let ingest = state.ingest.clone();
@@ -341,6 +428,9 @@ async fn receive(State(state): State<AppState>, body: Bytes) -> Response {
             m.received.inc_by(ack.accepted + ack.duplicates);
             m.duplicates.inc_by(ack.duplicates);
             m.rejected.inc_by(ack.rejected);
+            if ack.rejected > 0 {
+                tracing::warn!(rejected = ack.rejected, errors = ?ack.errors, "rejected lines of a batch (the shipper keeps them in its dead-letter file)");
+            }
             Json(ack).into_response()
         }
         Ok(Err(e)) => {

@@ -16,6 +16,7 @@ pub mod procs;
 pub mod scripted;
 pub mod sse;
 pub mod tee;
+pub mod tls_front;
 pub mod tokentap;
 pub mod traces;
 pub mod transparent;

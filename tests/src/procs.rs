@@ -259,14 +259,16 @@ pub fn http_client() -> reqwest::Client {
 
 /// The value of an unlabelled metric on `{base}/metrics`, if present.
 pub async fn metric(base: &str, name: &str) -> Option<f64> {
-    let text = http_client()
-        .get(format!("{base}/metrics"))
-        .send()
-        .await
-        .ok()?
-        .text()
-        .await
-        .ok()?;
+    metric_with(base, name, None).await
+}
+
+/// [`metric`] from a control plane that wants a bearer `token`.
+pub async fn metric_with(base: &str, name: &str, token: Option<&str>) -> Option<f64> {
+    let mut req = http_client().get(format!("{base}/metrics"));
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    let text = req.send().await.ok()?.text().await.ok()?;
     text.lines().find_map(|l| {
         let (n, v) = l.split_once(' ')?;
         (n == name).then(|| v.trim().parse().ok()).flatten()

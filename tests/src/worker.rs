@@ -12,6 +12,8 @@ pub struct Worker {
     pub url: String,
     pub port: u16,
     pub out: PathBuf,
+    /// The `--token` among its arguments, for the test's own requests.
+    pub token: Option<String>,
     args: Vec<String>,
     child: Option<ChildGuard>,
 }
@@ -22,6 +24,10 @@ impl Worker {
             url: String::new(),
             port: free_port(),
             out: out.to_owned(),
+            token: args
+                .iter()
+                .position(|a| *a == "--token")
+                .map(|i| args[i + 1].to_owned()),
             args: args.iter().map(|a| a.to_string()).collect(),
             child: None,
         };
@@ -38,7 +44,8 @@ impl Worker {
             .arg("--out")
             .arg(&self.out)
             .args(&self.args)
-            .env("TOKENTAP_LOG", "info");
+            .env("TOKENTAP_LOG", "info")
+            .env_remove("TOKENTAP_WORKER_TOKEN");
         std::fs::create_dir_all(&self.out).expect("worker output dir");
         let log = self.out.with_extension("log");
         let mut child = spawn_guarded(cmd, &log, KillScope::Process, "tokentap worker")
@@ -77,6 +84,6 @@ impl Worker {
 
     /// The value of an unlabelled metric on `/metrics`, if present.
     pub async fn metric(&self, name: &str) -> Option<f64> {
-        crate::procs::metric(&self.url, name).await
+        crate::procs::metric_with(&self.url, name, self.token.as_deref()).await
     }
 }

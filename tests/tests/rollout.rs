@@ -700,8 +700,9 @@ async fn python_client_round_trips_against_a_live_node() {
     let check = Command::new(&python)
         .args([
             "-c",
-            "import sys\nfrom openapi_spec_validator import validate\nfrom tokentap_client import Node\nvalidate(Node(sys.argv[1]).openapi())\nprint('valid')",
+            "import sys\nfrom openapi_spec_validator import validate\nfrom tokentap_client import Node\nvalidate(Node(sys.argv[1], token=sys.argv[2]).openapi())\nprint('valid')",
             &base,
+            TOKEN,
         ])
         .env("PYTHONPATH", &site)
         .output()

@@ -397,6 +397,7 @@ async fn generate(
         kind,
         url: url.to_owned(),
         api_key: None,
+        ca_roots: Vec::new(),
         connect_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(5),
     })?;

@@ -118,6 +118,8 @@ pub struct BackendConfig {
     pub url: String,
     /// Bearer token for the engine, if it wants one. Never recorded.
     pub api_key: Option<String>,
+    /// CA certificates trusted besides the built-in roots (`--ca-file`), for HTTPS engines.
+    pub ca_roots: Vec<reqwest::Certificate>,
     pub connect_timeout: Duration,
     /// Longest wait for the first byte and between two chunks of a stream.
     pub idle_timeout: Duration,

@@ -27,12 +27,17 @@ pub(crate) struct EngineClient {
 
 impl EngineClient {
     pub(crate) fn new(config: &BackendConfig) -> Result<EngineClient, BackendError> {
-        let http = reqwest::Client::builder()
+        // rustls with ring; the system's and Mozilla's roots, plus `--ca-file`.
+        let mut builder = reqwest::Client::builder()
             .connect_timeout(config.connect_timeout)
             .read_timeout(config.idle_timeout)
             .pool_max_idle_per_host(1024)
             .tcp_nodelay(true)
-            .no_proxy()
+            .no_proxy();
+        for ca in &config.ca_roots {
+            builder = builder.add_root_certificate(ca.clone());
+        }
+        let http = builder
             .build()
             .map_err(|e| BackendError::Unavailable(format!("building HTTP client: {e}")))?;
         let base = config.url.trim_end_matches('/');
