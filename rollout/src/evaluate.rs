@@ -313,7 +313,16 @@ mod tests {
 
     async fn run_command(command: &str, traces: Option<&[u8]>, budget: Duration) -> Evaluation {
         let dir = tempfile::tempdir().unwrap();
-        let (original, work) = (dir.path().join("original"), dir.path().join("work"));
+        run_command_in(dir.path(), command, traces, budget).await
+    }
+
+    async fn run_command_in(
+        dir: &Path,
+        command: &str,
+        traces: Option<&[u8]>,
+        budget: Duration,
+    ) -> Evaluation {
+        let (original, work) = (dir.join("original"), dir.join("work"));
         std::fs::create_dir_all(&original).unwrap();
         std::fs::create_dir_all(&work).unwrap();
         let evaluator = Evaluator::Command {
@@ -323,7 +332,7 @@ mod tests {
         let paths = EvalPaths {
             work: &work,
             original: &original,
-            sample_dir: dir.path(),
+            sample_dir: dir,
             traces,
         };
         evaluate(&evaluator, true, &paths, &plain(), budget)
@@ -387,16 +396,16 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
     #[tokio::test]
     async fn an_evaluator_sees_nothing_of_the_nodes_environment() {
         // The test runner's environment (CARGO_*, HOME, ...) stands in for the node's.
-        let e = run_command(
+        let dir = tempfile::tempdir().unwrap();
+        let e = run_command_in(
+            dir.path(),
             "env > \"$HOME/env\"; cp \"$HOME/env\" seen",
             None,
             Duration::from_secs(10),
         )
         .await;
         assert_eq!(e.exit_code, Some(0), "{e:?}");
-        let log = e.log.unwrap();
-        let seen =
-            std::fs::read_to_string(Path::new(&log).with_file_name("eval").join("seen")).unwrap();
+        let seen = std::fs::read_to_string(dir.path().join("eval/seen")).unwrap();
         let mut keys: Vec<&str> = seen
             .lines()
             .filter_map(|l| l.split_once('=').map(|(k, _)| k))

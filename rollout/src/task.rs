@@ -421,10 +421,11 @@ mod tests {
         };
         let ok = |e: serde_json::Value| spec(e).over_ceilings(&ceilings, &node);
         assert!(ok(serde_json::json!({"num_samples": 8, "budgets": {"session_s": 600, "agent_s": 300, "eval_s": 60}})).is_ok());
-        assert!(
-            ok(serde_json::json!({"limits": {"memory_mb": 512, "cpus": 0.5, "pids": 100000}}))
-                .is_ok()
-        );
+        assert!(ok(
+            serde_json::json!({"limits": {"memory_mb": 512, "cpus": 0.5, "pids": 100000},
+                "budgets": {"session_s": 600, "agent_s": 300, "eval_s": 60}})
+        )
+        .is_ok());
         for (bad, says) in [
             (serde_json::json!({"num_samples": 9}), "num_samples"),
             (serde_json::json!({"num_samples": 0}), "num_samples"),
