@@ -195,16 +195,31 @@ pub fn wrap(
         .find(|(k, _)| *k == "PATH")
         .and_then(|(_, v)| v.map(ToOwned::to_owned))
         .unwrap_or_default();
-    for p in install_mounts(&path, &cfg.shim, &cfg.data_dir) {
-        b.arg("--ro-bind").arg(&p).arg(&p);
+    let installs = install_mounts(&path, &cfg.shim, &cfg.data_dir);
+    let socket_dir = mounts
+        .capture
+        .as_ref()
+        .and_then(|(_, socket)| socket.parent());
+    let read_only: Vec<&Path> = installs
+        .iter()
+        .chain(&mounts.readable)
+        .map(PathBuf::as_path)
+        .chain(socket_dir)
+        .collect();
+    // bubblewrap makes a mount point's missing parents 0700: task code running as another
+    // uid could not reach its own directories. Make them first, traversable.
+    let parents: std::collections::BTreeSet<&Path> = read_only
+        .iter()
+        .copied()
+        .chain(mounts.writable.iter().map(PathBuf::as_path))
+        .flat_map(|p| p.ancestors().skip(1))
+        .filter(|a| *a != Path::new("/") && !in_system_dir(a))
+        .collect();
+    for a in parents {
+        b.args(["--perms", "0755", "--dir"]).arg(a);
     }
-    for p in &mounts.readable {
+    for p in read_only {
         b.arg("--ro-bind").arg(p).arg(p);
-    }
-    if let Some((_, socket)) = &mounts.capture {
-        if let Some(dir) = socket.parent() {
-            b.arg("--ro-bind").arg(dir).arg(dir);
-        }
     }
     for p in &mounts.writable {
         b.arg("--bind").arg(p).arg(p);

@@ -161,7 +161,8 @@ fn task(project: &Path, id: &str, script: &str, evaluator: Value) -> Value {
     })
 }
 
-/// A dummy interface with a non-loopback address on the host, removed on drop.
+/// An interface of the test's own (a bridge without ports: no traffic leaves the machine)
+/// with a non-loopback address on the host, removed on drop.
 struct DummyInterface {
     name: String,
 }
@@ -173,7 +174,7 @@ impl DummyInterface {
             assert!(ok, "ip {args:?}");
         };
         let _ = Command::new("ip").args(["link", "del", name]).status();
-        ip(&["link", "add", name, "type", "dummy"]);
+        ip(&["link", "add", name, "type", "bridge"]);
         let iface = DummyInterface { name: name.into() };
         ip(&["addr", "add", &format!("{addr}/32"), "dev", name]);
         ip(&["link", "set", name, "up"]);
@@ -297,6 +298,7 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     let root = "${OPENAI_BASE_URL%/s/*}";
     let attacker_script = format!(
         "sh probe.sh {victim} > probes.txt; \
+         touch \"$HOME/.config-probe\" \"$TMPDIR/probe\" && echo writable > own-dirs.txt; \
          {}{}{}\
          for f in traces.jsonl eval.log agent.log setup.log reward; do ln -sf {node_file} ../$f 2>/dev/null; done; \
          ln -sf {node_file} eval.log; true",
@@ -365,6 +367,11 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         node.read(&attacker, "agent.log")
     );
     assert!(!probes.contains("LEAK"), "agent probes:\n{probes}");
+    assert_eq!(
+        node.read(&attacker, "work/own-dirs.txt").trim(),
+        "writable",
+        "its HOME and TMPDIR are its own"
+    );
     assert!(
         probes.contains("uid: 65534"),
         "the agent runs as the sandbox uid:\n{probes}"
