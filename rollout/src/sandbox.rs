@@ -185,7 +185,8 @@ pub fn wrap(
             _ => {}
         }
     }
-    b.args(["--dev", "/dev", "--proc", "/proc", "--tmpfs", "/tmp"]);
+    b.args(["--dev", "/dev", "--proc", "/proc"])
+        .args(["--perms", "1777", "--tmpfs", "/tmp"]);
     // A data directory inside a system directory would be visible: cover it.
     if in_system_dir(&cfg.data_dir) && cfg.data_dir.is_dir() {
         b.arg("--tmpfs").arg(&cfg.data_dir);
