@@ -20,29 +20,19 @@ use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Toke
 const TOKEN: &str = "attack-node-token-4f1e";
 const ENGINE_KEY: &str = "attack-engine-key-9c2d";
 
-/// Whether a test that needs privileges may go on: false (after saying why) when it cannot
-/// and privileged runs are not required; a failure when they are
-/// (`TOKENTAP_REQUIRE_PRIVILEGED=1`, as in CI).
-fn require_or_skip(why: &str) -> bool {
-    if std::env::var("TOKENTAP_REQUIRE_PRIVILEGED").as_deref() == Ok("1") {
-        panic!("TOKENTAP_REQUIRE_PRIVILEGED=1 and this test cannot run: {why}");
-    }
-    eprintln!("skipped: {why}");
-    false
-}
-
 /// Root and bubblewrap: what the sandboxed attacks need.
 fn sandbox_available() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return require_or_skip("needs root (the sandbox's uid drop)");
-    }
-    if tokentap_rollout::preset::on_path("bwrap", &std::env::var("PATH").unwrap_or_default())
-        .is_none()
-    {
-        return require_or_skip("needs bubblewrap (bwrap) on PATH");
-    }
-    true
+    tokentap_e2e::privileged::runs((|| {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("needs root (the sandbox's uid drop)".to_owned());
+        }
+        let path = std::env::var("PATH").unwrap_or_default();
+        if tokentap_rollout::preset::on_path("bwrap", &path).is_none() {
+            return Err("needs bubblewrap (bwrap) on PATH".to_owned());
+        }
+        Ok(())
+    })())
 }
 
 /// A `tokentap serve` node started in its own directory with a relative `--data ./node`, the
