@@ -28,7 +28,7 @@ use crate::normalize::{
 use crate::redact;
 use crate::relay::{collect_events, relay_stream};
 use crate::session::{
-    self, SessionCounters, SessionHints, HARNESS_SESSION_HEADERS, SESSION_HEADER,
+    self, SessionCounters, SessionHints, SessionResolver, HARNESS_SESSION_HEADERS, SESSION_HEADER,
 };
 use crate::wire::chat_completions::ChatCompletions;
 use crate::wire::messages::Messages;
@@ -128,6 +128,8 @@ pub struct CaptureService {
     gate: Option<Arc<dyn CallGate>>,
     /// The connection cap, over every listener of this service.
     connections: ConnectionGate,
+    /// Sessions only from the path prefix, through this map (a rollout node's capture).
+    resolver: Option<Arc<dyn SessionResolver>>,
 }
 
 /// What a kept-alive connection carries from one request to the next.
@@ -225,7 +227,15 @@ impl CaptureService {
             resolved_layout: std::sync::OnceLock::new(),
             gate: None,
             connections,
+            resolver: None,
         }
+    }
+
+    /// Calls without a fixed session get theirs from `resolver` and their `/s/{prefix}` alone
+    /// (see [`session::resolve`]); what else the request names is ignored.
+    pub fn with_session_resolver(mut self, resolver: Arc<dyn SessionResolver>) -> Self {
+        self.resolver = Some(resolver);
+        self
     }
 
     /// Puts `gate` in front of every engine call.
@@ -519,18 +529,20 @@ impl CaptureService {
             harness,
             api_key: api_key.as_deref(),
         };
-        let attributed = match fixed {
-            Some(id) => Ok(session::Session {
+        let attributed = match (fixed, &self.resolver) {
+            (Some(id), _) => Ok(session::Session {
                 id: id.to_owned(),
                 source: tokentap_schema::SessionSource::Run,
             }),
-            None => session::attribute(&hints, || format!("call-{}", call.record_id)),
+            (None, Some(r)) => session::resolve(r.as_ref(), path_session.as_deref()),
+            (None, None) => session::attribute(&hints, || format!("call-{}", call.record_id))
+                .map_err(CallError::from),
         };
         let session = match attributed {
             Ok(s) => s,
             Err(e) => {
                 let _ = http.drain_request_body().await;
-                return self.fail(http, codec, call, e.into()).await;
+                return self.fail(http, codec, call, e).await;
             }
         };
         let seq = self.sessions.next_seq(&session);

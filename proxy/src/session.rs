@@ -8,9 +8,9 @@
 use std::sync::Mutex;
 
 use sha2::{Digest, Sha256};
-use tokentap_schema::SessionSource;
+use tokentap_schema::{ErrorKind, SessionSource};
 
-use crate::wire::WireError;
+use crate::wire::{CallError, WireError};
 
 pub const SESSION_HEADER: &str = "x-tokentap-session";
 
@@ -36,6 +36,33 @@ pub struct SessionHints<'a> {
     /// A harness's own session header: (prefix, value).
     pub harness: Option<(&'a str, &'a str)>,
     pub api_key: Option<&'a str>,
+}
+
+/// Maps the `/s/{prefix}` of a request to its session, on a listener whose clients must not
+/// choose their session themselves (a rollout node's capture, where the prefix is a sample's
+/// unguessable secret): header, query, harness and key hints are ignored there.
+pub trait SessionResolver: Send + Sync {
+    /// The session `prefix` stands for; None: refused.
+    fn resolve(&self, prefix: &str) -> Option<String>;
+}
+
+/// The session a resolver gives the request's path prefix; no prefix, or one it does not
+/// know, is refused (403: the call reaches no engine and joins no session).
+pub fn resolve(
+    resolver: &dyn SessionResolver,
+    path_prefix: Option<&str>,
+) -> Result<Session, CallError> {
+    match path_prefix.and_then(|p| resolver.resolve(p)) {
+        Some(id) => Ok(Session {
+            id,
+            source: SessionSource::PathPrefix,
+        }),
+        None => Err(CallError::new(
+            ErrorKind::InvalidRequest,
+            403,
+            "Unknown capture session: use the base URL this run was given.",
+        )),
+    }
 }
 
 /// Picks the session by precedence; a named session must be a sane identifier.
@@ -273,6 +300,26 @@ mod tests {
                 .is_err(),
                 "{bad:?}"
             );
+        }
+    }
+
+    struct OneSecret;
+    impl SessionResolver for OneSecret {
+        fn resolve(&self, prefix: &str) -> Option<String> {
+            (prefix == "s3cret").then(|| "sample-1".to_owned())
+        }
+    }
+
+    #[test]
+    fn a_resolver_maps_only_the_secrets_it_knows() {
+        let s = resolve(&OneSecret, Some("s3cret")).unwrap();
+        assert_eq!(
+            (s.id.as_str(), s.source),
+            ("sample-1", SessionSource::PathPrefix)
+        );
+        for bad in [None, Some("sample-1"), Some("s3cre"), Some("")] {
+            let e = resolve(&OneSecret, bad).unwrap_err();
+            assert_eq!(e.status, 403, "{bad:?}");
         }
     }
 

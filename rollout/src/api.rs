@@ -97,12 +97,8 @@ async fn submit(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
         Ok(s) => s,
         Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_task", e.to_string()),
     };
-    if spec.num_samples == 0 {
-        return error(
-            StatusCode::BAD_REQUEST,
-            "invalid_task",
-            "num_samples must be at least 1",
-        );
+    if let Some(why) = state.pipeline.refusal(&spec) {
+        return error(StatusCode::BAD_REQUEST, "invalid_task", why);
     }
     match state.pipeline.store().submit(spec, now_ms()) {
         Ok((rollout, samples)) => {

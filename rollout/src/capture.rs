@@ -1,6 +1,10 @@
-//! The node's capture: one in-process `CaptureService` on 127.0.0.1 shared by every sample,
-//! each sample its own session through the `/s/{session}/v1` base URL (the sample id; a re-run
-//! gets its own, see [`crate::task::Sample::capture_session`]). Records go to the
+//! The node's capture: one in-process `CaptureService` on 127.0.0.1 shared by every sample.
+//! A sample reaches only its own session (the sample id; a re-run gets its own, see
+//! [`crate::task::Sample::capture_session`]): a sandboxed one through a socket of its own
+//! ([`crate::sandbox::serve_socket`]), any other through a base URL `/s/{secret}/v1` with an
+//! unguessable secret of its own that the capture maps to its session ([`SampleSecrets`]);
+//! what a request says about its session is ignored, and unknown secrets are refused. Records
+//! go to the
 //! node's spool as with `tokentap proxy`; the spool writer also hands each appended batch to an
 //! index of the samples running now, so POST_RUN gets a sample's records at once.
 
@@ -10,6 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use tokentap_proxy::capture::RecordSink;
+use tokentap_proxy::session::SessionResolver;
 use tokentap_proxy::CaptureService;
 use tokentap_schema::CaptureRecord;
 
@@ -53,22 +58,58 @@ pub fn observer(index: Arc<SessionIndex>) -> tokentap_proxy::capture::RecordObse
     Box::new(move |batch| index.observe(batch))
 }
 
+/// The secrets of the samples running now, each standing for its session.
+#[derive(Default)]
+pub struct SampleSecrets {
+    sessions: Mutex<HashMap<String, String>>,
+}
+
+impl SampleSecrets {
+    /// A fresh secret for `session` (244 random bits), valid until [`Self::forget`].
+    pub fn issue(&self, session: &str) -> String {
+        let secret = format!(
+            "{}{}",
+            uuid::Uuid::new_v4().simple(),
+            uuid::Uuid::new_v4().simple()
+        );
+        self.lock().insert(secret.clone(), session.to_owned());
+        secret
+    }
+
+    pub fn forget(&self, secret: &str) {
+        self.lock().remove(secret);
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, String>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl SessionResolver for SampleSecrets {
+    fn resolve(&self, prefix: &str) -> Option<String> {
+        self.lock().get(prefix).cloned()
+    }
+}
+
 /// A running capture endpoint.
 pub struct NodeCapture {
     pub service: Arc<CaptureService>,
     pub index: Arc<SessionIndex>,
     pub addr: SocketAddr,
+    pub secrets: Arc<SampleSecrets>,
 }
 
 impl NodeCapture {
-    /// Serves `service` on 127.0.0.1 (an ephemeral port) on the current tokio runtime.
+    /// Serves `service` on 127.0.0.1 (an ephemeral port) on the current tokio runtime, each
+    /// call's session from its secret.
     pub async fn start(
         service: CaptureService,
         index: Arc<SessionIndex>,
     ) -> std::io::Result<NodeCapture> {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
-        let service = Arc::new(service);
+        let secrets = Arc::new(SampleSecrets::default());
+        let service = Arc::new(service.with_session_resolver(secrets.clone()));
         let serving = service.clone();
         // Held by the accept loop: capture stops when the runtime does.
         let (_tx, watch) = tokio::sync::watch::channel(false);
@@ -87,12 +128,13 @@ impl NodeCapture {
             service,
             index,
             addr,
+            secrets,
         })
     }
 
-    /// The capture root of a sample's session (the Anthropic base URL; OpenAI's adds `/v1`).
-    pub fn server(&self, session: &str) -> String {
-        format!("http://{}/s/{session}", self.addr)
+    /// The capture root for a sample's `secret` (the Anthropic base URL; OpenAI's adds `/v1`).
+    pub fn server(&self, secret: &str) -> String {
+        format!("http://{}/s/{secret}", self.addr)
     }
 
     /// Every record of `session`: waits (up to `limit`) until each call the proxy began in the

@@ -1,16 +1,19 @@
-//! Evaluators: a sample's reward from its final workspace. Commands run in a fresh evaluation
-//! copy (see [`crate::workspace::evaluation_copy`]), in their own process group, killed at
-//! the evaluation budget; their output goes to the sample's `eval.log`.
+//! Evaluators: a sample's reward from its final workspace. Commands are task code, as hostile
+//! as the agent: they run in a fresh evaluation copy (see
+//! [`crate::workspace::evaluation_copy`]) confined like the agent ([`TaskJail`]: sandbox,
+//! limits, a cleared environment), in their own process group, killed at the evaluation
+//! budget; their output goes to the sample's `eval.log`.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use tokio::process::Command;
 
+use crate::sample_files::{create_fresh, read_limited, write_fresh};
+use crate::sandbox::{Mounts, TaskJail};
 use crate::task::Evaluator;
 use crate::workspace::evaluation_copy;
 
@@ -41,64 +44,99 @@ pub struct EvalPaths<'a> {
     pub work: &'a Path,
     /// The rollout's snapshot (original test files come from here).
     pub original: &'a Path,
-    /// The sample's directory (`eval/`, `eval.log` and `reward` go here).
+    /// The sample's directory (`eval/`, `eval-io/` and `eval.log` go here).
     pub sample_dir: &'a Path,
-    /// The sample's traces (`traces.jsonl`, not yet rewarded), shown to the evaluator as
-    /// `$TOKENTAP_TRACES` so it can reward traces one by one.
-    pub traces: Option<&'a Path>,
+    /// The sample's traces, not yet rewarded, to show the evaluator as `$TOKENTAP_TRACES`
+    /// (copied into its `eval-io/`) so it can reward traces one by one.
+    pub traces: Option<&'a [u8]>,
 }
 
-/// Scores a sample. `agent_exited_ok`: the harness exited 0 within its budget.
+/// The most of a reward file the node reads.
+const REWARD_FILE_LIMIT: u64 = 1 << 20;
+
+/// Scores a sample. `agent_exited_ok`: the harness exited 0 within its budget. Commands run
+/// confined by `jail`, on a copy the agent never saw: `eval/` (the copy) and `eval-io/` (its
+/// HOME, TMPDIR, reward file and traces) are all they can write.
 pub async fn evaluate(
     evaluator: &Evaluator,
     agent_exited_ok: bool,
     paths: &EvalPaths<'_>,
+    jail: &TaskJail,
     budget: Duration,
 ) -> anyhow::Result<Evaluation> {
     let eval_dir = paths.sample_dir.join("eval");
+    let io_dir = paths.sample_dir.join("eval-io");
     let log = paths.sample_dir.join("eval.log");
-    match evaluator {
-        Evaluator::SessionCompleted => Ok(Evaluation {
-            reward: f64::from(u8::from(agent_exited_ok)),
-            ..Evaluation::default()
-        }),
-        Evaluator::Command {
-            command,
-            test_files,
-        } => {
-            evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
-            let reward_file = paths.sample_dir.join("reward");
-            let _ = tokio::fs::remove_file(&reward_file).await;
-            let code =
-                run_logged(command, &eval_dir, &log, &reward_file, paths.traces, budget).await?;
-            let (reward, trace_rewards) = match tokio::fs::read_to_string(&reward_file).await {
-                Ok(text) => parse_reward_file(&text)?,
-                Err(_) => (f64::from(u8::from(code == Some(0))), BTreeMap::new()),
-            };
-            Ok(Evaluation {
-                reward,
-                trace_rewards,
-                exit_code: code,
-                log: Some(log.display().to_string()),
+    let (commands, test_files, traces) = match evaluator {
+        Evaluator::SessionCompleted => {
+            return Ok(Evaluation {
+                reward: f64::from(u8::from(agent_exited_ok)),
                 ..Evaluation::default()
             })
         }
+        Evaluator::Command {
+            command,
+            test_files,
+        } => (vec![command.clone()], test_files, paths.traces),
         Evaluator::Swebench {
             test_command,
             fail_to_pass,
             pass_to_pass,
             test_files,
+        } => (
+            fail_to_pass
+                .iter()
+                .chain(pass_to_pass)
+                .map(|t| with_test(test_command, t))
+                .collect(),
+            test_files,
+            None,
+        ),
+    };
+    evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
+    if io_dir.exists() {
+        tokio::fs::remove_dir_all(&io_dir).await?;
+    }
+    tokio::fs::create_dir_all(&io_dir).await?;
+    let reward_file = io_dir.join("reward");
+    let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![
+        ("HOME", io_dir.as_os_str()),
+        ("TMPDIR", io_dir.as_os_str()),
+        ("TOKENTAP_REWARD_FILE", reward_file.as_os_str()),
+    ];
+    let traces_file = io_dir.join("traces.jsonl");
+    if let Some(t) = traces {
+        write_fresh(&traces_file, t)?;
+        env.push(("TOKENTAP_TRACES", traces_file.as_os_str()));
+    }
+    jail.give(&[&eval_dir, &io_dir]).await?;
+    let run = EvalRun {
+        jail,
+        dir: &eval_dir,
+        env: &env,
+        mounts: Mounts {
+            writable: vec![eval_dir.clone(), io_dir.clone()],
+            ..Mounts::default()
+        },
+        log: &log,
+        out: create_fresh(&log)?,
+        budget,
+    };
+    let mut codes = Vec::new();
+    for command in &commands {
+        codes.push(run.command(command).await?);
+    }
+    let mut e = Evaluation {
+        log: Some(log.display().to_string()),
+        ..Evaluation::default()
+    };
+    match evaluator {
+        Evaluator::Swebench {
+            fail_to_pass,
+            pass_to_pass,
+            ..
         } => {
-            evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
-            let reward_file = paths.sample_dir.join("reward");
-            let mut e = Evaluation {
-                log: Some(log.display().to_string()),
-                ..Evaluation::default()
-            };
-            for test in fail_to_pass.iter().chain(pass_to_pass) {
-                let command = with_test(test_command, test);
-                let code =
-                    run_logged(&command, &eval_dir, &log, &reward_file, None, budget).await?;
+            for (test, code) in fail_to_pass.iter().chain(pass_to_pass).zip(codes) {
                 if code == Some(0) {
                     e.passed.push(test.clone());
                 } else {
@@ -106,9 +144,17 @@ pub async fn evaluate(
                 }
             }
             e.reward = f64::from(u8::from(e.failed.is_empty()));
-            Ok(e)
+        }
+        _ => {
+            let code = codes.first().copied().flatten();
+            (e.reward, e.trace_rewards) = match read_limited(&reward_file, REWARD_FILE_LIMIT)? {
+                Some(text) => parse_reward_file(&text)?,
+                None => (f64::from(u8::from(code == Some(0))), BTreeMap::new()),
+            };
+            e.exit_code = code;
         }
     }
+    Ok(e)
 }
 
 /// What a `command` evaluator wrote to `$TOKENTAP_REWARD_FILE`: a number (the outcome
@@ -155,51 +201,60 @@ pub fn with_test(test_command: &str, test: &str) -> String {
     }
 }
 
-/// Runs `command` with `sh -c` in `dir`, appending its output to `log`; `None` when killed at
-/// `budget`.
-async fn run_logged(
-    command: &str,
-    dir: &Path,
-    log: &Path,
-    reward_file: &PathBuf,
-    traces: Option<&Path>,
+/// One evaluation's commands, run one after the other into its log.
+struct EvalRun<'a> {
+    jail: &'a TaskJail,
+    dir: &'a Path,
+    env: &'a [(&'a str, &'a std::ffi::OsStr)],
+    mounts: Mounts,
+    log: &'a Path,
+    out: std::fs::File,
     budget: Duration,
-) -> anyhow::Result<Option<i32>> {
-    use std::io::Write;
-    let mut out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)?;
-    writeln!(out, "$ {command}")?;
-    let mut cmd = Command::new("sh");
-    cmd.args(["-c", command])
-        .current_dir(dir)
-        .env("TOKENTAP_REWARD_FILE", reward_file);
-    if let Some(traces) = traces {
-        cmd.env("TOKENTAP_TRACES", traces);
-    }
-    let mut child = cmd
-        .stdin(Stdio::null())
-        .stdout(out.try_clone()?)
-        .stderr(out.try_clone()?)
-        .process_group(0)
-        .kill_on_drop(true)
-        .spawn()?;
-    let pgid = child.id().map(|p| p as i32);
-    match tokio::time::timeout(budget, child.wait()).await {
-        Ok(status) => Ok(status?.code()),
-        Err(_) => {
-            if let Some(pgid) = pgid {
-                // SAFETY: kill(2) on the process group this evaluation leads.
-                unsafe { libc::kill(-pgid, libc::SIGKILL) };
+}
+
+impl EvalRun<'_> {
+    /// Runs `command` with `sh -c`, appending its output to the log; `None` when killed at
+    /// the budget. A sandbox that did not start is an error, not a score.
+    async fn command(&self, command: &str) -> anyhow::Result<Option<i32>> {
+        use std::io::Write;
+        let mut out = &self.out;
+        writeln!(out, "$ {command}")?;
+        let mut confined = self
+            .jail
+            .shell("eval", command, self.dir, self.env, &self.mounts)?;
+        let mut child = confined
+            .cmd
+            .stdin(Stdio::null())
+            .stdout(self.out.try_clone()?)
+            .stderr(self.out.try_clone()?)
+            .process_group(0)
+            .kill_on_drop(true)
+            .spawn()?;
+        let pgid = child.id().map(|p| p as i32);
+        let code = match tokio::time::timeout(self.budget, child.wait()).await {
+            Ok(status) => Some(status?.code()),
+            Err(_) => None,
+        };
+        if let Some(pgid) = pgid {
+            // SAFETY: kill(2) on the process group this evaluation leads (what it left
+            // running goes too).
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        }
+        let _ = child.wait().await;
+        if let Some(cg) = &confined.cgroup {
+            cg.kill_all();
+        }
+        confined.check_started(self.log)?;
+        match code {
+            Some(c) => Ok(c),
+            None => {
+                writeln!(
+                    out,
+                    "(killed at the {} s evaluation budget)",
+                    self.budget.as_secs()
+                )?;
+                Ok(None)
             }
-            let _ = child.wait().await;
-            writeln!(
-                out,
-                "(killed at the {} s evaluation budget)",
-                budget.as_secs()
-            )?;
-            Ok(None)
         }
     }
 }
@@ -246,9 +301,28 @@ mod tests {
     }
 
     /// A `command` evaluator run on an empty workspace.
-    async fn run_command(command: &str, traces: Option<&Path>, budget: Duration) -> Evaluation {
+    /// Confinement without a sandbox (unit tests run anywhere): a cleared environment.
+    fn plain() -> TaskJail {
+        TaskJail {
+            sandbox: None,
+            limits: crate::isolation::Limits::default(),
+            path: "/usr/local/bin:/usr/bin:/bin".into(),
+            name: "unit".into(),
+        }
+    }
+
+    async fn run_command(command: &str, traces: Option<&[u8]>, budget: Duration) -> Evaluation {
         let dir = tempfile::tempdir().unwrap();
-        let (original, work) = (dir.path().join("original"), dir.path().join("work"));
+        run_command_in(dir.path(), command, traces, budget).await
+    }
+
+    async fn run_command_in(
+        dir: &Path,
+        command: &str,
+        traces: Option<&[u8]>,
+        budget: Duration,
+    ) -> Evaluation {
+        let (original, work) = (dir.join("original"), dir.join("work"));
         std::fs::create_dir_all(&original).unwrap();
         std::fs::create_dir_all(&work).unwrap();
         let evaluator = Evaluator::Command {
@@ -258,21 +332,21 @@ mod tests {
         let paths = EvalPaths {
             work: &work,
             original: &original,
-            sample_dir: dir.path(),
+            sample_dir: dir,
             traces,
         };
-        evaluate(&evaluator, true, &paths, budget).await.unwrap()
+        evaluate(&evaluator, true, &paths, &plain(), budget)
+            .await
+            .unwrap()
     }
 
     #[tokio::test]
     async fn a_command_evaluator_sees_the_traces_and_rewards_them_one_by_one() {
-        let dir = tempfile::tempdir().unwrap();
-        let traces = dir.path().join("traces.jsonl");
-        std::fs::write(&traces, "{\"trace_id\": \"s-1/0\"}\n").unwrap();
+        let traces = b"{\"trace_id\": \"s-1/0\"}\n";
         // Rewards the first trace named in $TOKENTAP_TRACES with 0.5, the outcome with 1.
         let command = r#"id=$(sed -n 's/.*"trace_id": "\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES" | head -1)
 printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
-        let e = run_command(command, Some(&traces), Duration::from_secs(10)).await;
+        let e = run_command(command, Some(traces), Duration::from_secs(10)).await;
         assert_eq!(e.reward, 1.0);
         assert_eq!(e.trace_rewards.get("s-1/0"), Some(&0.5), "{e:?}");
     }
@@ -302,15 +376,71 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
             traces: None,
         };
         let budget = Duration::from_secs(10);
-        let all = evaluate(&evaluator(&["ok"]), true, &paths, budget)
+        let all = evaluate(&evaluator(&["ok"]), true, &paths, &plain(), budget)
             .await
             .unwrap();
         assert_eq!((all.reward, all.failed.len()), (1.0, 0));
-        let one_missing = evaluate(&evaluator(&["ok", "missing"]), true, &paths, budget)
-            .await
-            .unwrap();
+        let one_missing = evaluate(
+            &evaluator(&["ok", "missing"]),
+            true,
+            &paths,
+            &plain(),
+            budget,
+        )
+        .await
+        .unwrap();
         assert_eq!(one_missing.reward, 0.0);
         assert_eq!(one_missing.failed, ["missing"]);
+    }
+
+    #[tokio::test]
+    async fn an_evaluator_sees_nothing_of_the_nodes_environment() {
+        // The test runner's environment (CARGO_*, HOME, ...) stands in for the node's.
+        let dir = tempfile::tempdir().unwrap();
+        let e = run_command_in(
+            dir.path(),
+            "env > \"$HOME/env\"; cp \"$HOME/env\" seen",
+            None,
+            Duration::from_secs(10),
+        )
+        .await;
+        assert_eq!(e.exit_code, Some(0), "{e:?}");
+        let seen = std::fs::read_to_string(dir.path().join("eval/seen")).unwrap();
+        let mut keys: Vec<&str> = seen
+            .lines()
+            .filter_map(|l| l.split_once('=').map(|(k, _)| k))
+            .filter(|k| !["PWD", "SHLVL", "_", "OLDPWD"].contains(k))
+            .collect();
+        keys.sort();
+        assert_eq!(
+            keys,
+            ["HOME", "LANG", "PATH", "TMPDIR", "TOKENTAP_REWARD_FILE"],
+            "{seen}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_reward_file_planted_as_a_link_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let secret = dir.path().join("secret");
+        std::fs::write(&secret, "1").unwrap();
+        let (original, work) = (dir.path().join("original"), dir.path().join("work"));
+        std::fs::create_dir_all(&original).unwrap();
+        std::fs::create_dir_all(&work).unwrap();
+        let evaluator = Evaluator::Command {
+            command: format!("ln -s {} \"$TOKENTAP_REWARD_FILE\"", secret.display()),
+            test_files: vec![],
+        };
+        let paths = EvalPaths {
+            work: &work,
+            original: &original,
+            sample_dir: dir.path(),
+            traces: None,
+        };
+        let e = evaluate(&evaluator, true, &paths, &plain(), Duration::from_secs(10))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("reward"), "{e}");
     }
 
     #[tokio::test]

@@ -28,6 +28,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod preset;
+pub mod sample_files;
 pub mod sandbox;
 pub mod store;
 pub mod task;

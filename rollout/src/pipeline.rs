@@ -4,7 +4,6 @@
 //! evaluation.
 
 use std::collections::{BTreeMap, BinaryHeap, HashMap};
-use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
@@ -21,7 +20,8 @@ use crate::gate::{NodeGate, SessionPolicy};
 use crate::isolation::{Limits, SampleCgroup};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
-use crate::sandbox::{self, SandboxConfig};
+use crate::sample_files::{create_fresh, write_fresh};
+use crate::sandbox::{self, Mounts, Ready, SandboxConfig, TaskJail};
 use crate::store::{Store, StoreError};
 use crate::transparent::{SampleInterception, TransparentConfig};
 use crate::workspace;
@@ -29,8 +29,8 @@ use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
 use crate::task::{
-    AgentReport, CaptureMode, Incomplete, Outcome, Rollout, Sample, Stage, TrajectorySummary,
-    Workspace,
+    AgentReport, CaptureMode, Incomplete, NodeCeilings, Outcome, Rollout, Sample, Stage, TaskSpec,
+    TrajectorySummary, Workspace,
 };
 
 /// How a node runs its stages.
@@ -58,8 +58,10 @@ pub struct PipelineConfig {
     pub delivery: DeliveryPolicy,
     /// The admission gate in the node's capture (pause/resume, task sampling).
     pub gate: Option<Arc<NodeGate>>,
-    /// Agent limits where a task sets none.
+    /// Agent limits where a task sets none; also the most a task may ask for.
     pub limits: Limits,
+    /// What a task may ask for beyond the limits (samples, budgets).
+    pub ceilings: NodeCeilings,
     /// How agents are sandboxed (None: this node cannot; tasks asking for it fail).
     pub sandbox: Option<SandboxConfig>,
     /// Transparent capture for agents with hard-coded endpoints (None: this node cannot;
@@ -85,6 +87,7 @@ impl PipelineConfig {
             delivery: DeliveryPolicy::default(),
             gate: None,
             limits: Limits::default(),
+            ceilings: NodeCeilings::default(),
             sandbox: None,
             transparent: None,
         }
@@ -402,6 +405,12 @@ impl Pipeline {
         &self.shared.store
     }
 
+    /// Why this node refuses `spec` (over its ceilings), if it does.
+    pub fn refusal(&self, spec: &TaskSpec) -> Option<String> {
+        spec.over_ceilings(&self.shared.cfg.ceilings, &self.shared.cfg.limits)
+            .err()
+    }
+
     /// Progress events of every rollout, from now on.
     pub fn events(&self) -> broadcast::Receiver<Event> {
         self.shared.events.subscribe()
@@ -467,21 +476,48 @@ async fn init(sh: &Shared, job: &mut Job) -> anyhow::Result<bool> {
     let setup = match &spec.workspace {
         Workspace::Dir { setup, .. } | Workspace::Git { setup, .. } => setup.as_deref(),
     };
+    let (home, tmp) = (job.dir.join("home"), job.dir.join("tmp"));
+    for d in [&home, &tmp] {
+        if d.exists() {
+            tokio::fs::remove_dir_all(d).await?;
+        }
+        tokio::fs::create_dir_all(d).await?;
+    }
     workspace::working_copy(
         &original,
-        &job.dir.join("work"),
+        &workspace::SetupPaths {
+            work: &job.dir.join("work"),
+            home: &home,
+            tmp: &tmp,
+            log: &job.dir.join("setup.log"),
+        },
         setup,
-        &job.dir.join("setup.log"),
+        &task_jail(cfg, job),
+        session_left(job).max(Duration::from_secs(1)),
     )
     .await?;
-    for d in ["home", "tmp"] {
-        let d = job.dir.join(d);
-        if d.exists() {
-            tokio::fs::remove_dir_all(&d).await?;
-        }
-        tokio::fs::create_dir_all(&d).await?;
-    }
     Ok(true)
+}
+
+/// How the sample's set-up and evaluation commands are confined.
+fn task_jail(cfg: &PipelineConfig, job: &Job) -> TaskJail {
+    TaskJail {
+        sandbox: cfg.sandbox.clone(),
+        limits: job.rollout.spec.limits.or(&cfg.limits),
+        path: cfg.harness_path.clone(),
+        name: job.sample.capture_session(),
+    }
+}
+
+/// Withdraws a sample's capture secret when its run ends, however it ends.
+struct SecretGuard(Option<(Arc<NodeCapture>, String)>);
+
+impl Drop for SecretGuard {
+    fn drop(&mut self) {
+        if let Some((c, s)) = &self.0 {
+            c.secrets.forget(s);
+        }
+    }
 }
 
 fn rollout_dir(cfg: &PipelineConfig, rollout: &Rollout) -> PathBuf {
@@ -524,12 +560,21 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
             "the task asks for transparent capture and this node has none (it needs root, cgroup v2 and tokentap built with its eBPF program)"
         ),
     };
-    let server = match &cfg.capture {
-        Some(c) => {
+    // A sandboxed agent's socket is its session; any other gets a secret for its base URL.
+    let secret = SecretGuard(match (&cfg.capture, sandboxed) {
+        (Some(c), None) => Some((c.clone(), c.secrets.issue(&session))),
+        _ => None,
+    });
+    let server = match (&cfg.capture, &secret.0) {
+        (Some(c), Some((_, s))) => {
+            c.index.watch(&session);
+            c.server(s)
+        }
+        (Some(c), None) => {
             c.index.watch(&session);
             c.server(&session)
         }
-        None => preset::DEAD_PROXY.to_owned(),
+        (None, _) => preset::DEAD_PROXY.to_owned(),
     };
     if let Some(gate) = &cfg.gate {
         gate.register(
@@ -552,23 +597,35 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         // A proxy setting would take the agent's connects away from the redirect.
         block_egress: cfg.block_egress && !transparent,
     };
-    let log = std::fs::File::create(job.dir.join("agent.log"))?;
+    let agent_log = job.dir.join("agent.log");
+    let log = create_fresh(&agent_log)?;
     let mut cmd = preset::for_sample(&spec.harness, &env, &spec.instruction, &session)?;
     // Aborted when this function returns (the guard), so the socket lives as long as the agent.
-    let _socket = match (sandboxed, &cfg.capture) {
-        (Some(sb), Some(c)) => {
-            cmd = sandbox::wrap(&cmd, sb, &job.dir, c.addr);
-            Some(AbortOnDrop(sandbox::serve_socket(&job.dir, c.addr)?))
+    let mut _socket = None;
+    if let Some(sb) = sandboxed {
+        // The preset wrote the harness's configuration into its home.
+        sb.give(&[&env.home]).await?;
+        let mut mounts = Mounts {
+            writable: vec![env.work.clone(), env.home.clone(), env.tmp.clone()],
+            ..Mounts::default()
+        };
+        // Without a capture the agent's base URL is the dead proxy, and inside nothing
+        // listens there either.
+        if let Some(c) = &cfg.capture {
+            let dir = job.dir.join("sock");
+            tokio::fs::create_dir_all(&dir).await?;
+            let socket = dir.join(sandbox::SOCKET);
+            let serve = sandbox::serve_socket(&socket, c.service.clone(), session.clone())?;
+            _socket = Some(AbortOnDrop(serve));
+            mounts.capture = Some((c.addr, socket));
         }
-        (Some(sb), None) => {
-            // No capture: the agent's base URL is the dead proxy; keep that port.
-            let dead: SocketAddr = preset::DEAD_PROXY.trim_start_matches("http://").parse()?;
-            cmd = sandbox::wrap(&cmd, sb, &job.dir, dead);
-            None
-        }
-        (None, _) => None,
-    };
+        cmd = sandbox::wrap(&cmd, sb, &mounts);
+    }
     let mut cmd = Command::from(cmd);
+    let ready = match sandboxed {
+        Some(_) => Some(Ready::attach(&mut cmd)?),
+        None => None,
+    };
     let limits = spec.limits.or(&cfg.limits);
     let cgroup = SampleCgroup::create(&session, &limits)
         .map_err(|e| anyhow::anyhow!("applying the limits {limits:?}: {e}"))?;
@@ -643,6 +700,15 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     if let Some(gate) = &cfg.gate {
         gate.forget(&session);
     }
+    drop(cmd);
+    if ready.as_ref().is_some_and(|r| !r.started()) {
+        let tail = std::fs::read_to_string(&agent_log).unwrap_or_default();
+        let tail: Vec<&str> = tail.lines().rev().take(5).collect();
+        anyhow::bail!(
+            "the agent's sandbox did not start: {}",
+            tail.into_iter().rev().collect::<Vec<_>>().join(" | ")
+        );
+    }
     job.run = Some(result);
     Ok(())
 }
@@ -656,13 +722,10 @@ async fn post_run(sh: &Shared, job: &mut Job) -> anyhow::Result<Outcome> {
     };
     // Shown to the evaluator unrewarded, when it reads them.
     let traces = match &built {
-        Some(b) if job.rollout.spec.evaluator.reads_traces() => {
-            write_traces(&b.path, &b.traces).await?;
-            Some(b.path.as_path())
-        }
+        Some(b) if job.rollout.spec.evaluator.reads_traces() => Some(encode_traces(&b.traces)?),
         _ => None,
     };
-    let (outcome, trace_rewards) = outcome(&sh.store, &sh.cfg, job, traces).await?;
+    let (outcome, trace_rewards) = outcome(&sh.store, &sh.cfg, job, traces.as_deref()).await?;
     if let Some(built) = built {
         let summary = reward_traces(built, job, &outcome, &trace_rewards).await?;
         sh.store.set_trajectory(&job.sample.sample_id, summary)?;
@@ -753,12 +816,16 @@ async fn reward_traces(
     })
 }
 
-async fn write_traces(path: &Path, traces: &[Trace]) -> anyhow::Result<()> {
+fn encode_traces(traces: &[Trace]) -> anyhow::Result<Vec<u8>> {
     let mut out = Vec::new();
     for t in traces {
         tokentap_schema::ndjson::encode_line(t, &mut out)?;
     }
-    tokio::fs::write(path, out).await?;
+    Ok(out)
+}
+
+async fn write_traces(path: &Path, traces: &[Trace]) -> anyhow::Result<()> {
+    write_fresh(path, &encode_traces(traces)?)?;
     Ok(())
 }
 
@@ -768,7 +835,7 @@ async fn outcome(
     store: &Store,
     cfg: &PipelineConfig,
     job: &Job,
-    traces: Option<&Path>,
+    traces: Option<&[u8]>,
 ) -> anyhow::Result<(Outcome, BTreeMap<String, f64>)> {
     if store.rollout(&job.sample.rollout_id)?.0.cancelled {
         return Ok((Outcome::Cancelled, BTreeMap::new()));
@@ -805,6 +872,7 @@ async fn outcome(
             sample_dir: &job.dir,
             traces,
         },
+        &task_jail(cfg, job),
         budget,
     )
     .await?;

@@ -3,6 +3,8 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
+use crate::isolation::Limits;
+
 /// One task: a GRPO group of `num_samples` runs of one harness on one workspace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(deny_unknown_fields)]
@@ -32,7 +34,7 @@ pub struct TaskSpec {
     pub callback_url: Option<String>,
     /// The agent's memory/CPU/process limits (each unset one falls back to the node's).
     #[serde(default)]
-    pub limits: crate::isolation::Limits,
+    pub limits: Limits,
     /// Run the agent in a bubblewrap sandbox: no network but the capture, everything
     /// read-only but its own directory.
     #[serde(default)]
@@ -44,6 +46,73 @@ pub struct TaskSpec {
     /// How the agent's model calls reach the capture.
     #[serde(default)]
     pub capture: CaptureMode,
+}
+
+/// What a node lets one task ask for; its agent limits (the defaults of tasks that set none)
+/// are ceilings too.
+#[derive(Debug, Clone, PartialEq)]
+pub struct NodeCeilings {
+    /// Most samples in one task.
+    pub max_samples: u32,
+    /// Longest budget of any kind (session, agent, evaluation), in seconds.
+    pub max_budget_s: u64,
+}
+
+impl Default for NodeCeilings {
+    fn default() -> Self {
+        NodeCeilings {
+            max_samples: 1024,
+            max_budget_s: 24 * 3600,
+        }
+    }
+}
+
+impl TaskSpec {
+    /// Refuses a task that asks for more than the node gives: more samples or longer budgets
+    /// than its ceilings, or more memory, CPU or processes than its agent `limits`.
+    pub fn over_ceilings(&self, ceilings: &NodeCeilings, limits: &Limits) -> Result<(), String> {
+        if self.num_samples == 0 || self.num_samples > ceilings.max_samples {
+            return Err(format!(
+                "num_samples must be between 1 and {} on this node (got {})",
+                ceilings.max_samples, self.num_samples
+            ));
+        }
+        let b = &self.budgets;
+        for (name, v) in [
+            ("session_s", b.session_s),
+            ("agent_s", b.agent_s),
+            ("eval_s", b.eval_s),
+        ] {
+            if v > ceilings.max_budget_s {
+                return Err(format!(
+                    "budgets.{name} = {v} is over this node's ceiling of {} s",
+                    ceilings.max_budget_s
+                ));
+            }
+        }
+        let asked = &self.limits;
+        let over = |name: &str, asked: String, node: String| {
+            Err(format!(
+                "limits.{name} = {asked} is over this node's limit of {node}"
+            ))
+        };
+        if let (Some(a), Some(n)) = (asked.memory_mb, limits.memory_mb) {
+            if a > n {
+                return over("memory_mb", a.to_string(), n.to_string());
+            }
+        }
+        if let (Some(a), Some(n)) = (asked.cpus, limits.cpus) {
+            if !(a > 0.0 && a <= n) {
+                return over("cpus", a.to_string(), n.to_string());
+            }
+        }
+        if let (Some(a), Some(n)) = (asked.pids, limits.pids) {
+            if a > n {
+                return over("pids", a.to_string(), n.to_string());
+            }
+        }
+        Ok(())
+    }
 }
 
 /// How a sample's model calls are captured.
@@ -325,6 +394,62 @@ mod tests {
         assert_eq!(spec.budgets, Budgets::default());
         assert_eq!(spec.strategy, tokentap_schema::Strategy::PrefixMerge);
         assert_eq!(spec.harness, Harness::Pi);
+    }
+
+    #[test]
+    fn a_task_cannot_ask_for_more_than_the_node_gives() {
+        let spec = |extra: serde_json::Value| -> TaskSpec {
+            let mut v = serde_json::json!({
+                "task_id": "t", "instruction": "x",
+                "workspace": {"dir": {"path": "/tmp"}},
+                "harness": {"name": "pi"},
+                "evaluator": {"kind": "session-completed"}
+            });
+            v.as_object_mut()
+                .unwrap()
+                .extend(extra.as_object().unwrap().clone());
+            serde_json::from_value(v).unwrap()
+        };
+        let ceilings = NodeCeilings {
+            max_samples: 8,
+            max_budget_s: 600,
+        };
+        let node = Limits {
+            memory_mb: Some(1024),
+            cpus: Some(1.0),
+            pids: None,
+        };
+        let ok = |e: serde_json::Value| spec(e).over_ceilings(&ceilings, &node);
+        assert!(ok(serde_json::json!({"num_samples": 8, "budgets": {"session_s": 600, "agent_s": 300, "eval_s": 60}})).is_ok());
+        assert!(ok(
+            serde_json::json!({"limits": {"memory_mb": 512, "cpus": 0.5, "pids": 100000},
+                "budgets": {"session_s": 600, "agent_s": 300, "eval_s": 60}})
+        )
+        .is_ok());
+        for (bad, says) in [
+            (serde_json::json!({"num_samples": 9}), "num_samples"),
+            (serde_json::json!({"num_samples": 0}), "num_samples"),
+            (
+                serde_json::json!({"budgets": {"agent_s": 601, "session_s": 600}}),
+                "agent_s",
+            ),
+            (serde_json::json!({}), "session_s"), // the default session budget is an hour
+            (
+                serde_json::json!({"limits": {"memory_mb": 4096}}),
+                "memory_mb",
+            ),
+            (serde_json::json!({"limits": {"cpus": 2.0}}), "cpus"),
+        ] {
+            let mut e = bad.clone();
+            if !e.as_object().unwrap().contains_key("budgets") {
+                e["budgets"] = serde_json::json!({"session_s": 600, "agent_s": 300, "eval_s": 60});
+            }
+            if says == "session_s" {
+                e = bad.clone();
+            }
+            let err = ok(e).unwrap_err();
+            assert!(err.contains(says), "{bad}: {err}");
+        }
     }
 
     #[test]

@@ -7,10 +7,13 @@
 
 use std::path::{Component, Path, PathBuf};
 use std::process::Stdio;
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use tokio::process::Command;
 
+use crate::sample_files::create_fresh;
+use crate::sandbox::{Mounts, TaskJail};
 use crate::task::Workspace;
 
 /// The rollout's snapshot under `rollout_dir`, made on first use (concurrent samples of the
@@ -45,10 +48,13 @@ async fn export(workspace: &Workspace, to: &Path) -> anyhow::Result<()> {
             }
         }
         Workspace::Git { url, commit, .. } => {
+            check_rev(commit)?;
             let clone = to.with_extension("clone");
+            // `--` keeps a url like `--upload-pack=...` a url; no `ext::` command transport.
             run(
                 Command::new("git")
-                    .args(["clone", "--quiet", "--no-checkout", url])
+                    .args(["-c", "protocol.ext.allow=never"])
+                    .args(["clone", "--quiet", "--no-checkout", "--", url])
                     .arg(&clone),
                 "git clone",
             )
@@ -62,7 +68,7 @@ async fn export(workspace: &Workspace, to: &Path) -> anyhow::Result<()> {
                         .arg(&clone)
                         .args(["archive", "--format=tar", "-o"])
                         .arg(&tar)
-                        .arg(commit),
+                        .args([commit.as_str(), "--"]),
                     "git archive",
                 )
                 .await?;
@@ -92,32 +98,88 @@ async fn export(workspace: &Workspace, to: &Path) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A sample's working copy of the snapshot, with the task's set-up command run in it.
+/// `commit` as git may take it: a revision, never an option.
+pub fn check_rev(commit: &str) -> anyhow::Result<()> {
+    let ok = !commit.is_empty()
+        && commit.len() <= 256
+        && !commit.starts_with('-')
+        && commit
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"._/~^@{}-".contains(&b));
+    if !ok {
+        bail!("commit `{commit}` is not a git revision (a hash, branch or tag name)");
+    }
+    Ok(())
+}
+
+/// Where a sample's set-up runs: its directories, its log, and the jail it runs in.
+pub struct SetupPaths<'a> {
+    /// The working copy (made here).
+    pub work: &'a Path,
+    /// Its HOME and TMPDIR, made before.
+    pub home: &'a Path,
+    pub tmp: &'a Path,
+    pub log: &'a Path,
+}
+
+/// A sample's working copy of the snapshot, handed to the sandbox uid, with the task's set-up
+/// command run in it, confined by `jail` (as the agent will be).
 pub async fn working_copy(
     original: &Path,
-    work: &Path,
+    paths: &SetupPaths<'_>,
     setup: Option<&str>,
-    log: &Path,
+    jail: &TaskJail,
+    budget: Duration,
 ) -> anyhow::Result<()> {
+    let work = paths.work;
     if work.exists() {
         tokio::fs::remove_dir_all(work).await?;
     }
     copy_tree(original, work).await?;
-    if let Some(setup) = setup {
-        let out = std::fs::File::create(log)?;
-        let status = Command::new("sh")
-            .args(["-c", setup])
-            .current_dir(work)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone()?)
-            .stderr(out)
-            .status()
-            .await?;
-        if !status.success() {
-            bail!("set-up `{setup}` failed ({status}); see {}", log.display());
-        }
+    jail.give(&[work, paths.home, paths.tmp]).await?;
+    let Some(setup) = setup else {
+        return Ok(());
+    };
+    let out = create_fresh(paths.log)?;
+    let mounts = Mounts {
+        writable: vec![work.to_owned(), paths.home.to_owned(), paths.tmp.to_owned()],
+        ..Mounts::default()
+    };
+    let env = [
+        ("HOME", paths.home.as_os_str()),
+        ("TMPDIR", paths.tmp.as_os_str()),
+    ];
+    let mut confined = jail.shell("init", setup, work, &env, &mounts)?;
+    let mut child = confined
+        .cmd
+        .stdin(Stdio::null())
+        .stdout(out.try_clone()?)
+        .stderr(out)
+        .process_group(0)
+        .kill_on_drop(true)
+        .spawn()?;
+    let status = match tokio::time::timeout(budget, child.wait()).await {
+        Ok(s) => Some(s?),
+        Err(_) => None,
+    };
+    if let Some(pgid) = child.id() {
+        // SAFETY: kill(2) on the process group the set-up led.
+        unsafe { libc::kill(-(pgid as i32), libc::SIGKILL) };
     }
-    Ok(())
+    let _ = child.wait().await;
+    if let Some(cg) = &confined.cgroup {
+        cg.kill_all();
+    }
+    confined.check_started(paths.log)?;
+    match status {
+        Some(s) if s.success() => Ok(()),
+        Some(s) => bail!("set-up `{setup}` failed ({s}); see {}", paths.log.display()),
+        None => bail!(
+            "set-up `{setup}` ran over the {} s budget; see {}",
+            budget.as_secs(),
+            paths.log.display()
+        ),
+    }
 }
 
 /// A fresh copy of the final `work` at `dest` for evaluation: no `.git`, and each of
@@ -139,6 +201,7 @@ pub async fn evaluation_copy(
     }
     for rel in test_files {
         let rel = relative(rel)?;
+        refuse_links_above(dest, rel).await?;
         let (from, to) = (original.join(rel), dest.join(rel));
         match tokio::fs::symlink_metadata(&to).await {
             Ok(m) if m.is_dir() => tokio::fs::remove_dir_all(&to).await?,
@@ -150,6 +213,32 @@ pub async fn evaluation_copy(
                 tokio::fs::create_dir_all(parent).await?;
             }
             copy_tree(&from, &to).await?;
+        }
+    }
+    Ok(())
+}
+
+/// Fails when a directory on the way from `root` to `rel` (not `rel` itself, which is
+/// replaced) is a link: restoring through it would write outside the copy (an agent that made
+/// `tests` a link to /etc or to another sample's directory).
+async fn refuse_links_above(root: &Path, rel: &Path) -> anyhow::Result<()> {
+    let mut at = root.to_owned();
+    let parents: Vec<Component> = rel.components().collect();
+    for c in &parents[..parents.len().saturating_sub(1)] {
+        at.push(c);
+        match tokio::fs::symlink_metadata(&at).await {
+            Ok(m) if m.file_type().is_symlink() => bail!(
+                "test file `{}`: `{}` in the final workspace is a link; refusing to restore through it",
+                rel.display(),
+                at.strip_prefix(root).unwrap_or(&at).display()
+            ),
+            Ok(m) if !m.is_dir() => bail!(
+                "test file `{}`: `{}` in the final workspace is not a directory",
+                rel.display(),
+                at.strip_prefix(root).unwrap_or(&at).display()
+            ),
+            Ok(_) => {}
+            Err(_) => return Ok(()), // missing from here on: made fresh below
         }
     }
     Ok(())
@@ -272,6 +361,62 @@ mod tests {
         assert_eq!(read("tests/conftest.py"), None, "added by the agent");
         assert_eq!(read("x.py").as_deref(), Some("fix"));
         assert!(!eval.join(".git").exists());
+    }
+
+    #[tokio::test]
+    async fn the_evaluation_copy_refuses_to_restore_through_a_planted_link() {
+        let dir = tempfile::tempdir().unwrap();
+        let (original, work, eval, outside) = (
+            dir.path().join("original"),
+            dir.path().join("work"),
+            dir.path().join("eval"),
+            dir.path().join("other-sample"),
+        );
+        write(&original.join("tests/test_x.py"), "real test");
+        write(&outside.join("test_x.py"), "another sample's file");
+        std::fs::create_dir_all(&work).unwrap();
+        std::os::unix::fs::symlink(&outside, work.join("tests")).unwrap();
+        let e = evaluation_copy(&work, &original, &["tests/test_x.py".into()], &eval)
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("is a link"), "{e}");
+        assert_eq!(
+            std::fs::read_to_string(outside.join("test_x.py")).unwrap(),
+            "another sample's file",
+            "nothing written or removed outside the copy"
+        );
+    }
+
+    #[tokio::test]
+    async fn git_options_in_a_url_or_commit_are_inert() {
+        let dir = tempfile::tempdir().unwrap();
+        let pwned = dir.path().join("pwned");
+        let url = format!("--upload-pack=touch {}", pwned.display());
+        let ws = Workspace::Git {
+            url,
+            commit: "HEAD".into(),
+            setup: None,
+        };
+        assert!(snapshot(&ws, &dir.path().join("r1")).await.is_err());
+        assert!(!pwned.exists(), "the url reached git as an option");
+        for commit in [
+            format!("--output={}", pwned.display()),
+            "".into(),
+            "a b".into(),
+        ] {
+            let ws = Workspace::Git {
+                url: dir.path().display().to_string(),
+                commit: commit.clone(),
+                setup: None,
+            };
+            let e = snapshot(&ws, &dir.path().join("r2")).await.unwrap_err();
+            assert!(
+                e.to_string().contains("not a git revision"),
+                "{commit}: {e}"
+            );
+        }
+        assert!(!pwned.exists());
+        assert!(check_rev("HEAD~1").is_ok() && check_rev("v1.2/x").is_ok());
     }
 
     #[test]

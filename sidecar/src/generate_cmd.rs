@@ -80,6 +80,9 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
             if submitted.contains_key(&spec.task_id) {
                 continue;
             }
+            if let Some(why) = node.pipeline.refusal(&spec) {
+                anyhow::bail!("task {}: {why}", spec.task_id);
+            }
             let task_id = spec.task_id.clone();
             let (rollout, samples) = store.submit(spec, now_ms())?;
             submitted.insert(task_id, rollout.rollout_id.clone());

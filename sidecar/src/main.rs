@@ -37,10 +37,19 @@ struct Cli {
 
 #[derive(clap::Args)]
 struct SandboxShimArgs {
+    /// Forward this loopback address (the capture's) to `--unix`.
+    #[arg(long, requires = "unix")]
+    listen: Option<std::net::SocketAddr>,
     #[arg(long)]
-    listen: std::net::SocketAddr,
+    unix: Option<std::path::PathBuf>,
+    /// Run the command as this uid (and `--gid`).
+    #[arg(long, requires = "gid")]
+    uid: Option<u32>,
     #[arg(long)]
-    unix: std::path::PathBuf,
+    gid: Option<u32>,
+    /// Write one byte here once the sandbox is up.
+    #[arg(long)]
+    ready_fd: Option<i32>,
     #[arg(last = true, required = true)]
     command: Vec<std::ffi::OsString>,
 }
@@ -117,9 +126,12 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
                 .enable_all()
                 .build()?;
             let code = rt.block_on(tokentap_rollout::sandbox::shim(
-                args.listen,
-                args.unix,
-                args.command,
+                tokentap_rollout::sandbox::ShimArgs {
+                    capture: args.listen.zip(args.unix),
+                    run_as: args.uid.zip(args.gid),
+                    ready_fd: args.ready_fd,
+                    command: args.command,
+                },
             ))?;
             std::process::exit(code);
         }

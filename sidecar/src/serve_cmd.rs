@@ -12,6 +12,7 @@ use tokentap_rollout::api::{router, ApiState};
 use tokentap_rollout::capture::{observer, NodeCapture, SessionIndex};
 use tokentap_rollout::gate::{Gate, NodeGate};
 use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
+use tokentap_rollout::sandbox::SandboxConfig;
 use tokentap_rollout::store::Store;
 use tokentap_rollout::transparent::TransparentConfig;
 
@@ -61,10 +62,21 @@ pub struct NodeArgs {
     /// Process limit of each agent's cgroup, where the task sets none.
     #[arg(long)]
     sample_pids: Option<u64>,
-    /// Run every agent in a bubblewrap sandbox (no network but the capture, read-only but
-    /// its own directory); without it, only tasks with `"sandbox": true` are.
+    /// Run every agent in a bubblewrap sandbox (no network but the capture, nothing of the
+    /// node visible, only its own directories writable); without it, only tasks with
+    /// `"sandbox": true` are. Set-up and evaluation commands are sandboxed whenever the node
+    /// has bubblewrap.
     #[arg(long)]
     sandbox: bool,
+    /// The host uid (and gid) sandboxed task code runs as when the node runs as root.
+    #[arg(long, default_value_t = 65534)]
+    sandbox_uid: u32,
+    /// Most samples one task may ask for.
+    #[arg(long, default_value_t = 1024)]
+    max_samples_per_task: u32,
+    /// Longest budget (session, agent or evaluation, in seconds) a task may ask for.
+    #[arg(long, default_value_t = 24 * 3600)]
+    max_budget_s: u64,
     /// For tasks with `"capture": "transparent"` (agents with hard-coded endpoints); the
     /// node's CA defaults to DATA/ca. Needs root and tokentap built with its eBPF program.
     #[command(flatten)]
@@ -89,10 +101,14 @@ pub struct NodeParts {
 }
 
 impl NodeArgs {
+    /// The data directory, absolute (sandboxes and task code are given its paths from other
+    /// working directories).
     pub fn data_dir(&self) -> PathBuf {
-        self.data
+        let dir = self
+            .data
             .clone()
-            .unwrap_or_else(|| PathBuf::from("tokentap-node"))
+            .unwrap_or_else(|| PathBuf::from("tokentap-node"));
+        std::path::absolute(&dir).unwrap_or(dir)
     }
 
     pub fn prepare(&self) -> anyhow::Result<NodeParts> {
@@ -135,6 +151,10 @@ impl NodeArgs {
             cpus: self.sample_cpus,
             pids: self.sample_pids,
         };
+        config.ceilings = tokentap_rollout::task::NodeCeilings {
+            max_samples: self.max_samples_per_task,
+            max_budget_s: self.max_budget_s,
+        };
         config.sandbox = match tokentap_rollout::preset::on_path(
             "bwrap",
             &std::env::var("PATH").unwrap_or_default(),
@@ -143,6 +163,9 @@ impl NodeArgs {
                 bwrap,
                 shim: std::env::current_exe()?,
                 always: self.sandbox,
+                data_dir: self.data_dir(),
+                // SAFETY: geteuid(2) cannot fail.
+                run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, self.sandbox_uid),
             }),
             None if self.sandbox => {
                 anyhow::bail!("--sandbox needs bubblewrap (`bwrap`) on PATH")

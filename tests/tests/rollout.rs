@@ -729,11 +729,11 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
     // Something on the host's loopback the agent must not reach.
     let host_only = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let host_port = host_only.local_addr().unwrap().port();
-    // Outside the sample's directory: /var/tmp is read-only in the sandbox, /tmp a private
+    // Outside the sample's directory: /var/tmp is not there in the sandbox, /tmp a private
     // tmpfs (the host's /tmp, where this test's files are, stays untouched).
     let port = free_port();
     let read_only = format!("/var/tmp/tokentap-sandbox-probe-{port}");
-    let private = dir.path().join("outside.txt");
+    let private = std::path::PathBuf::from(format!("/tmp/tokentap-sandbox-private-{port}"));
     let base = format!("http://127.0.0.1:{port}");
     let _serve = node(dir.path(), port, &engine.url).await;
     let script = format!(

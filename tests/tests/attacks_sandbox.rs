@@ -1,0 +1,568 @@
+//! The rollout node against hostile task code (issue 12). Each attack is a task — an agent, a
+//! set-up or an evaluator, all shell scripts — run by a real `tokentap serve` node, and each
+//! test asserts the attack failed and that the node kept serving the other samples: reading the
+//! node's CA key, spool, files and token (from the environment and /proc), another sample's
+//! files and capture session, writing outside through planted links and through the evaluation
+//! copy, reaching the network, exhausting the node, remounting `/` read-write.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::time::Duration;
+
+use serde_json::{json, Value};
+use tokentap_e2e::artefacts::tokentap_bin;
+use tokentap_e2e::node_api;
+use tokentap_e2e::procs::{
+    free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
+};
+use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
+
+const TOKEN: &str = "attack-node-token-4f1e";
+const ENGINE_KEY: &str = "attack-engine-key-9c2d";
+
+/// Root and bubblewrap: what the sandboxed attacks need.
+fn sandbox_available() -> bool {
+    tokentap_e2e::privileged::runs((|| {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("needs root (the sandbox's uid drop)".to_owned());
+        }
+        let path = std::env::var("PATH").unwrap_or_default();
+        if tokentap_rollout::preset::on_path("bwrap", &path).is_none() {
+            return Err("needs bubblewrap (bwrap) on PATH".to_owned());
+        }
+        Ok(())
+    })())
+}
+
+/// A `tokentap serve` node started in its own directory with a relative `--data ./node`, the
+/// node token and an engine key in its environment.
+struct Node {
+    dir: tempfile::TempDir,
+    base: String,
+    child: ChildGuard,
+    _engine: ScriptedBackend,
+}
+
+impl Node {
+    async fn start(extra: &[&str], path: Option<&str>) -> Node {
+        let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::create_dir_all(dir.path().join("project")).unwrap();
+        let port = free_port();
+        let mut cmd = Command::new(tokentap_bin());
+        cmd.current_dir(dir.path())
+            .arg("serve")
+            .args(extra)
+            .args(["--listen", &format!("127.0.0.1:{port}")])
+            .args(["--data", "./node", "--spool", "./node/spool"])
+            .args(["--backend", &engine.url, "--backend-kind", "vllm"])
+            .env("TOKENTAP_NODE_TOKEN", TOKEN)
+            .env("TOKENTAP_BACKEND_API_KEY", ENGINE_KEY)
+            .env("TOKENTAP_LOG", "info");
+        if let Some(p) = path {
+            cmd.env("PATH", p);
+        }
+        let log = dir.path().join("node.log");
+        let mut child = spawn_guarded(cmd, &log, KillScope::Group, "tokentap serve").unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        wait_healthy(
+            &format!("{base}/health"),
+            &mut child,
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap();
+        Node {
+            dir,
+            base,
+            child,
+            _engine: engine,
+        }
+    }
+
+    /// The node's data directory, absolute.
+    fn data(&self) -> PathBuf {
+        self.dir.path().join("node")
+    }
+
+    fn project(&self) -> PathBuf {
+        self.dir.path().join("project")
+    }
+
+    fn sample_dir(&self, id: &str) -> PathBuf {
+        self.data().join("samples").join(id)
+    }
+
+    async fn submit(&self, task: &Value) -> reqwest::Response {
+        http_client()
+            .post(format!("{}/v1/rollouts", self.base))
+            .bearer_auth(TOKEN)
+            .json(task)
+            .send()
+            .await
+            .unwrap()
+    }
+
+    /// Submits `task`; its sample ids.
+    async fn run(&self, task: &Value) -> Vec<String> {
+        let r = self.submit(task).await;
+        assert_eq!(r.status(), 202, "{task}");
+        let body: Value = r.json().await.unwrap();
+        body["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s.as_str().unwrap().to_owned())
+            .collect()
+    }
+
+    /// The finished samples by id, once `n` have finished.
+    async fn finished(&self, n: usize) -> std::collections::HashMap<String, Value> {
+        node_api::results_within(&self.base, TOKEN, 0, n, 10, Duration::from_secs(120))
+            .await
+            .into_iter()
+            .map(|s| (s["sample_id"].as_str().unwrap().to_owned(), s))
+            .collect()
+    }
+
+    async fn healthy(&mut self) -> bool {
+        self.child.try_wait().is_none()
+            && http_client()
+                .get(format!("{}/health", self.base))
+                .send()
+                .await
+                .is_ok_and(|r| r.status().is_success())
+    }
+
+    fn read(&self, id: &str, rel: &str) -> String {
+        std::fs::read_to_string(self.sample_dir(id).join(rel)).unwrap_or_default()
+    }
+}
+
+fn task(project: &Path, id: &str, script: &str, evaluator: Value) -> Value {
+    json!({
+        "task_id": id,
+        "instruction": "x",
+        "workspace": {"dir": {"path": project}},
+        "harness": {"name": "command", "argv": ["sh", "-c", script]},
+        "evaluator": evaluator,
+        "budgets": {"session_s": 120, "agent_s": 60, "eval_s": 30}
+    })
+}
+
+/// An interface of the test's own (a bridge without ports: no traffic leaves the machine)
+/// with a non-loopback address on the host, removed on drop.
+struct DummyInterface {
+    name: String,
+}
+
+impl DummyInterface {
+    fn create(name: &str, addr: &str) -> DummyInterface {
+        let ip = |args: &[&str]| {
+            let ok = Command::new("ip").args(args).status().unwrap().success();
+            assert!(ok, "ip {args:?}");
+        };
+        let _ = Command::new("ip").args(["link", "del", name]).status();
+        ip(&["link", "add", name, "type", "bridge"]);
+        let iface = DummyInterface { name: name.into() };
+        ip(&["addr", "add", &format!("{addr}/32"), "dev", name]);
+        ip(&["link", "set", name, "up"]);
+        iface
+    }
+}
+
+impl Drop for DummyInterface {
+    fn drop(&mut self) {
+        let _ = Command::new("ip")
+            .args(["link", "del", &self.name])
+            .status();
+    }
+}
+
+/// Probes run by task code (the agent, then the evaluator; `sh probe.sh VICTIM_SAMPLE_ID`):
+/// one line per probe, `NAME: blocked` or `NAME: LEAK ...`.
+fn probe_script(data: &Path, host_addr: &str) -> String {
+    let d = data.display();
+    format!(
+        r#"probe() {{ name=$1; shift; if out=$(sh -c "$*" 2>/dev/null) && [ -n "$out" ]; then echo "$name: LEAK $(echo "$out" | head -c 200 | tr '\n' ' ')"; else echo "$name: blocked"; fi; }}
+probe ca-key "cat {d}/ca/ca-key.pem"
+probe node-file "cat {d}/visible.txt"
+probe spool "ls {d}/spool"
+probe store "ls {d}/node.redb"
+probe other-sample "cat {d}/samples/$1/work/victim.txt"
+probe other-samples "ls -A {d}/samples/$1"
+probe env-token "env | grep -e {TOKEN} -e {ENGINE_KEY}"
+probe proc-environ "cat /proc/*/environ | tr '\0' '\n' | grep -e {TOKEN} -e {ENGINE_KEY}"
+probe proc-1-environ "cat /proc/1/environ | tr '\0' '\n'"
+probe root-files "cat /root/.profile /root/.bashrc /root/.gitconfig /root/.npmrc"
+probe shadow "cat /etc/shadow"
+probe remount "mount -o remount,rw / && echo remounted"
+probe write-usr "touch /usr/tokentap-probe && echo wrote"
+probe interfaces "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | grep -v '^lo$'"
+probe host-address "curl -s -m 3 http://{host_addr}/ && echo reached"
+echo "uid: $(id -u)"
+"#
+    )
+}
+
+/// The sandbox against everything a sample's agent and evaluator might try on a root node:
+/// every probe is blocked, the calls it makes in another sample's name land in its own
+/// session, links it plants are not followed, the evaluation copy will not restore through a
+/// link, a fork bomb and a memory hog stay inside their limits, and the victim sample next to
+/// them completes normally. The node runs with a relative `--data`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
+    if !sandbox_available() {
+        return;
+    }
+    // Reachable from the host, not from a sandbox.
+    let dummy_addr = "10.254.77.1";
+    let _dummy = DummyInterface::create("ttsbx0", dummy_addr);
+    let host_only = tokio::net::TcpListener::bind((dummy_addr, 0))
+        .await
+        .unwrap();
+    let host_addr = host_only.local_addr().unwrap().to_string();
+    tokio::spawn(async move {
+        while let Ok((mut c, _)) = host_only.accept().await {
+            use tokio::io::AsyncWriteExt;
+            let _ = c
+                .write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 5\r\n\r\nhello")
+                .await;
+        }
+    });
+    let from_host = Command::new("curl")
+        .args(["-s", "-m", "3", &format!("http://{host_addr}/")])
+        .output()
+        .unwrap();
+    assert_eq!(
+        from_host.stdout, b"hello",
+        "the host reaches its own address"
+    );
+
+    let mut node = Node::start(&["--sandbox"], None).await;
+    let data = node.data();
+    // What the node holds that task code must not see: a CA key (0600) and a world-readable
+    // file (hidden by the mounts alone).
+    std::fs::create_dir_all(data.join("ca")).unwrap();
+    std::fs::write(data.join("ca/ca-key.pem"), "CA-SECRET").unwrap();
+    std::fs::write(data.join("visible.txt"), "NODE-FILE").unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(
+        data.join("ca/ca-key.pem"),
+        std::fs::Permissions::from_mode(0o600),
+    )
+    .unwrap();
+    std::fs::set_permissions(
+        data.join("visible.txt"),
+        std::fs::Permissions::from_mode(0o644),
+    )
+    .unwrap();
+    let outside = node.dir.path().join("outside");
+    std::fs::create_dir_all(&outside).unwrap();
+    std::fs::write(outside.join("test_x.py"), "untouched").unwrap();
+    let project = node.project();
+    std::fs::write(project.join("probe.sh"), probe_script(&data, &host_addr)).unwrap();
+    std::fs::create_dir_all(project.join("tests")).unwrap();
+    std::fs::write(project.join("tests/test_x.py"), "the real test").unwrap();
+
+    // The victim: one call, a file of its own, alive while the others attack.
+    let victim = node
+        .run(&task(
+            &project,
+            "victim",
+            &curl_agent(1, "echo VICTIM-SECRET > victim.txt && sleep 4"),
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+
+    // The attacker: probes, calls in the victim's name (header, path, query), links planted
+    // where the node writes; its evaluator probes again and rewards 1 only if all failed.
+    let chat = |extra: &str, url: &str| {
+        format!(
+            "curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' {url} -H 'content-type: application/json' {extra} -d '{{\"model\":\"m\",\"messages\":[{{\"role\":\"user\",\"content\":\"task\"}}]}}' >> calls.txt; "
+        )
+    };
+    let root = "${OPENAI_BASE_URL%/s/*}";
+    let attacker_script = format!(
+        "sh probe.sh {victim} > probes.txt; \
+         touch \"$HOME/.config-probe\" \"$TMPDIR/probe\" && echo writable > own-dirs.txt; \
+         {}{}{}\
+         for f in traces.jsonl eval.log agent.log setup.log reward; do ln -sf {node_file} ../$f 2>/dev/null; done; \
+         ln -sf {node_file} eval.log; true",
+        chat(
+            &format!("-H 'x-tokentap-session: {victim}'"),
+            "\"$OPENAI_BASE_URL/chat/completions\""
+        ),
+        chat("", &format!("\"{root}/s/{victim}/v1/chat/completions\"")),
+        chat("", &format!("\"$OPENAI_BASE_URL/chat/completions?session={victim}\"")),
+        node_file = data.join("visible.txt").display(),
+    );
+    let evaluator = json!({
+        "kind": "command",
+        "command": format!(
+            "sh probe.sh {victim} > \"$HOME/p.txt\"; cat \"$HOME/p.txt\"; ln -sf {} ../eval.log 2>/dev/null; \
+             if grep -q LEAK \"$HOME/p.txt\"; then echo 0 > \"$TOKENTAP_REWARD_FILE\"; else echo 1 > \"$TOKENTAP_REWARD_FILE\"; fi",
+            data.join("visible.txt").display()
+        )
+    });
+    let attacker = node
+        .run(&task(&project, "attacker", &attacker_script, evaluator))
+        .await
+        .remove(0);
+
+    // The escape: `tests` becomes a link out of the workspace before evaluation restores
+    // `tests/test_x.py` into it.
+    let mut escape_task = task(
+        &project,
+        "escape",
+        &format!("rm -rf tests && ln -s {} tests", outside.display()),
+        json!({"kind": "command", "command": "true", "test_files": ["tests/test_x.py"]}),
+    );
+    escape_task["workspace"]["dir"]["setup"] = json!("ls > setup-ran.txt");
+    let escape = node.run(&escape_task).await.remove(0);
+
+    // The hog: memory past its limit, then a fork bomb, until its budget.
+    let mut hog_task = task(
+        &project,
+        "hog",
+        "head -c 1G /dev/zero | tail > /dev/null; echo $? > mem.txt; b() { b | b & }; b; sleep 30",
+        json!({"kind": "session-completed"}),
+    );
+    hog_task["limits"] = json!({"memory_mb": 128, "pids": 64});
+    hog_task["budgets"]["agent_s"] = json!(6);
+    let hog = node.run(&hog_task).await.remove(0);
+
+    let done = node.finished(4).await;
+    assert!(node.healthy().await, "the node keeps serving");
+
+    let v = &done[&victim];
+    assert_eq!(
+        v["outcome"],
+        json!({"status": "completed", "reward": 1.0}),
+        "{v}"
+    );
+    assert_eq!(
+        v["trajectory"]["calls"], 1,
+        "only the victim's own call: {v}"
+    );
+
+    let a = &done[&attacker];
+    let probes = node.read(&attacker, "work/probes.txt");
+    assert!(
+        probes.contains("host-address:"),
+        "the probes ran: {probes}\n{}",
+        node.read(&attacker, "agent.log")
+    );
+    assert!(!probes.contains("LEAK"), "agent probes:\n{probes}");
+    assert_eq!(
+        node.read(&attacker, "work/own-dirs.txt").trim(),
+        "writable",
+        "its HOME and TMPDIR are its own"
+    );
+    assert!(
+        probes.contains("uid: 65534"),
+        "the agent runs as the sandbox uid:\n{probes}"
+    );
+    assert_eq!(
+        a["outcome"],
+        json!({"status": "completed", "reward": 1.0}),
+        "the evaluator's probes:\n{}\n{a}",
+        node.read(&attacker, "eval.log")
+    );
+    let codes = node.read(&attacker, "work/calls.txt");
+    assert_eq!(codes.lines().collect::<Vec<_>>(), ["200"; 3], "{codes}");
+    assert_eq!(
+        a["trajectory"]["calls"], 3,
+        "all three calls in its own session: {a}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(data.join("visible.txt")).unwrap(),
+        "NODE-FILE",
+        "nothing written through a planted link"
+    );
+    for f in ["traces.jsonl", "eval.log", "agent.log"] {
+        let m = std::fs::symlink_metadata(node.sample_dir(&attacker).join(f)).unwrap();
+        assert!(m.is_file(), "{f} is the node's own file");
+    }
+
+    let e = &done[&escape];
+    let reason = e["outcome"]["reason"].as_str().unwrap_or_default();
+    assert!(
+        e["outcome"]["status"] == "error" && reason.contains("link"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(outside.join("test_x.py")).unwrap(),
+        "untouched"
+    );
+    assert!(
+        node.read(&escape, "work/setup-ran.txt")
+            .contains("probe.sh"),
+        "the set-up ran (sandboxed) in the working copy"
+    );
+
+    let h = &done[&hog];
+    assert_eq!(
+        node.read(&hog, "work/mem.txt").trim(),
+        "137",
+        "the memory hog was killed: {h}"
+    );
+    assert!(h["agent"]["oom_killed"].as_bool().unwrap_or(false), "{h}");
+    assert!(node.healthy().await);
+}
+
+/// An agent that posts in another sample's name (header, path, query) without a sandbox:
+/// its base URL carries an unguessable secret; the header and query are ignored (its calls
+/// stay in its session) and a path naming the other session is refused with a provider-shaped
+/// 403. The other sample's trajectory holds its own call only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sample_posts_only_into_its_own_session() {
+    let mut node = Node::start(&[], None).await;
+    let project = node.project();
+    let victim = node
+        .run(&task(
+            &project,
+            "victim",
+            &curl_agent(1, "sleep 2"),
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let body = r#"{"model":"m","messages":[{"role":"user","content":"task"}]}"#;
+    let call = |extra: &str, url: &str| {
+        format!("curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' {url} -H 'content-type: application/json' {extra} -d '{body}' >> calls.txt; ")
+    };
+    let root = "${OPENAI_BASE_URL%/s/*}";
+    let script = [
+        call(&format!("-H 'x-tokentap-session: {victim}'"), "\"$OPENAI_BASE_URL/chat/completions\""),
+        call("", &format!("\"$OPENAI_BASE_URL/chat/completions?session={victim}\"")),
+        call("", &format!("\"{root}/s/{victim}/v1/chat/completions\"")),
+        call(&format!("-H 'x-tokentap-session: {victim}'"), &format!("\"{root}/v1/chat/completions\"")),
+        format!("curl -sS -m 10 \"{root}/s/{victim}/v1/chat/completions\" -H 'content-type: application/json' -d '{body}' > refusal.json; true"),
+    ]
+    .concat();
+    let attacker = node
+        .run(&task(
+            &project,
+            "attacker",
+            &script,
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(2).await;
+    assert!(node.healthy().await);
+    let codes = node.read(&attacker, "work/calls.txt");
+    assert_eq!(
+        codes.lines().collect::<Vec<_>>(),
+        ["200", "200", "403", "403"],
+        "{codes}"
+    );
+    let refusal: Value = serde_json::from_str(&node.read(&attacker, "work/refusal.json")).unwrap();
+    assert!(
+        refusal["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("capture session"),
+        "{refusal}"
+    );
+    assert_eq!(done[&victim]["trajectory"]["calls"], 1, "{}", done[&victim]);
+    assert_eq!(
+        done[&attacker]["trajectory"]["calls"], 2,
+        "{}",
+        done[&attacker]
+    );
+}
+
+/// A sandbox that cannot start (here a bubblewrap that fails at once, as a missing mount
+/// source makes it) fails its sample with the reason; it does not end `completed` with a
+/// reward, and the node goes on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sandbox_that_cannot_start_fails_the_sample() {
+    let bin = tempfile::tempdir().unwrap();
+    let bwrap = bin.path().join("bwrap");
+    std::fs::write(
+        &bwrap,
+        "#!/bin/sh\necho \"bwrap: Can't find source path node/samples: No such file or directory\" >&2\nexit 1\n",
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&bwrap, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let path = format!(
+        "{}:{}",
+        bin.path().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut node = Node::start(&["--sandbox"], Some(&path)).await;
+    let id = node
+        .run(&task(
+            &node.project(),
+            "boxed",
+            "true",
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(1).await;
+    let s = &done[&id];
+    assert_eq!(s["outcome"]["status"], "error", "{s}");
+    let reason = s["outcome"]["reason"].as_str().unwrap();
+    assert!(
+        reason.contains("sandbox did not start") && reason.contains("find source path"),
+        "{reason}"
+    );
+    assert!(node.healthy().await);
+}
+
+/// Tasks over the node's ceilings are refused with a 400 in the API's error shape: too many
+/// samples, a budget past `--max-budget-s`, limits past the node's own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_over_the_nodes_ceilings_is_refused() {
+    let node = Node::start(
+        &[
+            "--max-samples-per-task",
+            "16",
+            "--max-budget-s",
+            "600",
+            "--sample-memory-mb",
+            "512",
+            "--sample-pids",
+            "256",
+        ],
+        None,
+    )
+    .await;
+    let base = task(
+        &node.project(),
+        "t",
+        "true",
+        json!({"kind": "session-completed"}),
+    );
+    let with = |k: &str, v: Value| {
+        let mut t = base.clone();
+        t[k] = v;
+        t
+    };
+    let cases = [
+        (with("num_samples", json!(17)), "num_samples"),
+        (with("num_samples", json!(4_000_000_000u64)), "num_samples"),
+        (with("budgets", json!({"session_s": 601})), "session_s"),
+        (with("limits", json!({"memory_mb": 513})), "memory_mb"),
+        (with("limits", json!({"pids": 100000})), "pids"),
+    ];
+    for (t, says) in cases {
+        let r = node.submit(&t).await;
+        assert_eq!(r.status(), 400, "{t}");
+        let body: Value = r.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "invalid_task", "{body}");
+        assert!(
+            body["error"]["message"].as_str().unwrap().contains(says),
+            "{body}"
+        );
+    }
+    let ok = with("limits", json!({"memory_mb": 256}));
+    assert_eq!(node.submit(&ok).await.status(), 202);
+}
