@@ -1,6 +1,7 @@
 //! What `tokentap serve` and `tokentap worker` share about their HTTP control plane: no
 //! open port beyond loopback without a token, and the listener (plain TCP, or TLS with
-//! `--tls-cert`/`--tls-key`).
+//! `--tls-cert`/`--tls-key`), with a connection cap, a TLS handshake deadline and request head
+//! and idle deadlines.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,11 +11,24 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use tokentap_proxy::limits::ConnectionGate;
+
+use crate::guarded_conn::{Conn, Deadlines, GuardedConn};
 
 /// How long a client has to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// TLS connections accepted but not yet taken by the server.
+/// Connections accepted (and, with TLS, through their handshake) but not yet taken by the
+/// server.
 const HANDSHAKE_BACKLOG: usize = 64;
+/// Connections open at once; past it new ones are closed at once. A control plane serves a
+/// few trainers, proxies or shippers, each with a handful of connections.
+const MAX_CONNECTIONS: usize = 1024;
+/// A request head must arrive within `head`; a kept-alive connection may then sit `idle`
+/// (long enough for the node's longest answer, a pause's 600 s wait, to be read and followed).
+const DEADLINES: Deadlines = Deadlines {
+    head: Duration::from_secs(10),
+    idle: Duration::from_secs(120),
+};
 
 /// TLS for a control plane's own listener.
 #[derive(Args, Clone)]
@@ -70,32 +84,29 @@ pub async fn serve(
         .with_context(|| format!("listening on {listen}"))?;
     let local = listener.local_addr()?;
     ready(local, config.is_some());
-    match config {
-        None => axum::serve(listener, app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(Into::into),
-        Some(config) => axum::serve(TlsListener::start(listener, config), app)
-            .with_graceful_shutdown(shutdown)
-            .await
-            .map_err(Into::into),
-    }
+    axum::serve(LimitedListener::start(listener, config), app)
+        .with_graceful_shutdown(shutdown)
+        .await
+        .map_err(Into::into)
 }
 
-/// Accepts TCP connections and hands axum those whose handshake completed in time. The
-/// handshakes run in their own tasks: a client that stalls in one holds up nobody.
-struct TlsListener {
+/// Accepts TCP connections and hands axum those admitted under the cap and, with TLS, whose
+/// handshake completed in time. Past [`MAX_CONNECTIONS`] a connection is closed at once;
+/// handshakes run in their own tasks: a client that stalls in one holds up nobody. Each
+/// connection handed on is a [`GuardedConn`] (request head and idle deadlines).
+struct LimitedListener {
     local: SocketAddr,
-    ready: tokio::sync::mpsc::Receiver<(
-        tokio_rustls::server::TlsStream<tokio::net::TcpStream>,
-        SocketAddr,
-    )>,
+    ready: tokio::sync::mpsc::Receiver<(GuardedConn, SocketAddr)>,
 }
 
-impl TlsListener {
-    fn start(listener: tokio::net::TcpListener, config: Arc<rustls::ServerConfig>) -> TlsListener {
+impl LimitedListener {
+    fn start(
+        listener: tokio::net::TcpListener,
+        tls: Option<Arc<rustls::ServerConfig>>,
+    ) -> LimitedListener {
         let local = listener.local_addr().expect("a bound listener");
-        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        let acceptor = tls.map(tokio_rustls::TlsAcceptor::from);
+        let gate = ConnectionGate::new(MAX_CONNECTIONS);
         let (tx, ready) = tokio::sync::mpsc::channel(HANDSHAKE_BACKLOG);
         tokio::spawn(async move {
             loop {
@@ -108,27 +119,40 @@ impl TlsListener {
                         continue;
                     }
                 };
+                let Some(permit) = gate.admit() else {
+                    tracing::warn!(%peer, max = MAX_CONNECTIONS, "too many connections: closed at once");
+                    continue;
+                };
                 let (acceptor, handed) = (acceptor.clone(), tx.clone());
                 tokio::spawn(async move {
-                    match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp)).await {
-                        Ok(Ok(tls)) => {
-                            let _ = handed.send((tls, peer)).await;
+                    let io: Box<dyn Conn> = match acceptor {
+                        None => Box::new(tcp),
+                        Some(acceptor) => {
+                            match tokio::time::timeout(HANDSHAKE_TIMEOUT, acceptor.accept(tcp))
+                                .await
+                            {
+                                Ok(Ok(tls)) => Box::new(tls),
+                                Ok(Err(e)) => {
+                                    return tracing::debug!(%peer, error = %e, "TLS handshake failed")
+                                }
+                                Err(_) => return tracing::debug!(%peer, "TLS handshake timed out"),
+                            }
                         }
-                        Ok(Err(e)) => tracing::debug!(%peer, error = %e, "TLS handshake failed"),
-                        Err(_) => tracing::debug!(%peer, "TLS handshake timed out"),
-                    }
+                    };
+                    let conn = GuardedConn::new(io, permit, DEADLINES);
+                    let _ = handed.send((conn, peer)).await;
                 });
                 if tx.is_closed() {
                     return;
                 }
             }
         });
-        TlsListener { local, ready }
+        LimitedListener { local, ready }
     }
 }
 
-impl axum::serve::Listener for TlsListener {
-    type Io = tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+impl axum::serve::Listener for LimitedListener {
+    type Io = GuardedConn;
     type Addr = SocketAddr;
 
     async fn accept(&mut self) -> (Self::Io, Self::Addr) {

@@ -5,6 +5,7 @@ mod ca_cmd;
 mod control_plane;
 mod downstream;
 mod generate_cmd;
+mod guarded_conn;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;

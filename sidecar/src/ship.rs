@@ -530,7 +530,12 @@ fn unix_ms() -> u64 {
 
 fn save_cursor(path: &Path, cursor: &Cursor) -> anyhow::Result<()> {
     let tmp = path.with_extension("json.tmp");
-    let f = std::fs::File::create(&tmp)?;
+    // Owner-only like the spool it points into.
+    let _ = std::fs::remove_file(&tmp);
+    let f = tokentap_spool::owner_only::options()
+        .write(true)
+        .create_new(true)
+        .open(&tmp)?;
     serde_json::to_writer(&f, cursor)?;
     f.sync_all()?;
     std::fs::rename(&tmp, path)?;

@@ -333,3 +333,46 @@ async fn shipping_without_the_worker_token_delivers_nothing_and_loses_nothing() 
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 }
+
+/// A slowloris against a control plane: 300 connections that send part of a request head and
+/// stall do not keep an authenticated client from being served, and each is closed once the
+/// head deadline (10 s) passes; a connection that never sends a byte is closed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn stalled_heads_on_the_worker_are_closed_and_block_nobody() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let dir = tempfile::tempdir().unwrap();
+    let worker = Worker::start(&dir.path().join("out"), &["--token", TOKEN]).await;
+    let addr = format!("127.0.0.1:{}", worker.port);
+    let mut stalled = Vec::new();
+    for i in 0..300 {
+        let mut s = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        if i % 2 == 0 {
+            s.write_all(b"POST /v1/ship HTTP/1.1\r\nhost: x\r\n")
+                .await
+                .unwrap();
+        }
+        stalled.push(s);
+    }
+    let started = std::time::Instant::now();
+    let limits = http_client()
+        .get(format!("{}{SHIP_LIMITS_PATH}", worker.url))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(limits.status(), 200);
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "served while stalled heads wait"
+    );
+    // Every stalled connection is closed by the worker (EOF or reset), none later than the
+    // deadline plus slack.
+    for mut s in stalled {
+        let mut buf = [0u8; 256];
+        let closed = tokio::time::timeout(Duration::from_secs(20), s.read(&mut buf)).await;
+        assert!(
+            matches!(closed, Ok(Ok(0)) | Ok(Err(_))),
+            "a stalled connection was left open: {closed:?}"
+        );
+    }
+}
