@@ -165,6 +165,66 @@ pub fn join_on_spawn(cmd: &mut tokio::process::Command, procs: Vec<CString>) {
     }
 }
 
+/// Removes the sample cgroups a killed node left under this node's own cgroups (in every
+/// hierarchy that offers a controller samples use): those named `tokentap-…-pid<PID>` whose
+/// node process is gone. What still runs in them (agents orphaned by the kill) is killed
+/// first. Returns the cgroups removed.
+pub fn remove_stale() -> Vec<PathBuf> {
+    let (Ok(mounts), Ok(own)) = (cgroup_mounts(), own_cgroups()) else {
+        return Vec::new();
+    };
+    let mut parents: Vec<PathBuf> = Vec::new();
+    for (fstype, mount, opts) in &mounts {
+        let path = own.iter().find(|(ctrls, _)| {
+            if fstype == "cgroup2" {
+                ctrls.is_empty()
+            } else {
+                ["memory", "cpu", "pids"]
+                    .iter()
+                    .any(|c| opts.split(',').any(|o| o == *c) && ctrls.split(',').any(|x| x == *c))
+            }
+        });
+        if let Some((_, path)) = path {
+            let dir = mount.join(path.trim_start_matches('/'));
+            if !parents.contains(&dir) {
+                parents.push(dir);
+            }
+        }
+    }
+    let mut removed = Vec::new();
+    for parent in parents {
+        let Ok(entries) = std::fs::read_dir(&parent) else {
+            continue;
+        };
+        for entry in entries.flatten() {
+            let name = entry.file_name().to_string_lossy().into_owned();
+            let Some(pid) = name
+                .strip_prefix("tokentap-")
+                .and_then(|n| n.rsplit_once("-pid"))
+                .and_then(|(_, pid)| pid.parse::<u32>().ok())
+            else {
+                continue;
+            };
+            if pid == std::process::id() || Path::new(&format!("/proc/{pid}")).exists() {
+                continue;
+            }
+            let stale = SampleCgroup {
+                dirs: vec![entry.path()],
+                procs: Vec::new(),
+                memory_peak: None,
+                v2_dir: None,
+            };
+            // Dropping kills what is left and removes the directory.
+            drop(stale);
+            if !entry.path().exists() {
+                tracing::warn!(cgroup = %entry.path().display(), pid, "removed a sample cgroup left by a killed node");
+                removed.push(entry.path());
+            }
+        }
+    }
+    removed
+}
+
 impl SampleCgroup {
     /// Makes `name`'s cgroup with `limits`; `None` when there is nothing to limit.
     pub fn create(name: &str, limits: &Limits) -> io::Result<Option<SampleCgroup>> {
@@ -187,7 +247,10 @@ impl SampleCgroup {
         .collect();
         for controller in wanted {
             let h = hierarchy_for(controller)?;
-            let dir = h.own.join(format!("tokentap-{name}"));
+            // Named after this node process, so a restarted node can tell a killed one's.
+            let dir = h
+                .own
+                .join(format!("tokentap-{name}-pid{}", std::process::id()));
             if !cg.dirs.contains(&dir) {
                 if h.v2 {
                     // Children can use a controller only when the parent delegates it.
@@ -309,6 +372,41 @@ impl Drop for SampleCgroup {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A node killed with its agents still running left `tokentap-…-pid<dead>`; the next
+    /// node's start kills what runs there and removes it, and leaves a live node's alone.
+    #[test]
+    fn a_killed_nodes_sample_cgroups_are_removed_at_start() {
+        if !tokentap_e2e::privileged::runs(tokentap_e2e::privileged::root_with_cgroup2()) {
+            return;
+        }
+        let limits = Limits {
+            pids: Some(64),
+            ..Limits::default()
+        };
+        let name = format!("unit-stale-{}", std::process::id());
+        let live = SampleCgroup::create(&name, &limits).unwrap().unwrap();
+        // The same cgroup as a dead node would have named it: a reaped child's pid.
+        let mut dead = std::process::Command::new("true").spawn().unwrap();
+        let dead_pid = dead.id();
+        dead.wait().unwrap();
+        let live_dir = live.dirs[0].clone();
+        let stale_dir = live_dir.with_file_name(format!("tokentap-{name}-pid{dead_pid}"));
+        std::fs::create_dir(&stale_dir).unwrap();
+        let mut orphan = std::process::Command::new("sleep")
+            .arg("60")
+            .spawn()
+            .unwrap();
+        std::fs::write(stale_dir.join("cgroup.procs"), orphan.id().to_string()).unwrap();
+        let removed = remove_stale();
+        assert!(removed.contains(&stale_dir), "{removed:?}");
+        assert!(!stale_dir.exists());
+        assert!(live_dir.exists(), "a live node's sample cgroup stays");
+        assert!(
+            !orphan.wait().unwrap().success(),
+            "the orphaned agent was killed"
+        );
+    }
 
     #[test]
     fn task_limits_fall_back_to_the_nodes() {

@@ -267,6 +267,9 @@ impl Pipeline {
     /// Starts the pools and the callback deliverer, and re-queues what a previous run of the
     /// node left unfinished.
     pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
+        // A killed node's agents may still run in its sample cgroups: end them before the
+        // samples they belonged to are re-queued.
+        crate::isolation::remove_stale();
         let finished = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             store: store.clone(),
