@@ -779,13 +779,24 @@ async fn a_sandboxed_sample_reaches_only_the_capture() {
 /// connection to the engine is never redirected, and nothing is left behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_endpoint() {
+    a_node_captures_a_hard_coded_endpoint_at("127.0.0.2").await;
+}
+
+/// The same over IPv6: the endpoint resolves to `::1`, the agent's connect6 is redirected to
+/// the sample's interception listener on `[::1]`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_transparent_a_node_captures_an_agent_with_a_hard_coded_ipv6_endpoint() {
+    a_node_captures_a_hard_coded_endpoint_at("::1").await;
+}
+
+async fn a_node_captures_a_hard_coded_endpoint_at(address: &str) {
     if !tokentap_e2e::transparent::privileged() {
         return;
     }
     let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let dir = tempfile::tempdir().unwrap();
     std::fs::create_dir_all(dir.path().join("project")).unwrap();
-    let net = tokentap_e2e::transparent::FakeNet::new(&[("api.openai.com", "127.0.0.2")]);
+    let net = tokentap_e2e::transparent::FakeNet::new(&[("api.openai.com", address)]);
     let port = free_port();
     let base = format!("http://127.0.0.1:{port}");
     // --block-egress would point HTTPS_PROXY at a dead port: a transparent sample goes without.
