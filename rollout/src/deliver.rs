@@ -8,6 +8,7 @@
 
 use std::sync::Arc;
 use std::time::Duration;
+use tokentap_proxy::backend::error_chain;
 
 use serde_json::{json, Value};
 use tokio::sync::Notify;
@@ -183,17 +184,6 @@ async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value
     } else {
         Attempt::Refused(why)
     }
-}
-
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 #[cfg(test)]

@@ -14,6 +14,7 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+use tokentap_proxy::backend::error_chain;
 
 use anyhow::Context;
 use clap::Args;
@@ -508,18 +509,6 @@ impl Worker {
             _ => Sent::Transient(why),
         }
     }
-}
-
-/// An error with its causes (a TLS failure says why only in its source).
-fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
 }
 
 fn unix_ms() -> u64 {

@@ -74,7 +74,9 @@ impl BackendError {
     }
 }
 
-fn error_chain(e: &dyn std::error::Error) -> String {
+/// An error with its causes, `: `-joined (reqwest and rustls say why only in the sources:
+/// "error sending request: … invalid peer certificate: UnknownIssuer").
+pub fn error_chain(e: &dyn std::error::Error) -> String {
     let mut s = e.to_string();
     let mut cur = e.source();
     while let Some(c) = cur {

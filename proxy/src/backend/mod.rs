@@ -18,7 +18,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use futures::stream::BoxStream;
 
-pub use error::BackendError;
+pub use error::{error_chain, BackendError};
 pub use llamacpp::LlamaCppBackend;
 pub use sglang::SglangBackend;
 pub use tokentap_schema::BackendKind;
