@@ -200,8 +200,7 @@ pub fn remove_stale() -> Vec<PathBuf> {
             let name = entry.file_name().to_string_lossy().into_owned();
             let Some(pid) = name
                 .strip_prefix("tokentap-")
-                .and_then(|n| n.rsplit_once("-pid"))
-                .and_then(|(_, pid)| pid.parse::<u32>().ok())
+                .and_then(tokentap_ebpf::creator_pid)
             else {
                 continue;
             };

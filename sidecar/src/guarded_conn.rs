@@ -98,8 +98,7 @@ impl AsyncRead for GuardedConn {
         let before = buf.filled().len();
         match Pin::new(&mut this.io).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
-                let read = buf.filled()[before..].to_vec();
-                this.observe_read(&read);
+                this.observe_read(&buf.filled()[before..]);
                 Poll::Ready(Ok(()))
             }
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),

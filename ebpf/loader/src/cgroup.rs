@@ -87,8 +87,9 @@ pub fn remove_stale() -> Result<Vec<PathBuf>, CgroupError> {
     Ok(removed)
 }
 
-/// The pid a cgroup name of [`Cgroup::create_for_this_process`] ends in.
-fn creator_pid(name: &str) -> Option<u32> {
+/// The pid a cgroup name of [`Cgroup::create_for_this_process`] (or a rollout sample's
+/// cgroup) ends in: `…-pid<PID>`.
+pub fn creator_pid(name: &str) -> Option<u32> {
     let (_, pid) = name.rsplit_once("-pid")?;
     pid.parse().ok().filter(|&p| p > 1)
 }

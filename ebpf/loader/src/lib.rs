@@ -19,7 +19,8 @@ use aya::{include_bytes_aligned, Ebpf};
 use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
 
 pub use cgroup::{
-    cgroup2_mount, own_cgroup, remove_stale as remove_stale_cgroups, Cgroup, CgroupError,
+    cgroup2_mount, creator_pid, own_cgroup, remove_stale as remove_stale_cgroups, Cgroup,
+    CgroupError,
 };
 pub use nft::{conntrack_original_destination, remove_stale_tables, NftError, NftRedirect};
 
