@@ -1,0 +1,12 @@
+//! The node agent's domain: which workloads (containers, pods) on this host are captured, under
+//! which session, and in which cgroup they run. Sources ([`docker`], [`kubernetes`]) watch
+//! their API and report [`WorkloadEvent`]s; the agent (wired in the `tokentap node-agent`
+//! command) attaches the eBPF redirect to each workload's cgroup and detaches it when the
+//! workload ends.
+//!
+//! Dependencies point one way: sources → [`workload`] types; nothing here knows about eBPF or
+//! the proxy.
+
+pub mod workload;
+
+pub use workload::{Workload, WorkloadEvent, WorkloadKey};
