@@ -9,6 +9,7 @@ pub mod artefacts;
 pub mod checks;
 pub mod fixtures;
 pub mod harness;
+pub mod kube_validate;
 pub mod llama;
 pub mod node_api;
 pub mod privileged;
