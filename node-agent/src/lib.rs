@@ -4,9 +4,12 @@
 //! command) attaches the eBPF redirect to each workload's cgroup and detaches it when the
 //! workload ends.
 //!
-//! Dependencies point one way: sources → [`workload`] types; nothing here knows about eBPF or
-//! the proxy.
+//! Dependencies point one way: sources → [`workload`] types; [`agent`] → [`attribution`],
+//! the eBPF loader and the proxy's listener trait. The sources know nothing of eBPF or the
+//! proxy.
 
+pub mod agent;
+pub mod attribution;
 pub mod workload;
 
 pub use workload::{Workload, WorkloadEvent, WorkloadKey};

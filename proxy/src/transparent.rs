@@ -38,10 +38,54 @@ pub const DEFAULT_INTERCEPT: &[&str] = &[
 ];
 
 /// Answers where a redirected connection was going, given the accepted socket and its client
-/// end (our peer). `None`: not a redirected connection.
+/// end (our peer). `None`: not a redirected connection. For a listener that captures one
+/// cgroup (`run`, `sidecar`, a rollout sample).
 pub trait OriginalDestination: Send + Sync + 'static {
     fn original_destination(&self, conn: &TcpStream, peer: SocketAddr) -> Option<SocketAddr>;
 }
+
+/// Whose a redirected connection is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Attribution {
+    /// The listener's own (its `with_session`, else attributed per call).
+    Listener,
+    /// A workload captured under this session (the node agent's listener, shared by many).
+    Session(String),
+    /// A workload that is redirected but not captured (an unlabelled container under the
+    /// agent's capture parent): its connections are passed through untouched.
+    NotCaptured,
+}
+
+/// A redirected connection: where it was going and whose it is.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Redirection {
+    pub destination: SocketAddr,
+    pub attribution: Attribution,
+}
+
+/// What the listener asks of each accepted connection. `None`: the kernel did not redirect it.
+#[async_trait]
+pub trait Redirections: Send + Sync + 'static {
+    async fn redirection(&self, conn: &TcpStream, peer: SocketAddr) -> Option<Redirection>;
+}
+
+#[async_trait]
+impl<T: OriginalDestination> Redirections for T {
+    async fn redirection(&self, conn: &TcpStream, peer: SocketAddr) -> Option<Redirection> {
+        Some(Redirection {
+            destination: self.original_destination(conn, peer)?,
+            attribution: Attribution::Listener,
+        })
+    }
+}
+
+/// The line `tokentap await-capture` sends from inside a workload, and the answers. The probe
+/// connects to an address on a redirected port: it reaches the agent only once the workload's
+/// cgroup is attached, which is exactly what it waits for.
+pub const AWAIT_CAPTURE_PROBE: &[u8] = b"TOKENTAP-AWAIT-CAPTURE\n";
+/// Followed by the session and a newline.
+pub const AWAIT_CAPTURE_ATTACHED: &str = "ATTACHED ";
+pub const AWAIT_CAPTURE_NOT_CAPTURED: &str = "NOT-CAPTURED\n";
 
 /// Host names to intercept: exact names, or `*.suffix` for any subdomain. Case-insensitive.
 #[derive(Debug, Clone)]
@@ -83,8 +127,11 @@ pub enum Outcome {
     Intercepted,
     PassedThrough,
     TlsFailed,
-    /// Not a redirected connection and not one to intercept: closed.
+    /// Not a redirected connection and not one to intercept, or (on a shared listener) one
+    /// that would leave its network namespace for ours: closed.
     Dropped,
+    /// An await-capture probe, answered.
+    Probe,
 }
 
 impl Outcome {
@@ -94,6 +141,7 @@ impl Outcome {
             Outcome::PassedThrough => "passed_through",
             Outcome::TlsFailed => "tls_failed",
             Outcome::Dropped => "dropped",
+            Outcome::Probe => "probe",
         }
     }
 }
@@ -101,8 +149,10 @@ impl Outcome {
 pub struct TransparentListener {
     service: Arc<CaptureService>,
     acceptor: TlsAcceptor,
-    destinations: Arc<dyn OriginalDestination>,
+    redirections: Arc<dyn Redirections>,
     intercept: InterceptList,
+    /// Serves many workloads (the node agent's): see [`TransparentListener::shared_by_workloads`].
+    shared: bool,
     /// How long to wait for a client's first bytes before treating it as server-speaks-first.
     peek_wait: Duration,
     /// The session of every call intercepted here (one rollout sample's listener).
@@ -113,14 +163,15 @@ impl TransparentListener {
     pub fn new(
         service: Arc<CaptureService>,
         ca: Arc<CertificateAuthority>,
-        destinations: Arc<dyn OriginalDestination>,
+        redirections: Arc<dyn Redirections>,
         intercept: InterceptList,
     ) -> Self {
         TransparentListener {
             service,
             acceptor: TlsAcceptor::from(server_config(ca)),
-            destinations,
+            redirections,
             intercept,
+            shared: false,
             peek_wait: Duration::from_secs(1),
             session: None,
         }
@@ -129,6 +180,16 @@ impl TransparentListener {
     /// Records every call intercepted by this listener under `session`.
     pub fn with_session(mut self, session: String) -> Self {
         self.session = Some(session);
+        self
+    }
+
+    /// For a listener on an address other networks reach (the node agent's, on a bridge or the
+    /// node IP), shared by many workloads: it serves only connections the kernel redirected
+    /// (anything else is closed, so it needs no token), never carries a connection from another
+    /// network namespace to a loopback destination (that would be ours, not the workload's),
+    /// and answers await-capture probes.
+    pub fn shared_by_workloads(mut self) -> Self {
+        self.shared = true;
         self
     }
 
@@ -169,7 +230,7 @@ impl TransparentListener {
         permit: ConnectionPermit,
     ) {
         let _ = conn.set_nodelay(true);
-        let original = self.destinations.original_destination(&conn, peer);
+        let redirection = self.redirections.redirection(&conn, peer).await;
         let opening = match peek_opening(&conn, self.peek_wait).await {
             Ok(o) => o,
             Err(e) => {
@@ -177,16 +238,34 @@ impl TransparentListener {
                 return;
             }
         };
-        let outcome = match (opening, original) {
+        let session = match redirection.as_ref().map(|r| &r.attribution) {
+            Some(Attribution::Session(s)) => Some(s.as_str()),
+            Some(Attribution::NotCaptured) => None,
+            Some(Attribution::Listener) | None => self.session.as_deref(),
+        };
+        let captured = !matches!(
+            redirection.as_ref().map(|r| &r.attribution),
+            Some(Attribution::NotCaptured)
+        );
+        let outcome = match (opening, &redirection) {
+            (_, None) if self.shared => Outcome::Dropped,
             (
                 Opening::TlsClientHello {
                     server_name: Some(host),
                 },
                 _,
-            ) if self.intercept.contains(&host) => {
-                self.intercept(conn, &host, shutdown, permit).await
+            ) if captured && self.intercept.contains(&host) => {
+                let session = session.map(str::to_owned);
+                self.intercept(conn, &host, session.as_deref(), shutdown, permit)
+                    .await
             }
-            (_, Some(dest)) => splice(conn, dest).await,
+            (Opening::Other, Some(r)) if self.shared && is_probe(&conn).await => {
+                answer_probe(conn, &r.attribution).await
+            }
+            (_, Some(r)) if self.shared && leaves_its_namespace(&conn, peer, r.destination) => {
+                Outcome::Dropped
+            }
+            (_, Some(r)) => splice(conn, r.destination).await,
             (_, None) => Outcome::Dropped,
         };
         self.service
@@ -194,13 +273,14 @@ impl TransparentListener {
             .transparent
             .with_label_values(&[outcome.as_str()])
             .inc();
-        tracing::debug!(%peer, ?original, outcome = outcome.as_str(), "transparent connection");
+        tracing::debug!(%peer, ?redirection, outcome = outcome.as_str(), "transparent connection");
     }
 
     async fn intercept(
         &self,
         conn: TcpStream,
         host: &str,
+        session: Option<&str>,
         shutdown: ShutdownWatch,
         permit: ConnectionPermit,
     ) -> Outcome {
@@ -221,7 +301,7 @@ impl TransparentListener {
             Ok(Ok(tls)) => {
                 let stream = Box::new(InterceptedStream { tls, id });
                 self.service
-                    .serve_admitted_stream(stream, &shutdown, self.session.as_deref(), permit)
+                    .serve_admitted_stream(stream, &shutdown, session, permit)
                     .await;
                 Outcome::Intercepted
             }
@@ -235,13 +315,46 @@ impl TransparentListener {
                         host,
                         ErrorKind::TlsHandshakeFailed,
                         message,
-                        self.session.as_deref(),
+                        session,
                     )
                     .await;
                 Outcome::TlsFailed
             }
         }
     }
+}
+
+/// Whether the client sent exactly the await-capture probe line.
+async fn is_probe(conn: &TcpStream) -> bool {
+    let mut buf = [0u8; 64];
+    matches!(conn.peek(&mut buf).await, Ok(n) if &buf[..n] == AWAIT_CAPTURE_PROBE)
+}
+
+/// Tells an await-capture probe whether its workload is captured, and under which session.
+async fn answer_probe(mut conn: TcpStream, attribution: &Attribution) -> Outcome {
+    use tokio::io::AsyncWriteExt;
+    let answer = match attribution {
+        Attribution::Session(s) => format!("{AWAIT_CAPTURE_ATTACHED}{s}\n"),
+        Attribution::Listener => format!("{AWAIT_CAPTURE_ATTACHED}\n"),
+        Attribution::NotCaptured => AWAIT_CAPTURE_NOT_CAPTURED.to_owned(),
+    };
+    let mut probe = [0u8; AWAIT_CAPTURE_PROBE.len()];
+    let _ = tokio::io::AsyncReadExt::read_exact(&mut conn, &mut probe).await;
+    let _ = conn.write_all(answer.as_bytes()).await;
+    let _ = conn.shutdown().await;
+    Outcome::Probe
+}
+
+/// A loopback destination means the workload's own loopback when it connected from another
+/// network namespace (a container on a bridge, a pod): splicing it to ours would hand the
+/// workload the host's loopback services. Peers in our namespace connect from loopback or from
+/// the listener's own address.
+fn leaves_its_namespace(conn: &TcpStream, peer: SocketAddr, dest: SocketAddr) -> bool {
+    let ours = peer.ip().is_loopback()
+        || conn
+            .local_addr()
+            .is_ok_and(|local| local.ip() == peer.ip());
+    dest.ip().is_loopback() && !ours
 }
 
 /// Connects to `dest` (from outside the redirected cgroup, so never redirected again) and copies

@@ -1,11 +1,14 @@
 //! `tokentap`: the command line. Parses flags and composes the crates; no domain logic here.
 
+mod await_capture_cmd;
 mod bench;
 mod ca_cmd;
 mod control_plane;
 mod downstream;
 mod generate_cmd;
 mod guarded_conn;
+mod node_agent_cmd;
+mod node_agent_sources;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
@@ -64,6 +67,11 @@ enum Command {
     Run(run_cmd::RunArgs),
     /// Capture an existing cgroup's model traffic transparently (e.g. a pod's), until stopped.
     Sidecar(run_cmd::SidecarArgs),
+    /// One per host: capture the containers and pods marked for it (Docker Engine API,
+    /// Kubernetes API), attaching the redirect to each one's cgroup (root).
+    NodeAgent(node_agent_cmd::NodeAgentArgs),
+    /// In a pod's init container: wait until the node agent captures this pod.
+    AwaitCapture(await_capture_cmd::AwaitCaptureArgs),
     /// The local CA transparent capture mints certificates from.
     Ca(ca_cmd::CaArgs),
     /// Inspect the capture records in a spool.
@@ -117,6 +125,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Proxy(args) => proxy_cmd::run(args).map(|()| ok),
         Command::Run(args) => run_cmd::run(args),
         Command::Sidecar(args) => run_cmd::sidecar(args),
+        Command::NodeAgent(args) => node_agent_cmd::run(args).map(|()| ok),
+        Command::AwaitCapture(args) => await_capture_cmd::run(args),
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),

@@ -35,7 +35,20 @@ pub struct SockAddr {
     pub addr: [u32; 4],
 }
 
+/// A redirected connect, as the kernel remembers it: where it was going and which cgroup (v2 id,
+/// the inode number of its directory) the connecting task was in. The node agent maps the
+/// cgroup to a workload and its session; `run` and `serve` capture one cgroup and ignore it.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct Redirected {
+    pub dest: SockAddr,
+    pub _pad: u32,
+    pub cgroup_id: u64,
+}
+
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for Policy {}
+#[cfg(feature = "user")]
+unsafe impl aya::Pod for Redirected {}
 #[cfg(feature = "user")]
 unsafe impl aya::Pod for SockAddr {}

@@ -1,6 +1,6 @@
 //! Userspace side of tokentap's transparent capture: loads the kernel program
-//! (`ebpf/program`), sets its policy maps, attaches it to one cgroup (v2), and answers "where
-//! was this connection going?" for the connections it redirected.
+//! (`ebpf/program`), sets its policy maps, attaches it to cgroups (v2), and answers "where
+//! was this connection going, and which cgroup made it?" for the connections it redirected.
 //!
 //! Dropping a [`Redirect`] detaches everything: the links are file descriptors owned by this
 //! process, so the kernel also detaches them if the process dies.
@@ -14,9 +14,11 @@ use std::path::Path;
 use std::sync::Mutex;
 
 use aya::maps::{Array, HashMap, MapData};
+use aya::programs::cgroup_sock_addr::CgroupSockAddrLink;
+use aya::programs::sock_ops::SockOpsLink;
 use aya::programs::{CgroupAttachMode, CgroupSockAddr, SockOps};
 use aya::{include_bytes_aligned, Ebpf};
-use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
+use tokentap_ebpf_common::{Policy, Redirected, SockAddr, AF_INET, AF_INET6};
 
 pub use cgroup::{
     cgroup2_mount, creator_pid, own_cgroup, remove_stale as remove_stale_cgroups, Cgroup,
@@ -69,15 +71,43 @@ pub fn preflight(ebpf: bool) -> Result<std::path::PathBuf, RedirectError> {
     cgroup2_mount().map_err(|e| RedirectError::Refused(e.to_string()))
 }
 
-/// The program, attached to one cgroup; detached on drop.
+/// The loaded program with its policy, attached to one or more cgroups. Dropping it detaches
+/// every attachment it still owns.
 pub struct Redirect {
-    _ebpf: Ebpf,
-    clients: Mutex<HashMap<MapData, SockAddr, SockAddr>>,
+    ebpf: Mutex<Ebpf>,
+    clients: Mutex<HashMap<MapData, SockAddr, Redirected>>,
+    /// The attachment made by [`Redirect::attach`] (one cgroup, for the life of the redirect).
+    _own: Option<Attachment>,
+}
+
+/// One cgroup's attachment of the program (its three links); detached when dropped. Programs
+/// attached to a cgroup apply to every cgroup below it, including ones created later.
+pub struct Attachment {
+    _connect4: CgroupSockAddrLink,
+    _connect6: CgroupSockAddrLink,
+    _record_client: SockOpsLink,
+}
+
+/// Where a redirected connection was going, and the cgroup of the task that made it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Origin {
+    pub destination: SocketAddr,
+    /// The cgroup v2 id (its directory's inode number) the connecting task was in: the
+    /// attached cgroup itself or one below it.
+    pub cgroup_id: u64,
 }
 
 impl Redirect {
     /// Loads the program, writes `config` into its maps and attaches it to `cgroup_dir`.
     pub fn attach(cgroup_dir: &Path, config: &RedirectConfig) -> Result<Redirect, RedirectError> {
+        let mut redirect = Redirect::load(config)?;
+        redirect._own = Some(redirect.attach_cgroup(cgroup_dir)?);
+        Ok(redirect)
+    }
+
+    /// Loads the program and writes `config` into its maps, attached nowhere yet: the node
+    /// agent's one program for every workload it captures ([`Redirect::attach_cgroup`]).
+    pub fn load(config: &RedirectConfig) -> Result<Redirect, RedirectError> {
         if OBJECT.is_empty() {
             return Err(RedirectError::NotBuilt);
         }
@@ -87,10 +117,6 @@ impl Redirect {
         }
         let refused = |e: &dyn std::fmt::Display| RedirectError::Refused(e.to_string());
         let failed = |e: &dyn std::error::Error| RedirectError::Refused(chain(e));
-        let cgroup = File::open(cgroup_dir).map_err(|source| RedirectError::Cgroup {
-            path: cgroup_dir.display().to_string(),
-            source,
-        })?;
         let mut ebpf = Ebpf::load(OBJECT).map_err(|e| failed(&e))?;
 
         let policy = Policy {
@@ -114,10 +140,6 @@ impl Redirect {
         for p in &config.ports {
             ports.insert(p, 1, 0).map_err(|e| refused(&e))?;
         }
-
-        // On kernels with BPF links (5.7+) the attachment is a link, which never excludes other
-        // tools' programs; `Single` is the mode links take (they refuse the others' flags).
-        let mode = CgroupAttachMode::Single;
         for name in ["connect4", "connect6"] {
             let program: &mut CgroupSockAddr = ebpf
                 .program_mut(name)
@@ -125,7 +147,6 @@ impl Redirect {
                 .try_into()
                 .map_err(|e| refused(&e))?;
             program.load().map_err(|e| failed(&e))?;
-            program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
         }
         let program: &mut SockOps = ebpf
             .program_mut("record_client")
@@ -133,28 +154,75 @@ impl Redirect {
             .try_into()
             .map_err(|e| refused(&e))?;
         program.load().map_err(|e| failed(&e))?;
-        program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
 
         let clients = HashMap::try_from(
             ebpf.take_map("DEST_BY_CLIENT")
                 .ok_or_else(|| refused(&"no DEST_BY_CLIENT map"))?,
         )
         .map_err(|e| refused(&e))?;
-        tracing::info!(cgroup = %cgroup_dir.display(), ?config, "connect redirect attached");
+        tracing::debug!(?config, "connect redirect loaded");
         Ok(Redirect {
-            _ebpf: ebpf,
+            ebpf: Mutex::new(ebpf),
             clients: Mutex::new(clients),
+            _own: None,
+        })
+    }
+
+    /// Attaches the loaded program to one more cgroup (v2 directory).
+    pub fn attach_cgroup(&self, cgroup_dir: &Path) -> Result<Attachment, RedirectError> {
+        let refused = |e: &dyn std::fmt::Display| RedirectError::Refused(e.to_string());
+        let failed = |e: &dyn std::error::Error| RedirectError::Refused(chain(e));
+        let cgroup = File::open(cgroup_dir).map_err(|source| RedirectError::Cgroup {
+            path: cgroup_dir.display().to_string(),
+            source,
+        })?;
+        let mut ebpf = self.ebpf.lock().unwrap_or_else(|e| e.into_inner());
+        // On kernels with BPF links (5.7+) the attachment is a link, which never excludes other
+        // tools' programs; `Single` is the mode links take (they refuse the others' flags).
+        let mode = CgroupAttachMode::Single;
+        let mut sock_addr_link = |name: &str| -> Result<CgroupSockAddrLink, RedirectError> {
+            let program: &mut CgroupSockAddr = ebpf
+                .program_mut(name)
+                .ok_or_else(|| refused(&format!("no {name} program")))?
+                .try_into()
+                .map_err(|e| refused(&e))?;
+            let id = program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
+            program.take_link(id).map_err(|e| failed(&e))
+        };
+        let connect4 = sock_addr_link("connect4")?;
+        let connect6 = sock_addr_link("connect6")?;
+        let program: &mut SockOps = ebpf
+            .program_mut("record_client")
+            .ok_or_else(|| refused(&"no record_client program"))?
+            .try_into()
+            .map_err(|e| refused(&e))?;
+        let id = program.attach(&cgroup, mode).map_err(|e| failed(&e))?;
+        let record_client = program.take_link(id).map_err(|e| failed(&e))?;
+        tracing::info!(cgroup = %cgroup_dir.display(), "connect redirect attached");
+        Ok(Attachment {
+            _connect4: connect4,
+            _connect6: connect6,
+            _record_client: record_client,
         })
     }
 
     /// Where the redirected connection whose client end is `client` (the listener's peer) was
     /// going; the entry is consumed.
     pub fn original_destination(&self, client: SocketAddr) -> Option<SocketAddr> {
+        self.origin(client).map(|o| o.destination)
+    }
+
+    /// Where the redirected connection whose client end is `client` was going and which cgroup
+    /// made it; the entry is consumed.
+    pub fn origin(&self, client: SocketAddr) -> Option<Origin> {
         let key = sock_addr(client);
         let mut clients = self.clients.lock().unwrap_or_else(|e| e.into_inner());
         let found = clients.get(&key, 0).ok()?;
         let _ = clients.remove(&key);
-        Some(socket_addr(found))
+        Some(Origin {
+            destination: socket_addr(found.dest),
+            cgroup_id: found.cgroup_id,
+        })
     }
 }
 

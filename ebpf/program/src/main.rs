@@ -5,7 +5,8 @@
 //! `POLICY` and `PORTS` maps; which processes is decided by the cgroup the loader attaches to.
 //!
 //! - `connect4` / `connect6` (cgroup/connect*): a TCP connect to a listed port is rewritten to
-//!   the listener; the original destination is stored under the socket's cookie.
+//!   the listener; the original destination and the connecting task's cgroup are stored under
+//!   the socket's cookie (the cgroup tells a node agent which workload connected).
 //! - `record_client` (sock_ops, TCP_CONNECT_CB): once the kernel has picked the client's own
 //!   address and port, the original destination is re-keyed by that address, which is what the
 //!   listener sees as its peer.
@@ -13,11 +14,11 @@
 #![no_main]
 
 use aya_ebpf::bindings::BPF_SOCK_OPS_TCP_CONNECT_CB;
-use aya_ebpf::helpers::bpf_get_socket_cookie;
+use aya_ebpf::helpers::{bpf_get_current_cgroup_id, bpf_get_socket_cookie};
 use aya_ebpf::macros::{cgroup_sock_addr, map, sock_ops};
 use aya_ebpf::maps::{Array, HashMap, LruHashMap};
 use aya_ebpf::programs::{SockAddrContext, SockOpsContext};
-use tokentap_ebpf_common::{Policy, SockAddr, AF_INET, AF_INET6};
+use tokentap_ebpf_common::{Policy, Redirected, SockAddr, AF_INET, AF_INET6};
 
 const IPPROTO_TCP: u32 = 6;
 /// cgroup/connect programs return 1 to let the connect proceed.
@@ -30,10 +31,10 @@ static POLICY: Array<Policy> = Array::with_max_entries(1, 0);
 static PORTS: HashMap<u16, u8> = HashMap::with_max_entries(64, 0);
 
 #[map]
-static DEST_BY_COOKIE: LruHashMap<u64, SockAddr> = LruHashMap::with_max_entries(16384, 0);
+static DEST_BY_COOKIE: LruHashMap<u64, Redirected> = LruHashMap::with_max_entries(16384, 0);
 
 #[map]
-static DEST_BY_CLIENT: LruHashMap<SockAddr, SockAddr> = LruHashMap::with_max_entries(16384, 0);
+static DEST_BY_CLIENT: LruHashMap<SockAddr, Redirected> = LruHashMap::with_max_entries(16384, 0);
 
 /// `::ffff:0:0/96` third word, as it sits in memory.
 const V4_MAPPED_WORD: u32 = 0x0000_ffff_u32.to_be();
@@ -72,7 +73,13 @@ fn policy_for(port: u16) -> Option<&'static Policy> {
 fn remember(ctx: &SockAddrContext, original: &SockAddr) -> Option<()> {
     // SAFETY: the context pointer is the program's own argument.
     let cookie = unsafe { bpf_get_socket_cookie(ctx.sock_addr as *mut _) };
-    DEST_BY_COOKIE.insert(&cookie, original, 0).ok()
+    let redirected = Redirected {
+        dest: *original,
+        _pad: 0,
+        // SAFETY: no arguments; connect hooks run in the connecting task's context.
+        cgroup_id: unsafe { bpf_get_current_cgroup_id() },
+    };
+    DEST_BY_COOKIE.insert(&cookie, &redirected, 0).ok()
 }
 
 #[inline(always)]
