@@ -10,6 +10,7 @@
 
 pub mod agent;
 pub mod attribution;
+pub mod docker;
 pub mod workload;
 
 pub use workload::{Workload, WorkloadEvent, WorkloadKey};

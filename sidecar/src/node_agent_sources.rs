@@ -5,6 +5,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use tokentap_node_agent::agent::ContainerLookup;
+use tokentap_node_agent::docker::{DockerSource, DockerSourceConfig};
 use tokentap_node_agent::WorkloadEvent;
 
 use crate::node_agent_cmd::Source;
@@ -36,6 +37,35 @@ pub async fn start(
     options: &SourceOptions,
     events: tokio::sync::mpsc::Sender<(Source, WorkloadEvent)>,
 ) -> anyhow::Result<Sources> {
-    let _ = (sources, options, events);
-    anyhow::bail!("no workload sources are built in yet")
+    let mut started = Sources {
+        container_lookup: None,
+        tasks: Vec::new(),
+    };
+    for &source in sources {
+        let (tx, mut rx) = tokio::sync::mpsc::channel::<WorkloadEvent>(256);
+        match source {
+            Source::Docker => {
+                let docker = DockerSource::new(DockerSourceConfig {
+                    host: options.docker_host.clone(),
+                    proc_root: "/proc".into(),
+                })?;
+                started.container_lookup = Some(Arc::new(docker.clone()));
+                started.tasks.push(tokio::spawn(async move {
+                    let _ = docker.run(tx).await;
+                }));
+            }
+            Source::Kubernetes => {
+                anyhow::bail!("the Kubernetes source is not built in yet")
+            }
+        }
+        let events = events.clone();
+        started.tasks.push(tokio::spawn(async move {
+            while let Some(e) = rx.recv().await {
+                if events.send((source, e)).await.is_err() {
+                    return;
+                }
+            }
+        }));
+    }
+    Ok(started)
 }
