@@ -111,7 +111,9 @@ impl Agent {
         relative: &Path,
         lookup: std::sync::Arc<dyn ContainerLookup>,
     ) -> Result<Agent, AgentError> {
-        let dir = self.root.join(relative.strip_prefix("/").unwrap_or(relative));
+        let dir = self
+            .root
+            .join(relative.strip_prefix("/").unwrap_or(relative));
         let parent_err = |source| AgentError::Parent {
             path: dir.display().to_string(),
             source,

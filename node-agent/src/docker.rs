@@ -72,15 +72,26 @@ impl DockerSource {
         })
     }
 
-    fn client(&self) -> anyhow::Result<Docker> {
-        let mut client = self.inner.client.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(c) = client.as_ref() {
+    /// The engine client, connected and at the API version the engine speaks (Docker 20.10
+    /// speaks 1.41; the client's default is newer).
+    async fn client(&self) -> anyhow::Result<Docker> {
+        if let Some(c) = self
+            .inner
+            .client
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+        {
             return Ok(c.clone());
         }
         let socket = &self.inner.socket;
+        let why = |e: bollard::errors::Error| anyhow::anyhow!("{}", describe(socket, &e));
         let c = Docker::connect_with_unix(socket, REQUEST_TIMEOUT_S, bollard::API_DEFAULT_VERSION)
-            .map_err(|e| anyhow::anyhow!("{}", describe(socket, &e)))?;
-        *client = Some(c.clone());
+            .map_err(why)?
+            .negotiate_version()
+            .await
+            .map_err(why)?;
+        *self.inner.client.lock().unwrap_or_else(|e| e.into_inner()) = Some(c.clone());
         Ok(c)
     }
 
@@ -119,21 +130,14 @@ impl DockerSource {
 
     /// One connection's life: subscribe, list, report, follow.
     async fn watch(&self, events: &mpsc::Sender<WorkloadEvent>) -> anyhow::Result<()> {
-        let docker = self.client()?;
-        docker
-            .ping()
-            .await
-            .map_err(|e| anyhow::anyhow!("{}", describe(&self.inner.socket, &e)))?;
+        let docker = self.client().await?;
         // Events since a second before the list: nothing started in between is missed.
         let since = SystemTime::now()
             .duration_since(UNIX_EPOCH)
             .unwrap_or_default()
             .as_secs()
             .saturating_sub(1);
-        let filters = HashMap::from([(
-            "label".to_owned(),
-            vec![format!("{CAPTURE_LABEL}=true")],
-        )]);
+        let filters = HashMap::from([("label".to_owned(), vec![format!("{CAPTURE_LABEL}=true")])]);
         let running = docker
             .list_containers(Some(
                 ListContainersOptionsBuilder::new()
@@ -150,7 +154,10 @@ impl DockerSource {
                 }
             }
         }
-        tracing::info!(containers = list.len(), "Docker: labelled containers running");
+        tracing::info!(
+            containers = list.len(),
+            "Docker: labelled containers running"
+        );
         if events.send(WorkloadEvent::Synced(list)).await.is_err() {
             return Ok(());
         }
@@ -160,10 +167,7 @@ impl DockerSource {
                 "event".to_owned(),
                 vec!["start".into(), "die".into(), "destroy".into()],
             ),
-            (
-                "label".to_owned(),
-                vec![format!("{CAPTURE_LABEL}=true")],
-            ),
+            ("label".to_owned(), vec![format!("{CAPTURE_LABEL}=true")]),
         ]);
         let mut stream = docker.events(Some(
             EventsOptionsBuilder::new()
@@ -201,7 +205,11 @@ impl DockerSource {
             }) => return Ok(None),
             Err(e) => return Err(e).context(format!("inspecting container {id}")),
         };
-        let labels = c.config.as_ref().and_then(|c| c.labels.clone()).unwrap_or_default();
+        let labels = c
+            .config
+            .as_ref()
+            .and_then(|c| c.labels.clone())
+            .unwrap_or_default();
         if labels.get(CAPTURE_LABEL).map(String::as_str) != Some("true") {
             return Ok(None);
         }
@@ -242,7 +250,7 @@ impl ContainerLookup for DockerSource {
     }
 
     async fn identify(&self, container_id: &str) -> anyhow::Result<Option<Workload>> {
-        let docker = self.client()?;
+        let docker = self.client().await?;
         self.inspect(&docker, container_id).await
     }
 }
@@ -265,8 +273,11 @@ pub fn container_id_from_cgroup_name(name: &str) -> Option<&str> {
         .iter()
         .find_map(|p| name.strip_prefix(p))
         .unwrap_or(name);
-    (id.len() == 64 && id.bytes().all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
-        .then_some(id)
+    (id.len() == 64
+        && id
+            .bytes()
+            .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b)))
+    .then_some(id)
 }
 
 /// One line on why the engine API could not be used.
@@ -324,7 +335,9 @@ mod tests {
         std::fs::create_dir_all(&dir).unwrap();
         std::fs::write(
             dir.join("cgroup"),
-            format!("12:memory:/docker/{ID}\n1:name=systemd:/docker/{ID}\n0::/tokentap-capture/{ID}\n"),
+            format!(
+                "12:memory:/docker/{ID}\n1:name=systemd:/docker/{ID}\n0::/tokentap-capture/{ID}\n"
+            ),
         )
         .unwrap();
         assert_eq!(
@@ -332,7 +345,11 @@ mod tests {
             Some(PathBuf::from(format!("tokentap-capture/{ID}")))
         );
         std::fs::write(dir.join("cgroup"), "0::/\n").unwrap();
-        assert_eq!(cgroup_of(proc_root.path(), 42), None, "the root is no container's");
+        assert_eq!(
+            cgroup_of(proc_root.path(), 42),
+            None,
+            "the root is no container's"
+        );
         assert_eq!(cgroup_of(proc_root.path(), 43), None);
     }
 }

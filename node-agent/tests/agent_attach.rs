@@ -150,7 +150,10 @@ async fn assert_not_redirected(s: &Setup, mut c: Connector, why: &str) {
         if let Some(status) = c.0.try_wait().unwrap() {
             break status;
         }
-        assert!(std::time::Instant::now() < deadline, "{why}: the connect was not refused");
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{why}: the connect was not refused"
+        );
         tokio::time::sleep(Duration::from_millis(10)).await;
     };
     assert!(!status.success(), "{why}: the connect succeeded");

@@ -350,10 +350,8 @@ async fn answer_probe(mut conn: TcpStream, attribution: &Attribution) -> Outcome
 /// workload the host's loopback services. Peers in our namespace connect from loopback or from
 /// the listener's own address.
 fn leaves_its_namespace(conn: &TcpStream, peer: SocketAddr, dest: SocketAddr) -> bool {
-    let ours = peer.ip().is_loopback()
-        || conn
-            .local_addr()
-            .is_ok_and(|local| local.ip() == peer.ip());
+    let ours =
+        peer.ip().is_loopback() || conn.local_addr().is_ok_and(|local| local.ip() == peer.ip());
     dest.ip().is_loopback() && !ours
 }
 

@@ -46,7 +46,11 @@ pub struct NodeAgentArgs {
     #[arg(long = "source", value_enum, required = true)]
     sources: Vec<Source>,
     /// The Docker Engine API (or Podman's compatible socket).
-    #[arg(long, env = "DOCKER_HOST", default_value = "unix:///var/run/docker.sock")]
+    #[arg(
+        long,
+        env = "DOCKER_HOST",
+        default_value = "unix:///var/run/docker.sock"
+    )]
     docker_host: String,
     /// The cgroup (relative to the cgroup2 mount) the agent creates and attaches before any
     /// container starts: containers run with `--cgroup-parent` set to it are redirected from
@@ -231,7 +235,12 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
     tracing::info!("stopping: detaching every workload");
     let _ = shutdown.send(true);
     drop(sources);
+    let parent = agent.capture_parent().map(|p| p.to_owned());
     drop(agent);
+    if let Some(p) = parent {
+        // Gone only when no container is left below it (rmdir refuses otherwise).
+        let _ = std::fs::remove_dir(p);
+    }
     rt.shutdown_timeout(Duration::from_secs(2));
     drop(service);
     if let Some(t) = spool_thread {

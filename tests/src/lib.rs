@@ -7,10 +7,12 @@
 
 pub mod artefacts;
 pub mod checks;
+pub mod containers;
 pub mod fixtures;
 pub mod harness;
 pub mod kube_validate;
 pub mod llama;
+pub mod node_agent;
 pub mod node_api;
 pub mod privileged;
 pub mod procs;
