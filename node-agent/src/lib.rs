@@ -11,6 +11,8 @@
 pub mod agent;
 pub mod attribution;
 pub mod docker;
+pub mod kubelet_cgroup;
+pub mod kubernetes;
 pub mod workload;
 
 pub use workload::{Workload, WorkloadEvent, WorkloadKey};

@@ -6,6 +6,7 @@ use std::sync::Arc;
 
 use tokentap_node_agent::agent::ContainerLookup;
 use tokentap_node_agent::docker::{DockerSource, DockerSourceConfig};
+use tokentap_node_agent::kubernetes::{KubernetesSource, KubernetesSourceConfig};
 use tokentap_node_agent::WorkloadEvent;
 
 use crate::node_agent_cmd::Source;
@@ -55,7 +56,18 @@ pub async fn start(
                 }));
             }
             Source::Kubernetes => {
-                anyhow::bail!("the Kubernetes source is not built in yet")
+                let node_name = options.node_name.clone().ok_or_else(|| {
+                    anyhow::anyhow!("--source kubernetes needs --node-name (or NODE_NAME)")
+                })?;
+                let kube = KubernetesSource::connect(KubernetesSourceConfig {
+                    node_name,
+                    cgroup_root: options.cgroup_root.clone(),
+                    kubeconfig: options.kubeconfig.clone(),
+                })
+                .await?;
+                started.tasks.push(tokio::spawn(async move {
+                    let _ = kube.run(tx).await;
+                }));
             }
         }
         let events = events.clone();

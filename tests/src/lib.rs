@@ -10,6 +10,7 @@ pub mod checks;
 pub mod containers;
 pub mod fixtures;
 pub mod harness;
+pub mod kube_apiserver;
 pub mod kube_validate;
 pub mod llama;
 pub mod node_agent;

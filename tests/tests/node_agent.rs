@@ -462,3 +462,127 @@ async fn heavy_node_agent_codex_in_a_container_is_captured_with_token_ids() {
         assert_complete_token_data(r);
     }
 }
+
+/// The Kubernetes source end to end: a real container placed in a kubelet-shaped pod cgroup
+/// (`--cgroup-parent kubepods/burstable/pod<uid>`, as kubelet's cgroupfs driver lays pods out),
+/// the pod served by the named API-server double, and the pod's first step the init container
+/// the webhook injects (`tokentap await-capture`), which returns once the agent has attached
+/// the pod's cgroup.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_node_agent_kubernetes_pod_is_captured_after_await_capture() {
+    if !ready() {
+        return;
+    }
+    use tokentap_e2e::kube_apiserver::KubeApiDouble;
+    let dockerd = Dockerd::start().await;
+    dockerd.import_base_image();
+    let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
+    let api = KubeApiDouble::start().await;
+    let dir = tempfile::tempdir().unwrap();
+    let pid = std::process::id();
+    // A UID of this process's own, so no real kubelet's pod is touched.
+    let uid = format!("7e57{:04x}-0000-4000-8000-{:012x}", pid & 0xffff, pid);
+    let session = format!("rl/sample-{pid}");
+    let port = free_port();
+    let args: Vec<String> = [
+        "--source",
+        "kubernetes",
+        "--node-name",
+        "test-node",
+        "--kubeconfig",
+        api.kubeconfig(dir.path()).to_str().unwrap(),
+        "--listen-ip",
+        &dockerd.gateway().to_string(),
+        "--listen-port",
+        &port.to_string(),
+        "--backend",
+        &backend.url,
+        "--backend-kind",
+        "vllm",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect();
+    let agent = NodeAgent::start(dir.path(), "agent.log", &args).await;
+    api.apply(KubeApiDouble::pod(
+        &uid,
+        "rl",
+        "sample",
+        "test-node",
+        &[
+            ("tokentap.io/capture", "true"),
+            ("tokentap.io/session", &session),
+        ],
+        "Pending",
+        "Burstable",
+    ));
+    let pod_parent = format!("/kubepods/burstable/pod{uid}");
+    let out = dockerd.run(&[
+        "run",
+        "--rm",
+        "--cgroup-parent",
+        &pod_parent,
+        "--add-host",
+        &format!("api.openai.com:{}", dockerd.gateway()),
+        "-v",
+        &format!("{}:/ca:ro", agent.ca_dir.display()),
+        "-v",
+        &format!(
+            "{}:/usr/local/bin/tokentap:ro",
+            tokentap_e2e::artefacts::tokentap_bin().display()
+        ),
+        BASE_IMAGE,
+        "sh",
+        "-c",
+        &format!(
+            "tokentap await-capture --timeout 30 && {}",
+            curl_chat("sk-pod")
+        ),
+    ]);
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        out.status.success(),
+        "{stdout}\n{stderr}\n{}",
+        agent.log_tail(20)
+    );
+    assert!(
+        stderr.contains(&format!("captured (session {session:?})")),
+        "{stderr}"
+    );
+    assert!(stdout.contains(ENGINE_TEXT), "{stdout}");
+    let records = agent.wait_records(1).await;
+    assert_eq!(records.len(), 1);
+    assert_eq!(records[0].session_id, session);
+    assert_token_data_present(&records[0]);
+    // The pod ends: detached and forgotten.
+    api.delete(&uid);
+    agent
+        .wait_workloads("deleted pod forgotten", Duration::from_secs(10), |w| {
+            w.is_empty()
+        })
+        .await;
+    drop(dockerd);
+    // The kubelet-shaped cgroups the test's container left.
+    let root = tokentap_ebpf_root();
+    for d in [
+        root.join(format!("kubepods/burstable/pod{uid}")),
+        root.join("kubepods/burstable"),
+        root.join("kubepods"),
+    ] {
+        let _ = std::fs::remove_dir(d);
+    }
+}
+
+fn tokentap_ebpf_root() -> std::path::PathBuf {
+    let mounts = std::fs::read_to_string("/proc/mounts").unwrap();
+    mounts
+        .lines()
+        .find_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            (f.get(2) == Some(&"cgroup2")).then(|| std::path::PathBuf::from(f[1]))
+        })
+        .expect("a cgroup2 mount")
+}
