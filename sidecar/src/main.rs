@@ -7,6 +7,7 @@ mod control_plane;
 mod downstream;
 mod generate_cmd;
 mod guarded_conn;
+mod health_cmd;
 mod node_agent_cmd;
 mod node_agent_sources;
 mod proxy_cmd;
@@ -16,6 +17,7 @@ mod run_cmd;
 mod serve_cmd;
 mod ship;
 mod signals;
+mod webhook_cmd;
 mod worker_cmd;
 
 use clap::{Parser, Subcommand};
@@ -72,6 +74,11 @@ enum Command {
     NodeAgent(node_agent_cmd::NodeAgentArgs),
     /// In a pod's init container: wait until the node agent captures this pod.
     AwaitCapture(await_capture_cmd::AwaitCaptureArgs),
+    /// The mutating admission webhook that injects capture into pods, and its certificate.
+    #[command(subcommand)]
+    Webhook(webhook_cmd::WebhookCmd),
+    /// Exit 0 when a URL answers 2xx (exec probes in images without curl).
+    Health(health_cmd::HealthArgs),
     /// The local CA transparent capture mints certificates from.
     Ca(ca_cmd::CaArgs),
     /// Inspect the capture records in a spool.
@@ -127,6 +134,8 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Sidecar(args) => run_cmd::sidecar(args),
         Command::NodeAgent(args) => node_agent_cmd::run(args).map(|()| ok),
         Command::AwaitCapture(args) => await_capture_cmd::run(args),
+        Command::Webhook(cmd) => webhook_cmd::run(cmd).map(|()| ok),
+        Command::Health(args) => health_cmd::run(args),
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
         Command::Bench(cmd) => bench::run(cmd).map(|()| ok),

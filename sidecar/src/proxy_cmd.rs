@@ -57,6 +57,10 @@ pub struct ProxyArgs {
     /// Worker threads.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// Record every call under this session (a pod's sidecar: the pod's) instead of
+    /// attributing per call.
+    #[arg(long, env = "TOKENTAP_SESSION")]
+    session: Option<String>,
     #[command(flatten)]
     downstream: DownstreamArgs,
 }
@@ -150,7 +154,7 @@ impl LimitArgs {
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
-    let (service, spool_thread) = args.capture.build(None)?;
+    let (service, spool_thread) = args.capture.build(args.session.clone())?;
     let capture = &args.capture;
     let downstream = if capture.no_capture {
         None

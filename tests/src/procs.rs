@@ -226,6 +226,16 @@ pub async fn wait_healthy(
         .timeout(Duration::from_secs(2))
         .build()
         .expect("reqwest client");
+    wait_healthy_tls(&client, url, child, limit).await
+}
+
+/// [`wait_healthy`] with a client of the caller's (its roots, its name resolution).
+pub async fn wait_healthy_tls(
+    client: &reqwest::Client,
+    url: &str,
+    child: &mut ChildGuard,
+    limit: Duration,
+) -> Result<(), String> {
     let deadline = Instant::now() + limit;
     loop {
         if let Some(status) = child.try_wait() {
