@@ -22,6 +22,12 @@ enum CaCmd {
     Show,
     /// Print the path of the CA certificate.
     Path,
+    /// Write the system's CA store plus this CA, for SSL_CERT_FILE / REQUESTS_CA_BUNDLE in
+    /// containers (they replace the system store, so both must be in it).
+    Bundle {
+        #[arg(long)]
+        out: PathBuf,
+    },
 }
 
 pub fn run(args: CaArgs) -> anyhow::Result<()> {
@@ -36,6 +42,10 @@ pub fn run(args: CaArgs) -> anyhow::Result<()> {
             );
         }
         CaCmd::Show => print!("{}", CertificateAuthority::load(&dir)?.cert_pem()),
+        CaCmd::Bundle { out } => {
+            CertificateAuthority::load(&dir)?.write_bundle(&out)?;
+            println!("{}", out.display());
+        }
         CaCmd::Path => println!(
             "{}",
             CertificateAuthority::load(&dir)?.cert_path().display()
