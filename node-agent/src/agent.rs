@@ -55,7 +55,7 @@ struct Tracked {
     workload: Workload,
     cgroup_id: u64,
     /// `None` when the capture parent's attachment already covers it.
-    _attachment: Option<Attachment>,
+    attachment: Option<Attachment>,
     since: SystemTime,
 }
 
@@ -244,7 +244,7 @@ impl Agent {
             Tracked {
                 workload,
                 cgroup_id: id,
-                _attachment: attachment,
+                attachment,
                 since: SystemTime::now(),
             },
         );
@@ -268,7 +268,7 @@ impl Agent {
             .map(|t| WorkloadStatus {
                 workload: t.workload.clone(),
                 cgroup_id: t.cgroup_id,
-                attached_via: if t._attachment.is_some() {
+                attached_via: if t.attachment.is_some() {
                     "own"
                 } else {
                     "capture-parent"

@@ -8,6 +8,7 @@
 //! The watcher (kube-runtime) lists, then watches from the list's resourceVersion, and
 //! relists after a dropped watch; each (re)list becomes a `Synced`.
 
+use std::collections::hash_map::Entry;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -136,7 +137,8 @@ impl KubernetesSource {
                     pending.retain(|_, t| !t.is_finished());
                     match captured(&pod) {
                         Some(p) => {
-                            if !pending.contains_key(&uid) {
+                            // A pod whose cgroup is awaited already gets its Started then.
+                            if let Entry::Vacant(slot) = pending.entry(uid) {
                                 match self.workload(&p) {
                                     // Already-started pods are refreshed by the agent.
                                     Some(w) => {
@@ -145,7 +147,7 @@ impl KubernetesSource {
                                         }
                                     }
                                     None => {
-                                        pending.insert(uid, self.await_cgroup(p, events.clone()));
+                                        slot.insert(self.await_cgroup(p, events.clone()));
                                     }
                                 }
                             }

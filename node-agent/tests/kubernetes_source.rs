@@ -166,14 +166,9 @@ async fn an_api_server_that_comes_back_empty_gives_a_fresh_synced_list() {
     bed.api.take().unwrap().stop();
     tokio::time::sleep(Duration::from_millis(500)).await;
     bed.api = Some(KubeApiDouble::start_at(addr).await);
-    loop {
-        match next(&mut bed).await {
-            WorkloadEvent::Synced(l) => {
-                assert!(l.is_empty(), "{l:?}");
-                break;
-            }
-            other => panic!("{other:?} before a fresh Synced"),
-        }
+    match next(&mut bed).await {
+        WorkloadEvent::Synced(l) => assert!(l.is_empty(), "{l:?}"),
+        other => panic!("{other:?} before a fresh Synced"),
     }
 }
 

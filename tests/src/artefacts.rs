@@ -20,7 +20,8 @@ pub fn workspace_root() -> PathBuf {
 fn profile_dir() -> Option<PathBuf> {
     let exe = std::env::current_exe().ok()?;
     let deps = exe.parent()?;
-    if deps.file_name()? == "deps" {
+    // Test binaries sit in `deps/`, examples (the benchmarks) in `examples/`.
+    if deps.file_name()? == "deps" || deps.file_name()? == "examples" {
         Some(deps.parent()?.to_owned())
     } else {
         Some(deps.to_owned())

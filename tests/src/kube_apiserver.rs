@@ -9,6 +9,7 @@
 //!   `timeoutSeconds` or until the test drops it.
 //! - a watch from a resourceVersion this server never issued (a client of a restarted or
 //!   restored server) gets the ERROR event `410 Expired`, upon which clients list again.
+//!
 //! Left out: pagination (every list fits one page), bookmarks, compaction, authentication
 //! (plain HTTP on 127.0.0.1), and every other resource.
 //!
