@@ -14,7 +14,9 @@ use async_trait::async_trait;
 use tokentap_ebpf::{Attachment, Redirect};
 use tokentap_proxy::transparent::{Attribution, Redirection, Redirections};
 
-use crate::attribution::{cgroup_id, find_below, CgroupIds, Owner};
+use tokentap_cgroup::walk::{cgroup_id, find_below};
+
+use crate::attribution::{CgroupIds, Owner};
 use crate::workload::{Workload, WorkloadEvent, WorkloadKey};
 
 /// Looks up a container by id, for a cgroup that appears under the capture parent before its

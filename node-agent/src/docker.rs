@@ -259,8 +259,9 @@ impl ContainerLookup for DockerSource {
 /// line (present on v2 and v1-hybrid hosts).
 pub fn cgroup_of(proc_root: &std::path::Path, pid: u32) -> Option<PathBuf> {
     let text = std::fs::read_to_string(proc_root.join(pid.to_string()).join("cgroup")).ok()?;
-    let path = text.lines().find_map(|l| l.strip_prefix("0::"))?;
-    let relative = path.trim().trim_start_matches('/');
+    let membership = tokentap_cgroup::hierarchy::parse_membership(&text);
+    let v2 = membership.iter().find(|m| m.is_v2())?;
+    let relative = v2.path.trim().trim_start_matches('/');
     (!relative.is_empty()).then(|| PathBuf::from(relative))
 }
 

@@ -9,7 +9,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use tokentap_ebpf::{cgroup2_mount, Redirect, RedirectConfig};
+use tokentap_cgroup::cgroup2_mount;
+use tokentap_ebpf::{Redirect, RedirectConfig};
 use tokentap_node_agent::agent::{Agent, ContainerLookup};
 use tokentap_node_agent::{Workload, WorkloadEvent, WorkloadKey};
 use tokentap_proxy::transparent::{Attribution, Redirections};

@@ -13,7 +13,7 @@ use tokentap_proxy::backend::error_chain;
 use serde_json::{json, Value};
 use tokio::sync::Notify;
 
-use crate::pipeline::now_ms;
+use crate::clock::now_ms;
 use crate::store::{OutboxEntry, Store};
 
 /// How deliveries are retried.

@@ -9,34 +9,13 @@ use std::path::Path;
 use std::process::Stdio;
 use std::time::Duration;
 
-use schemars::JsonSchema;
-use serde::{Deserialize, Serialize};
+use serde::Deserialize;
 
 use crate::sample_files::{create_fresh, read_limited, write_fresh};
 use crate::sandbox::{Mounts, TaskJail};
+pub use crate::task::Evaluation;
 use crate::task::Evaluator;
 use crate::workspace::evaluation_copy;
-
-/// What an evaluator found, stored with the sample.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
-pub struct Evaluation {
-    /// The outcome reward: every trace gets it unless `trace_rewards` names the trace.
-    pub reward: f64,
-    /// Rewards for single traces, by `trace_id`, when the evaluator gave them.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub trace_rewards: BTreeMap<String, f64>,
-    /// Tests that passed and failed (the `swebench` evaluator).
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub passed: Vec<String>,
-    #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub failed: Vec<String>,
-    /// The evaluation command's exit code (the `command` evaluator).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exit_code: Option<i32>,
-    /// Where the evaluation's output is.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub log: Option<String>,
-}
 
 /// Where one sample's evaluation happens.
 pub struct EvalPaths<'a> {
@@ -305,7 +284,7 @@ mod tests {
     fn plain() -> TaskJail {
         TaskJail {
             sandbox: None,
-            limits: crate::isolation::Limits::default(),
+            limits: tokentap_cgroup::Limits::default(),
             path: "/usr/local/bin:/usr/bin:/bin".into(),
             name: "unit".into(),
         }

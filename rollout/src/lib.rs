@@ -20,10 +20,10 @@
 pub mod api;
 pub mod bearer;
 pub mod capture;
+pub mod clock;
 pub mod deliver;
 pub mod evaluate;
 pub mod gate;
-pub mod isolation;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;

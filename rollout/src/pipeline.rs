@@ -7,17 +7,17 @@ use std::collections::{BTreeMap, BinaryHeap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant};
 
 use serde::Serialize;
 use tokio::process::Command;
 use tokio::sync::{broadcast, mpsc, Mutex, Notify};
 
 use crate::capture::NodeCapture;
+pub use crate::clock::now_ms;
 use crate::deliver::{self, DeliveryPolicy};
 use crate::evaluate::{self, EvalPaths};
 use crate::gate::{NodeGate, SessionPolicy};
-use crate::isolation::{Limits, SampleCgroup};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
 use crate::sample_files::{create_fresh, write_fresh};
@@ -25,6 +25,7 @@ use crate::sandbox::{self, Mounts, Ready, SandboxConfig, TaskJail};
 use crate::store::{Store, StoreError};
 use crate::transparent::{SampleInterception, TransparentConfig};
 use crate::workspace;
+use tokentap_cgroup::{LimitedCgroup, Limits};
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
@@ -257,19 +258,13 @@ pub struct Pipeline {
     pub finished: Arc<Notify>,
 }
 
-pub fn now_ms() -> u64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_millis() as u64)
-}
-
 impl Pipeline {
     /// Starts the pools and the callback deliverer, and re-queues what a previous run of the
     /// node left unfinished.
     pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
         // A killed node's agents may still run in its sample cgroups: end them before the
         // samples they belonged to are re-queued.
-        crate::isolation::remove_stale();
+        tokentap_cgroup::limited::remove_stale_limited();
         let finished = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             store: store.clone(),
@@ -630,7 +625,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         None => None,
     };
     let limits = spec.limits.or(&cfg.limits);
-    let cgroup = SampleCgroup::create(&session, &limits)
+    let cgroup = LimitedCgroup::create(&session, &limits)
         .map_err(|e| anyhow::anyhow!("applying the limits {limits:?}: {e}"))?;
     if let Some(cg) = &cgroup {
         cg.enter_on_spawn(&mut cmd);
@@ -638,7 +633,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     // Held until the agent is done: dropping it detaches the redirect.
     let interception = match intercepting {
         Some((t, c)) => {
-            let v2 = cgroup.as_ref().and_then(SampleCgroup::v2_dir);
+            let v2 = cgroup.as_ref().and_then(LimitedCgroup::v2_dir);
             let i = SampleInterception::start(t, c.service.clone(), &session, v2)
                 .await
                 .map_err(|e| anyhow::anyhow!("starting transparent capture: {e:#}"))?;
@@ -689,8 +684,8 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         exit_code: result.exit_code,
         timed_out: result.timed_out,
         duration_ms: started.elapsed().as_millis() as u64,
-        peak_memory_bytes: cgroup.as_ref().and_then(SampleCgroup::memory_peak),
-        oom_killed: cgroup.as_ref().is_some_and(SampleCgroup::oom_killed),
+        peak_memory_bytes: cgroup.as_ref().and_then(LimitedCgroup::memory_peak),
+        oom_killed: cgroup.as_ref().is_some_and(LimitedCgroup::oom_killed),
     };
     // Dropping the cgroups kills what is left in them and removes them.
     drop(interception);

@@ -23,7 +23,7 @@ use std::sync::Arc;
 use tokentap_proxy::CaptureService;
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 
-use crate::isolation::{Limits, SampleCgroup};
+use tokentap_cgroup::{LimitedCgroup, Limits};
 
 /// The socket's name in its directory.
 pub const SOCKET: &str = "capture.sock";
@@ -304,7 +304,7 @@ pub struct TaskJail {
 /// A confined command, ready to spawn; its cgroup lives as long as this.
 pub struct Confined {
     pub cmd: tokio::process::Command,
-    pub cgroup: Option<SampleCgroup>,
+    pub cgroup: Option<LimitedCgroup>,
     ready: Option<Ready>,
 }
 
@@ -355,7 +355,7 @@ impl TaskJail {
         };
         let mut cmd = cmd;
         let name = format!("{}-{stage}", self.name);
-        let cgroup = SampleCgroup::create(&name, &self.limits)
+        let cgroup = LimitedCgroup::create(&name, &self.limits)
             .map_err(|e| anyhow::anyhow!("applying the limits {:?}: {e}", self.limits))?;
         if let Some(cg) = &cgroup {
             cg.enter_on_spawn(&mut cmd);

@@ -3,7 +3,9 @@
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
-use crate::isolation::Limits;
+use std::collections::BTreeMap;
+
+use tokentap_cgroup::Limits;
 
 /// One task: a GRPO group of `num_samples` runs of one harness on one workspace.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
@@ -304,7 +306,7 @@ pub struct Sample {
     pub trajectory: Option<TrajectorySummary>,
     /// What the evaluator found (tests passed and failed, its log).
     #[serde(default)]
-    pub evaluation: Option<crate::evaluate::Evaluation>,
+    pub evaluation: Option<Evaluation>,
     /// How the agent ran (exit code, time, memory).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub agent: Option<AgentReport>,
@@ -464,4 +466,25 @@ mod tests {
         .unwrap_err();
         assert!(err.to_string().contains("num_sampels"), "{err}");
     }
+}
+
+/// What an evaluator found, stored with the sample.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct Evaluation {
+    /// The outcome reward: every trace gets it unless `trace_rewards` names the trace.
+    pub reward: f64,
+    /// Rewards for single traces, by `trace_id`, when the evaluator gave them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub trace_rewards: BTreeMap<String, f64>,
+    /// Tests that passed and failed (the `swebench` evaluator).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub passed: Vec<String>,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub failed: Vec<String>,
+    /// The evaluation command's exit code (the `command` evaluator).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// Where the evaluation's output is.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
 }

@@ -10,12 +10,11 @@ use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-use tokentap_ebpf::{Cgroup, Redirect, RedirectConfig};
+use tokentap_cgroup::{join_on_spawn, procs_file, Cgroup};
+use tokentap_ebpf::{Redirect, RedirectConfig};
 use tokentap_proxy::tls::CertificateAuthority;
 use tokentap_proxy::transparent::{InterceptList, OriginalDestination, TransparentListener};
 use tokentap_proxy::CaptureService;
-
-use crate::isolation::{join_on_spawn, procs_file};
 
 /// What a node's transparent capture uses for every sample.
 pub struct TransparentConfig {

@@ -1,7 +1,6 @@
 //! `tokentap`: the command line. Parses flags and composes the crates; no domain logic here.
 
 mod await_capture_cmd;
-mod bench;
 mod ca_cmd;
 mod control_plane;
 mod downstream;
@@ -111,7 +110,7 @@ enum Command {
     },
     /// Measure the proxy (prints figures; never asserts).
     #[command(subcommand)]
-    Bench(bench::BenchCmd),
+    Bench(tokentap_bench::BenchCmd),
 }
 
 fn main() -> anyhow::Result<std::process::ExitCode> {
@@ -138,7 +137,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Health(args) => health_cmd::run(args),
         Command::Ca(args) => ca_cmd::run(args).map(|()| ok),
         Command::Records(cmd) => records_cmd::run(cmd).map(|()| ok),
-        Command::Bench(cmd) => bench::run(cmd).map(|()| ok),
+        Command::Bench(cmd) => tokentap_bench::run(cmd).map(|()| ok),
         Command::Serve(args) => serve_cmd::run(args).map(|()| ok),
         Command::Generate(args) => generate_cmd::run(args).map(|()| ok),
         Command::SandboxShim(args) => {

@@ -4,7 +4,6 @@
 //! passes everything else through to where it was going.
 
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4};
-use std::os::unix::process::CommandExt;
 use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -12,9 +11,9 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Args;
+use tokentap_cgroup::{cgroup2_mount, join_on_spawn_std, procs_file, Cgroup};
 use tokentap_ebpf::{
-    cgroup2_mount, conntrack_original_destination, Cgroup, NftRedirect, Redirect, RedirectConfig,
-    RedirectError,
+    conntrack_original_destination, NftRedirect, Redirect, RedirectConfig, RedirectError,
 };
 use tokentap_proxy::tls::{ca, CertificateAuthority};
 use tokentap_proxy::transparent::{
@@ -276,11 +275,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
     cmd.args(&args.command[1..])
         .envs(capture.ca.trust_env(&bundle))
         .env("TOKENTAP_SESSION", &session);
-    let procs = cgroup.procs_file();
-    // SAFETY: writes one file between fork and exec; no locks are taken.
-    unsafe {
-        cmd.pre_exec(move || std::fs::write(&procs, "0"));
-    }
+    join_on_spawn_std(&mut cmd, vec![procs_file(cgroup.path())?]);
     let mut child = cmd
         .spawn()
         .with_context(|| format!("starting {}", args.command[0]))?;
@@ -327,7 +322,7 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
 /// Takes down the cgroups and nftables redirects a killed tokentap left behind (their
 /// processes are gone; their rules would redirect to a dead port).
 pub fn remove_stale_interception() {
-    if let Err(e) = tokentap_ebpf::remove_stale_cgroups() {
+    if let Err(e) = tokentap_cgroup::run_cgroup::remove_stale() {
         tracing::debug!(error = %e, "no stale cgroups looked for");
     }
     tokentap_ebpf::remove_stale_tables();

@@ -146,7 +146,7 @@ impl NodeArgs {
         config.delivery.ca_roots = self.capture.ca_roots()?;
         config.harness_model = self.harness_model.clone();
         config.block_egress = self.block_egress;
-        config.limits = tokentap_rollout::isolation::Limits {
+        config.limits = tokentap_cgroup::Limits {
             memory_mb: self.sample_memory_mb,
             cpus: self.sample_cpus,
             pids: self.sample_pids,

@@ -5,7 +5,6 @@
 //! Dropping a [`Redirect`] detaches everything: the links are file descriptors owned by this
 //! process, so the kernel also detaches them if the process dies.
 
-mod cgroup;
 mod nft;
 
 use std::fs::File;
@@ -20,10 +19,6 @@ use aya::programs::{CgroupAttachMode, CgroupSockAddr, SockOps};
 use aya::{include_bytes_aligned, Ebpf};
 use tokentap_ebpf_common::{Policy, Redirected, SockAddr, AF_INET, AF_INET6};
 
-pub use cgroup::{
-    cgroup2_mount, creator_pid, own_cgroup, remove_stale as remove_stale_cgroups, Cgroup,
-    CgroupError,
-};
 pub use nft::{conntrack_original_destination, remove_stale_tables, NftError, NftRedirect};
 
 /// The kernel object built by `build.rs` (empty when the eBPF toolchain was missing).
@@ -68,7 +63,7 @@ pub fn preflight(ebpf: bool) -> Result<std::path::PathBuf, RedirectError> {
     if unsafe { libc::geteuid() } != 0 {
         return Err(RedirectError::NotRoot);
     }
-    cgroup2_mount().map_err(|e| RedirectError::Refused(e.to_string()))
+    tokentap_cgroup::cgroup2_mount().map_err(|e| RedirectError::Refused(e.to_string()))
 }
 
 /// The loaded program with its policy, attached to one or more cgroups. Dropping it detaches

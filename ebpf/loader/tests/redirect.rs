@@ -9,7 +9,8 @@ use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 use std::time::Duration;
 
-use tokentap_ebpf::{Cgroup, Redirect, RedirectConfig};
+use tokentap_cgroup::Cgroup;
+use tokentap_ebpf::{Redirect, RedirectConfig};
 
 /// Root and cgroup v2, or the test fails under `TOKENTAP_REQUIRE_PRIVILEGED=1` (CI) and
 /// reports its skip otherwise.

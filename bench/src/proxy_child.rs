@@ -161,7 +161,7 @@ pub fn cpu_time_of(pid: &str) -> Duration {
 }
 
 /// A port that was free a moment ago (the proxy binds it itself).
-fn free_port() -> anyhow::Result<SocketAddr> {
+pub(crate) fn free_port() -> anyhow::Result<SocketAddr> {
     let l = std::net::TcpListener::bind("127.0.0.1:0")?;
     Ok(l.local_addr()?)
 }

@@ -15,7 +15,8 @@ use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
 use clap::Args;
-use tokentap_ebpf::{cgroup2_mount, Cgroup, NftRedirect, Redirect, RedirectConfig};
+use tokentap_cgroup::{cgroup2_mount, Cgroup};
+use tokentap_ebpf::{NftRedirect, Redirect, RedirectConfig};
 use tokentap_proxy::tls::{server_config, CertificateAuthority};
 
 #[derive(Args)]

@@ -1,23 +1,24 @@
 //! `tokentap bench rollout`: a rollout node at saturation on this machine. One group of
-//! `--samples` samples is submitted at once to an in-process node (the same wiring as
-//! `tokentap serve`) whose engine is the instant synthetic backend; each agent is the
+//! `--samples` samples is submitted at once to a node — this executable's `tokentap serve`,
+//! run as a child process so it is measured as deployed — whose engine is the instant
+//! synthetic backend; each agent is the
 //! `command` preset making `--turns` model calls with curl, `--think-ms` apart (tool time),
 //! then passing its test. The same workload runs without prewarming and with it, side by
 //! side: samples per hour, concurrent samples sustained, time in each stage, and how long a
 //! free agent slot waits for its next sample (INIT on the critical path, or not).
 
 use std::path::Path;
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
-use clap::{Args, Parser};
-use serde_json::json;
-use tokentap_rollout::pipeline::now_ms;
-use tokentap_rollout::task::{Outcome, Sample, TaskSpec};
+use anyhow::{bail, Context};
+use clap::Args;
+use serde_json::{json, Value};
+use tokentap_rollout::task::{Outcome, Sample};
 
 use super::instant_backend::InstantBackend;
+use super::proxy_child::free_port;
 use super::report::Machine;
-use crate::serve_cmd::{runtime, NodeArgs};
 
 #[derive(Args)]
 pub struct RolloutBenchArgs {
@@ -44,11 +45,14 @@ pub struct RolloutBenchArgs {
     json: bool,
 }
 
-/// `NodeArgs` from a command line, exactly as `tokentap serve` would take it.
-#[derive(Parser)]
-struct NodeCli {
-    #[command(flatten)]
-    node: NodeArgs,
+/// The node under test; killed when dropped, on success, error or panic alike.
+struct NodeChild(Child);
+
+impl Drop for NodeChild {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
 }
 
 struct Figures {
@@ -177,28 +181,35 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
     let proj = tmp.path().join("project");
     project(&proj, args.files)?;
     let data = tmp.path().join("node");
-    let cli = NodeCli::try_parse_from([
-        "bench".to_owned(),
-        "--data".into(),
-        data.display().to_string(),
-        "--spool".into(),
-        tmp.path().join("spool").display().to_string(),
-        "--backend".into(),
-        format!("http://{}", engine.addr()),
-        "--backend-kind".into(),
-        "vllm".into(),
-        "--run-workers".into(),
-        args.run_workers.to_string(),
-        "--prewarm".into(),
-        prewarm.to_string(),
-        "--init-workers".into(),
-        "2".into(),
-        "--post-workers".into(),
-        "2".into(),
-    ])?;
-    let mut parts = cli.node.prepare()?;
-    let spool_thread = parts.spool_thread.take();
-    let rt = runtime()?;
+    let addr = free_port()?;
+    let token = format!("bench-{}", std::process::id());
+    let log = tmp.path().join("node.log");
+    let exe = std::env::current_exe().context("finding this executable")?;
+    let mut node = NodeChild(
+        Command::new(exe)
+            .arg("serve")
+            .args(["--listen", &addr.to_string()])
+            .arg("--data")
+            .arg(&data)
+            .arg("--spool")
+            .arg(tmp.path().join("spool"))
+            .args(["--backend", &format!("http://{}", engine.addr())])
+            .args(["--backend-kind", "vllm"])
+            .args(["--run-workers", &args.run_workers.to_string()])
+            .args(["--prewarm", &prewarm.to_string()])
+            .args(["--init-workers", "2", "--post-workers", "2"])
+            .env("TOKENTAP_NODE_TOKEN", &token)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log)?)
+            .spawn()
+            .context("starting tokentap serve")?,
+    );
+    let log_tail = || {
+        let text = std::fs::read_to_string(&log).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    };
     let mut turns = String::new();
     for t in 0..args.turns {
         if t > 0 {
@@ -210,23 +221,60 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
         ));
     }
     turns.push_str("touch ok");
-    let spec: TaskSpec = serde_json::from_value(json!({
+    let spec = json!({
         "task_id": "bench",
         "instruction": "bench",
         "workspace": {"dir": {"path": proj, "setup": "python3 -m compileall -q ."}},
         "harness": {"name": "command", "argv": ["sh", "-c", turns]},
         "evaluator": {"kind": "command", "command": "test -f ok"},
         "num_samples": args.samples,
-    }))?;
+    });
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let base = format!("http://{addr}");
     let samples = rt.block_on(async {
-        let node = cli.node.start(parts).await?;
-        let store = node.pipeline.store();
-        let (rollout, samples) = store.submit(spec, now_ms())?;
-        let id = rollout.rollout_id.clone();
-        node.pipeline.submit(rollout, samples);
+        let http = reqwest::Client::builder().no_proxy().build()?;
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !http
+            .get(format!("{base}/health"))
+            .send()
+            .await
+            .is_ok_and(|r| r.status().is_success())
+        {
+            if let Some(status) = node.0.try_wait()? {
+                bail!("the node exited ({status}) at start-up:\n{}", log_tail());
+            }
+            anyhow::ensure!(
+                Instant::now() < deadline,
+                "the node was not ready within 30 s:\n{}",
+                log_tail()
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        let submitted: Value = http
+            .post(format!("{base}/v1/rollouts"))
+            .bearer_auth(&token)
+            .json(&spec)
+            .send()
+            .await?
+            .error_for_status()?
+            .json()
+            .await?;
+        let id = submitted["rollout_id"]
+            .as_str()
+            .context("the node's answer to the submission has no rollout_id")?;
         let deadline = Instant::now() + Duration::from_secs(1800);
         loop {
-            let (_, samples) = store.rollout(&id)?;
+            let mut page: Value = http
+                .get(format!("{base}/v1/rollouts/{id}"))
+                .bearer_auth(&token)
+                .send()
+                .await?
+                .error_for_status()?
+                .json()
+                .await?;
+            let samples: Vec<Sample> = serde_json::from_value(page["samples"].take())?;
             if samples.iter().all(|s| s.outcome.is_some()) {
                 return anyhow::Ok(samples);
             }
@@ -237,10 +285,7 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })?;
-    drop(rt);
-    if let Some(t) = spool_thread {
-        let _ = t.join();
-    }
+    drop(node);
     let completed = samples
         .iter()
         .filter(|s| matches!(s.outcome, Some(Outcome::Completed { reward }) if reward == 1.0))

@@ -38,42 +38,38 @@ fn fixtures() -> Vec<(&'static str, &'static dyn WireCodec, Vec<u8>)> {
         (
             "Codex turn 1 (Responses)",
             &RESPONSES,
-            body(include_str!(
-                "../../../proxy/testdata/harness-wire/codex.json"
-            )),
+            body(include_str!("../../proxy/testdata/harness-wire/codex.json")),
         ),
         (
             "Codex turn 2 (Responses)",
             &RESPONSES,
             body(include_str!(
-                "../../../proxy/testdata/harness-wire/codex-turn2.json"
+                "../../proxy/testdata/harness-wire/codex-turn2.json"
             )),
         ),
         (
             "Claude turn 1 (Messages)",
             &MESSAGES,
             body(include_str!(
-                "../../../proxy/testdata/harness-wire/claude.json"
+                "../../proxy/testdata/harness-wire/claude.json"
             )),
         ),
         (
             "Claude turn 2 (Messages)",
             &MESSAGES,
             body(include_str!(
-                "../../../proxy/testdata/harness-wire/claude-turn2.json"
+                "../../proxy/testdata/harness-wire/claude-turn2.json"
             )),
         ),
         (
             "Qwen turn 1 (Chat)",
             &CHAT,
-            body(include_str!(
-                "../../../proxy/testdata/harness-wire/qwen.json"
-            )),
+            body(include_str!("../../proxy/testdata/harness-wire/qwen.json")),
         ),
         (
             "Pi turn 1 (Chat)",
             &CHAT,
-            body(include_str!("../../../proxy/testdata/harness-wire/pi.json")),
+            body(include_str!("../../proxy/testdata/harness-wire/pi.json")),
         ),
     ]
 }
