@@ -815,9 +815,11 @@ async fn read_body_unbounded(http: &mut ServerSession, limit: usize) -> Result<V
     }
 }
 
+/// The `session` query parameter, percent-decoded (`?session=team%2Fa%20b` is `team/a b`).
 fn query_param_session(q: &str) -> Option<String> {
-    q.split('&')
-        .find_map(|pair| pair.strip_prefix("session=").map(str::to_owned))
+    form_urlencoded::parse(q.as_bytes())
+        .find(|(k, _)| k == "session")
+        .map(|(_, v)| v.into_owned())
 }
 
 fn api_key(head: &pingora::http::RequestHeader) -> Option<String> {
@@ -908,5 +910,15 @@ mod tests {
             Some("abc".into())
         );
         assert_eq!(query_param_session("beta=true"), None);
+        assert_eq!(
+            query_param_session("session=team%2Fsample%201&beta=true"),
+            Some("team/sample 1".into()),
+            "percent-decoded"
+        );
+        assert_eq!(
+            query_param_session("session=a+b%2Bc"),
+            Some("a b+c".into()),
+            "form encoding: + is a space"
+        );
     }
 }

@@ -24,8 +24,9 @@ use serde::{Deserialize, Serialize};
 use tokentap_schema::{CaptureRecord, Strategy};
 use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
 
+use crate::error::Error;
 use crate::output::{SinkMark, TraceSink};
-use crate::{Error, FinishedSession, Reconstructor};
+use crate::reconstructor::{FinishedSession, Reconstructor};
 
 pub const CHECKPOINT_JSON: &str = "checkpoint.json";
 pub const FINISHED_JSONL: &str = "finished.jsonl";

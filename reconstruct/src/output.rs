@@ -20,7 +20,7 @@ use serde_arrow::schema::{SchemaLike, TracingOptions};
 use tokentap_schema::{SessionReport, Trace};
 use tokentap_spool::owner_only;
 
-use crate::Error;
+use crate::error::Error;
 
 pub const TRACES_JSONL: &str = "traces.jsonl";
 pub const SESSIONS_JSONL: &str = "sessions.jsonl";

@@ -7,7 +7,7 @@
 //! restarts.
 
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 use tokentap_proxy::backend::error_chain;
 
 use serde_json::{json, Value};
@@ -172,8 +172,7 @@ async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value
         .headers()
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(Duration::from_secs);
+        .and_then(|v| parse_retry_after(v, SystemTime::now()));
     let text = response.text().await.unwrap_or_default();
     let why = format!(
         "HTTP {status}: {}",
@@ -184,6 +183,17 @@ async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value
     } else {
         Attempt::Refused(why)
     }
+}
+
+/// `Retry-After` (RFC 9110 §10.2.3): delay seconds, or an HTTP date (a date already past
+/// means now).
+fn parse_retry_after(value: &str, now: SystemTime) -> Option<Duration> {
+    let value = value.trim();
+    if let Ok(seconds) = value.parse::<u64>() {
+        return Some(Duration::from_secs(seconds));
+    }
+    let at = httpdate::parse_http_date(value).ok()?;
+    Some(at.duration_since(now).unwrap_or(Duration::ZERO))
 }
 
 #[cfg(test)]
@@ -198,5 +208,28 @@ mod tests {
         assert!(b1 >= Duration::from_millis(375) && b1 <= Duration::from_millis(625));
         assert!(b4 >= Duration::from_millis(3000) && b4 <= Duration::from_millis(5000));
         assert!(backoff(&p, 40) <= p.max_backoff.mul_f64(1.25));
+    }
+
+    #[test]
+    fn retry_after_is_seconds_or_an_http_date() {
+        let now = httpdate::parse_http_date("Tue, 24 Nov 2026 08:00:00 GMT").unwrap();
+        assert_eq!(parse_retry_after(" 7 ", now), Some(Duration::from_secs(7)));
+        assert_eq!(
+            parse_retry_after("Tue, 24 Nov 2026 08:00:30 GMT", now),
+            Some(Duration::from_secs(30)),
+            "IMF-fixdate"
+        );
+        assert_eq!(
+            parse_retry_after("Tuesday, 24-Nov-26 08:01:00 GMT", now),
+            Some(Duration::from_secs(60)),
+            "obsolete RFC 850 form"
+        );
+        assert_eq!(
+            parse_retry_after("Tue, 24 Nov 2026 07:00:00 GMT", now),
+            Some(Duration::ZERO),
+            "a date in the past means now"
+        );
+        assert_eq!(parse_retry_after("soon", now), None);
+        assert_eq!(parse_retry_after("-5", now), None);
     }
 }

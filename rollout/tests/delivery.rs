@@ -91,12 +91,15 @@ async fn wait_rollout<F: Fn(&Value) -> bool>(url: &str, id: &str, done: F) -> Va
     }
 }
 
-/// Fails each result's first three attempts in three ways (503; 429 with `Retry-After: 0`; a
-/// 500 after it has already processed the body, the case only deduplication saves), then
-/// takes it.
+/// Fails each result's first three attempts in three ways (503; 429 with `Retry-After` as an
+/// HTTP date 2 s ahead; a 500 after it has already processed the body, the case only
+/// deduplication saves), then takes it.
 #[derive(Default)]
 struct Receiver {
     attempts: HashMap<String, u32>,
+    /// When the 429 was answered, and when the next attempt came, by idempotency key.
+    throttled_at: HashMap<String, std::time::SystemTime>,
+    after_throttle: HashMap<String, std::time::Duration>,
     /// Processed results by idempotency key, with how many times each was processed.
     processed: HashMap<String, (u32, Value)>,
 }
@@ -122,9 +125,17 @@ async fn a_flaky_receiver_gets_each_result_exactly_once() {
                     match n {
                         1 => StatusCode::SERVICE_UNAVAILABLE.into_response(),
                         2 => {
-                            (StatusCode::TOO_MANY_REQUESTS, [("retry-after", "0")]).into_response()
+                            let now = std::time::SystemTime::now();
+                            r.throttled_at.insert(key, now);
+                            // Whole seconds: at least 1 s from now, whatever the sub-second.
+                            let at = httpdate::fmt_http_date(now + Duration::from_secs(2));
+                            (StatusCode::TOO_MANY_REQUESTS, [("retry-after", at)]).into_response()
                         }
                         _ => {
+                            if n == 3 {
+                                let gap = r.throttled_at[&key].elapsed().unwrap_or_default();
+                                r.after_throttle.insert(key.clone(), gap);
+                            }
                             // Deduplicate: a key seen before is acknowledged, not processed.
                             let e = r.processed.entry(key).or_insert((0, Value::Null));
                             if e.0 == 0 {
@@ -186,6 +197,13 @@ async fn a_flaky_receiver_gets_each_result_exactly_once() {
             "{s}"
         );
         assert_eq!(r.attempts[id], 4, "the node stops after the first 2xx");
+        // After the second failure the node's own back-off is 75–125 ms here; a Retry-After
+        // date ≥1 s ahead is honoured up to the policy's cap (200 ms).
+        assert!(
+            r.after_throttle[id] >= Duration::from_millis(190),
+            "the next attempt came {:?} after a Retry-After date ≥1 s ahead",
+            r.after_throttle[id]
+        );
         let (times, body) = &r.processed[id];
         assert_eq!(*times, 1);
         assert_eq!(body["sample"]["sample_id"], id);

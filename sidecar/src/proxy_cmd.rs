@@ -65,6 +65,9 @@ pub struct ProxyArgs {
     downstream: DownstreamArgs,
 }
 
+/// Where `proxy`, `run` and the node agent spool when `--spool` is not given.
+pub const DEFAULT_SPOOL: &str = "tokentap-spool";
+
 /// What every capturing command shares: the engine, the spool, the capture policy.
 #[derive(Args, Clone)]
 pub struct CaptureArgs {
@@ -88,8 +91,8 @@ pub struct CaptureArgs {
     /// Seconds to wait for the engine's first byte and between streamed chunks.
     #[arg(long, default_value_t = 600)]
     backend_timeout: u64,
-    /// Directory of the capture spool.
-    #[arg(long, default_value = "tokentap-spool")]
+    /// Directory of the capture spool [serve: DATA/spool; generate: OUT/spool].
+    #[arg(long, default_value = DEFAULT_SPOOL)]
     pub spool: PathBuf,
     /// When to fsync the spool: `always` (every record), `never` (leave it to the OS) or an
     /// interval such as `100ms`.

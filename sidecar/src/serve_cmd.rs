@@ -3,7 +3,7 @@
 //! [`NodeArgs`] (everything but the control plane) is shared with `tokentap generate`.
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use anyhow::Context;
@@ -23,8 +23,9 @@ use crate::signals::shutdown_signal;
 /// A rollout node's pipeline and capture.
 #[derive(Args)]
 pub struct NodeArgs {
-    /// The node's state (node.redb) and per-sample directories [default: tokentap-node;
-    /// OUT/node for generate].
+    /// The node's state (node.redb), per-sample directories and, unless --spool says
+    /// otherwise, its capture spool (DATA/spool) [default: tokentap-node; OUT/node for
+    /// generate].
     #[arg(long)]
     pub data: Option<PathBuf>,
     /// Samples in INIT at once (copying workspaces, set-up).
@@ -111,9 +112,13 @@ impl NodeArgs {
         std::path::absolute(&dir).unwrap_or(dir)
     }
 
-    pub fn prepare(&self) -> anyhow::Result<NodeParts> {
+    pub fn prepare(&mut self) -> anyhow::Result<NodeParts> {
         let data = self.data_dir();
         tokentap_spool::owner_only::create_dir_all(&data)?;
+        // A node keeps everything under its data directory, never in the working directory.
+        if self.capture.spool == Path::new(crate::proxy_cmd::DEFAULT_SPOOL) {
+            self.capture.spool = data.join("spool");
+        }
         let index = Arc::new(SessionIndex::default());
         let (service, spool_thread) = self
             .capture
@@ -227,7 +232,7 @@ pub struct ServeArgs {
     pub node: NodeArgs,
 }
 
-pub fn run(args: ServeArgs) -> anyhow::Result<()> {
+pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     crate::control_plane::check_exposure(
         args.listen,
         args.token.as_deref(),

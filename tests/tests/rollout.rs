@@ -31,8 +31,9 @@ async fn node_with(dir: &std::path::Path, port: u16, engine: &str, extra: &[&str
         .args(["--listen", &format!("127.0.0.1:{port}")])
         .arg("--data")
         .arg(dir.join("node"))
-        .arg("--spool")
-        .arg(dir.join("node/spool"))
+        // No --spool: a node's spool is DATA/spool (node/spool here), never in the working
+        // directory (`dir`).
+        .current_dir(dir)
         .args(["--backend", engine, "--backend-kind", "vllm"])
         .env("TOKENTAP_NODE_TOKEN", TOKEN)
         .env("TOKENTAP_LOG", "info");
@@ -141,6 +142,12 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
         assert_eq!(t["faithfulness_violations"], 0);
         assert_eq!(t["complete"], true);
     }
+    assert_eq!(
+        read_spool(&dir.path().join("node/spool")).len(),
+        4,
+        "the node spools under --data by default"
+    );
+    assert!(!dir.path().join("tokentap-spool").exists());
 
     // A slow sample, and the node dies under it.
     let slow = post(
@@ -559,7 +566,8 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
 /// The Python client (`clients/python`, pip-installed) against a live node: its example GRPO
 /// loop submits two task groups per step, waits on the event streams, turns rewards into
 /// group-normalized advantages, reads the trajectories as NumPy arrays, and pauses and
-/// resumes the node under a new policy version; the node's OpenAPI document validates.
+/// resumes the node under a new policy version; the node's OpenAPI document validates; then
+/// the client's own pytest suite passes against the same node, and mypy --strict is clean.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_client_round_trips_against_a_live_node() {
     let python = Artefacts::require_python();
@@ -711,6 +719,49 @@ async fn python_client_round_trips_against_a_live_node() {
         String::from_utf8_lossy(&check.stdout).contains("valid"),
         "{}",
         String::from_utf8_lossy(&check.stderr)
+    );
+
+    // The client's own pytest suite against this live node (after the loop above, whose
+    // result cursors it assumes), then its types (mypy --strict, as pyproject.toml says).
+    let pytest = Command::new(&python)
+        .args([
+            "-m",
+            "pytest",
+            "-q",
+            "-rs",
+            "-p",
+            "no:cacheprovider",
+            "tests",
+        ])
+        .current_dir(&src)
+        .env("TOKENTAP_NODE_URL", &base)
+        .env("TOKENTAP_NODE_TOKEN", TOKEN)
+        .env("TOKENTAP_TEST_PROJECT", dir.path().join("project"))
+        .env("PYTHONDONTWRITEBYTECODE", "1")
+        .output()
+        .unwrap();
+    let report = String::from_utf8_lossy(&pytest.stdout);
+    assert!(
+        pytest.status.success(),
+        "{report}\n{}",
+        String::from_utf8_lossy(&pytest.stderr)
+    );
+    let summary = report.lines().last().unwrap_or_default();
+    assert!(
+        summary.contains(" passed") && !summary.contains("skipped"),
+        "every test ran: {summary}"
+    );
+    let mypy = Command::new(&python)
+        .args(["-m", "mypy", "--strict", "--cache-dir"])
+        .arg(dir.path().join("mypy-cache"))
+        .current_dir(&src)
+        .output()
+        .unwrap();
+    assert!(
+        mypy.status.success(),
+        "{}{}",
+        String::from_utf8_lossy(&mypy.stdout),
+        String::from_utf8_lossy(&mypy.stderr)
     );
 }
 

@@ -42,7 +42,8 @@ async fn each_session_source_lands_in_its_session_with_per_session_seq() {
             "header",
         ),
         (format!("{base}/s/run-p/chat/completions"), vec![], "path"),
-        (format!("{chat}?beta=true&session=run-q"), vec![], "query"),
+        // Percent-encoded ("%2D" is "-"): the same session as the plain spelling above.
+        (format!("{chat}?beta=true&session=run%2Dq"), vec![], "query"),
         (
             chat.clone(),
             vec![("authorization", "Bearer sk-e2e-key-one")],

@@ -10,16 +10,19 @@ JSON line per step.
         --tasks tasks.jsonl --samples 4 --steps 2
 """
 
+from __future__ import annotations
+
 import argparse
 import json
+from typing import Any, Dict, List, Tuple
 
 import numpy as np
 
-from tokentap_client import Node, group_advantages, groups, reward_of
+from tokentap_client import Node, TraceArrays, group_advantages, groups, reward_of
 
 
-def main():
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     ap.add_argument("--node", required=True)
     ap.add_argument("--token")
     ap.add_argument("--tasks", required=True, help="task specs, one JSON object per line")
@@ -28,7 +31,7 @@ def main():
     args = ap.parse_args()
     node = Node(args.node, token=args.token)
     with open(args.tasks) as f:
-        tasks = [json.loads(line) for line in f if line.strip()]
+        tasks: List[Dict[str, Any]] = [json.loads(line) for line in f if line.strip()]
 
     version = node.resume()["policy_version"] or "v0"
     for step in range(args.steps):
@@ -37,7 +40,7 @@ def main():
         ]
         samples = [s for r in rollouts for s in node.wait(r["rollout_id"], timeout=600)]
 
-        batch = []  # (arrays, advantage) for every trace of every sample
+        batch: List[Tuple[TraceArrays, float]] = []  # (arrays, advantage) for every trace
         for _, group in sorted(groups(samples).items()):
             advantages = group_advantages([reward_of(s) for s in group])
             for sample, adv in zip(group, advantages):

@@ -1,16 +1,51 @@
 """The node's HTTP control plane (see its /openapi.json)."""
 
+from __future__ import annotations
+
 import json
 import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from http.client import HTTPResponse
+from typing import (
+    Any,
+    Callable,
+    Dict,
+    Generator,
+    List,
+    Literal,
+    Mapping,
+    Optional,
+    Tuple,
+    Union,
+    cast,
+    overload,
+)
+
+from .schema import (
+    Cancelled,
+    GateStatus,
+    Result,
+    ResultsPage,
+    RolloutState,
+    Sample,
+    Submitted,
+    Trace,
+    TraceArrays,
+)
+
+Query = Mapping[str, Union[str, int, float]]
 
 
 class NodeError(Exception):
     """An error answer from the node: `status`, `type` and `message` as the node gave them."""
 
-    def __init__(self, status, kind, message):
+    status: int
+    type: Optional[str]
+    message: Optional[str]
+
+    def __init__(self, status: int, kind: Optional[str], message: Optional[str]) -> None:
         super().__init__(f"{status} {kind}: {message}")
         self.status = status
         self.type = kind
@@ -20,7 +55,7 @@ class NodeError(Exception):
 class Node:
     """A rollout node at `url` (e.g. "http://127.0.0.1:8700"), with its bearer `token`."""
 
-    def __init__(self, url, token=None, timeout=90.0):
+    def __init__(self, url: str, token: Optional[str] = None, timeout: float = 90.0) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = timeout
@@ -29,7 +64,40 @@ class Node:
 
     # -- plumbing ---------------------------------------------------------------------------
 
-    def _request(self, method, path, body=None, query=None, timeout=None, raw=False):
+    @overload
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[Mapping[str, Any]] = ...,
+        query: Optional[Query] = ...,
+        timeout: Optional[float] = ...,
+        raw: Literal[False] = ...,
+    ) -> Any: ...
+
+    @overload
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[Mapping[str, Any]] = ...,
+        query: Optional[Query] = ...,
+        timeout: Optional[float] = ...,
+        *,
+        raw: Literal[True],
+    ) -> HTTPResponse: ...
+
+    def _request(
+        self,
+        method: str,
+        path: str,
+        body: Optional[Mapping[str, Any]] = None,
+        query: Optional[Query] = None,
+        timeout: Optional[float] = None,
+        raw: bool = False,
+    ) -> Any:
+        """The decoded JSON answer (None for an empty body), or with `raw=True` the open
+        response; raises NodeError for an error status."""
         url = self.url + path
         if query:
             url += "?" + urllib.parse.urlencode(query)
@@ -49,24 +117,26 @@ class Node:
             except (ValueError, KeyError, TypeError):
                 raise NodeError(e.code, "http_error", text) from None
         if raw:
-            return resp
+            return cast(HTTPResponse, resp)
         with resp:
             return json.loads(resp.read() or b"null")
 
     # -- tasks ------------------------------------------------------------------------------
 
-    def submit(self, task):
+    def submit(self, task: Mapping[str, Any]) -> Submitted:
         """Submits a task spec (a dict); returns {"rollout_id", "samples"} at once."""
-        return self._request("POST", "/v1/rollouts", body=task)
+        return cast(Submitted, self._request("POST", "/v1/rollouts", body=task))
 
-    def rollout(self, rollout_id):
+    def rollout(self, rollout_id: str) -> RolloutState:
         """{"rollout", "status": "running" | "done", "samples": [...]}."""
-        return self._request("GET", f"/v1/rollouts/{rollout_id}")
+        return cast(RolloutState, self._request("GET", f"/v1/rollouts/{rollout_id}"))
 
-    def cancel(self, rollout_id):
-        return self._request("DELETE", f"/v1/rollouts/{rollout_id}")
+    def cancel(self, rollout_id: str) -> Cancelled:
+        """Cancels a rollout: its queued samples end at once, running agents are killed (those
+        samples end "cancelled"); returns {"rollout_id", "stopping": how many were running}."""
+        return cast(Cancelled, self._request("DELETE", f"/v1/rollouts/{rollout_id}"))
 
-    def wait(self, rollout_id, timeout=None):
+    def wait(self, rollout_id: str, timeout: Optional[float] = None) -> List[Sample]:
         """Blocks until every sample of the rollout has ended (following its event stream,
         and looking again if the stream breaks); returns the samples."""
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -83,16 +153,22 @@ class Node:
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"rollout {rollout_id} is still running")
 
-    def events(self, rollout_id, timeout=None):
+    def events(
+        self, rollout_id: str, timeout: Optional[float] = None
+    ) -> Generator[Tuple[str, Any], None, None]:
         """Yields (event, data) from the rollout's server-sent events: "snapshot", "stage",
-        "finished", and last "done"."""
+        "finished", and last "done". `data` is the event's decoded JSON (a dict: the rollout
+        and its samples for "snapshot", {"event", "rollout_id", "sample_id", "stage" or
+        "outcome"} for "stage" and "finished", {"rollout_id"} for "done"), None if it had
+        none."""
         resp = self._request(
             "GET", f"/v1/rollouts/{rollout_id}/events", timeout=timeout or 3600, raw=True
         )
         with resp:
-            name, data = None, []
-            for line in resp:
-                line = line.decode().rstrip("\n").rstrip("\r")
+            name: Optional[str] = None
+            data: List[str] = []
+            for raw_line in resp:
+                line = raw_line.decode().rstrip("\n").rstrip("\r")
                 if not line:
                     if name is not None:
                         yield name, json.loads("\n".join(data)) if data else None
@@ -106,10 +182,12 @@ class Node:
 
     # -- results ----------------------------------------------------------------------------
 
-    def results(self, after=0, wait=30, limit=100):
+    def results(
+        self, after: int = 0, wait: int = 30, limit: int = 100
+    ) -> Tuple[List[Result], int]:
         """One page of finished samples after `after`: ([{"cursor", "sample"}], next_cursor).
         Waits up to `wait` seconds (at most 60) when there is none yet."""
-        page = self._request(
+        page: ResultsPage = self._request(
             "GET",
             "/v1/results",
             query={"after": after, "wait": wait, "limit": limit},
@@ -117,23 +195,42 @@ class Node:
         )
         return page["results"], page["next"]
 
-    def stream(self, after=0, wait=30, stop=None):
+    def stream(
+        self, after: int = 0, wait: int = 30, stop: Optional[Callable[[], bool]] = None
+    ) -> Generator[Sample, None, None]:
         """Yields finished samples as they come, forever (or until `stop()` is true); keep
         the last `sample["_cursor"]` to resume from after a restart."""
         cursor = after
         while stop is None or not stop():
             items, cursor = self.results(after=cursor, wait=wait)
             for item in items:
-                sample = dict(item["sample"], _cursor=item["cursor"])
+                sample: Sample = {**item["sample"], "_cursor": item["cursor"]}
                 yield sample
 
-    def traces(self, sample_id):
+    def traces(self, sample_id: str) -> List[Trace]:
         """A finished sample's trace rows, as dicts (the trace schema: `tokentap schema --trace`)."""
         resp = self._request("GET", f"/v1/samples/{sample_id}/traces", raw=True)
         with resp:
             return [json.loads(line) for line in resp if line.strip()]
 
-    def trajectories(self, sample, numpy=False):
+    @overload
+    def trajectories(
+        self, sample: Union[str, Mapping[str, Any]], numpy: Literal[False] = ...
+    ) -> List[Trace]: ...
+
+    @overload
+    def trajectories(
+        self, sample: Union[str, Mapping[str, Any]], numpy: Literal[True]
+    ) -> List[TraceArrays]: ...
+
+    @overload
+    def trajectories(
+        self, sample: Union[str, Mapping[str, Any]], numpy: bool = ...
+    ) -> Union[List[Trace], List[TraceArrays]]: ...
+
+    def trajectories(
+        self, sample: Union[str, Mapping[str, Any]], numpy: bool = False
+    ) -> Union[List[Trace], List[TraceArrays]]:
         """The traces of a sample (a dict from results/wait, or its id); with `numpy=True`
         each is a dict of arrays (see `as_arrays`)."""
         sample_id = sample if isinstance(sample, str) else sample["sample_id"]
@@ -146,14 +243,20 @@ class Node:
 
     # -- weight updates ---------------------------------------------------------------------
 
-    def pause(self, wait=300):
+    def pause(self, wait: int = 300) -> GateStatus:
         """Holds new generations; returns once none is in flight ({"paused", "in_flight",
         "policy_version"}; in_flight > 0 means the wait ran out)."""
-        return self._request("POST", "/v1/admin/pause", query={"wait": wait}, timeout=wait + 30)
+        return cast(
+            GateStatus,
+            self._request("POST", "/v1/admin/pause", query={"wait": wait}, timeout=wait + 30),
+        )
 
-    def resume(self, policy_version=None):
+    def resume(self, policy_version: Optional[str] = None) -> GateStatus:
+        """Lets generations go on, under `policy_version` when given (the node's version then
+        goes with every later call, over a task's own)."""
         body = {} if policy_version is None else {"policy_version": policy_version}
-        return self._request("POST", "/v1/admin/resume", body=body)
+        return cast(GateStatus, self._request("POST", "/v1/admin/resume", body=body))
 
-    def openapi(self):
-        return self._request("GET", "/openapi.json")
+    def openapi(self) -> Dict[str, Any]:
+        """The node's OpenAPI document."""
+        return cast(Dict[str, Any], self._request("GET", "/openapi.json"))

@@ -1,9 +1,16 @@
 """Trajectories as arrays, and GRPO's group-normalized advantages."""
 
+from __future__ import annotations
+
 from collections import defaultdict
+from typing import Any, DefaultDict, Dict, Iterable, List, Mapping, Sequence, TypeVar
+
+from .schema import TraceArrays
+
+S = TypeVar("S", bound=Mapping[str, Any])
 
 
-def as_arrays(trace):
+def as_arrays(trace: Mapping[str, Any]) -> TraceArrays:
     """A trace row as NumPy arrays, ready for a policy-gradient step:
 
     - input_ids: prompt then response ids (int64)
@@ -36,21 +43,21 @@ def as_arrays(trace):
     }
 
 
-def groups(samples):
+def groups(samples: Iterable[S]) -> Dict[str, List[S]]:
     """Finished samples by GRPO group (their task id)."""
-    out = defaultdict(list)
+    out: DefaultDict[str, List[S]] = defaultdict(list)
     for s in samples:
         out[s["task_id"]].append(s)
     return dict(out)
 
 
-def reward_of(sample):
+def reward_of(sample: Mapping[str, Any]) -> float:
     """A finished sample's reward (0 when it did not complete)."""
     outcome = sample.get("outcome") or {}
     return float(outcome.get("reward", 0.0) or 0.0)
 
 
-def group_advantages(rewards, eps=1e-6):
+def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> List[float]:
     """GRPO's advantage per sample: (reward - group mean) / (group std + eps). A group whose
     rewards are all equal gets zeros (it carries no learning signal)."""
     n = len(rewards)

@@ -6,9 +6,11 @@
 
 use std::io::Write;
 use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
-use std::os::fd::AsRawFd;
+use std::os::fd::AsFd;
 use std::path::Path;
 use std::process::{Command, Stdio};
+
+use nix::sys::socket::{getsockopt, sockopt};
 
 #[derive(Debug, thiserror::Error)]
 pub enum NftError {
@@ -144,54 +146,25 @@ fn nft(args: &[&str], stdin: Option<&str>, cgroup2_at: Option<&Path>) -> Result<
     }
 }
 
-/// Where a REDIRECTed connection was going, from conntrack (`SO_ORIGINAL_DST`).
-pub fn conntrack_original_destination(conn: &impl AsRawFd, peer: SocketAddr) -> Option<SocketAddr> {
-    const SO_ORIGINAL_DST: libc::c_int = 80;
-    let fd = conn.as_raw_fd();
+/// Where a REDIRECTed connection was going, from conntrack (`SO_ORIGINAL_DST`, and
+/// `IP6T_SO_ORIGINAL_DST` for IPv6).
+pub fn conntrack_original_destination(conn: &impl AsFd, peer: SocketAddr) -> Option<SocketAddr> {
     match peer {
         SocketAddr::V4(_) => {
-            // SAFETY: a zeroed sockaddr_in is valid, and its size is passed alongside.
-            let mut sa: libc::sockaddr_in = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_in>() as libc::socklen_t;
-            // SAFETY: fd is an open socket; sa/len describe a writable buffer.
-            let rc = unsafe {
-                libc::getsockopt(
-                    fd,
-                    libc::SOL_IP,
-                    SO_ORIGINAL_DST,
-                    (&mut sa as *mut libc::sockaddr_in).cast(),
-                    &mut len,
-                )
-            };
-            (rc == 0).then(|| {
-                SocketAddr::V4(SocketAddrV4::new(
-                    Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
-                    u16::from_be(sa.sin_port),
-                ))
-            })
+            let sa = getsockopt(conn, sockopt::OriginalDst).ok()?;
+            Some(SocketAddr::V4(SocketAddrV4::new(
+                Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr)),
+                u16::from_be(sa.sin_port),
+            )))
         }
         SocketAddr::V6(_) => {
-            // SAFETY: as above, for sockaddr_in6.
-            let mut sa: libc::sockaddr_in6 = unsafe { std::mem::zeroed() };
-            let mut len = std::mem::size_of::<libc::sockaddr_in6>() as libc::socklen_t;
-            // SAFETY: as above.
-            let rc = unsafe {
-                libc::getsockopt(
-                    fd,
-                    libc::SOL_IPV6,
-                    SO_ORIGINAL_DST,
-                    (&mut sa as *mut libc::sockaddr_in6).cast(),
-                    &mut len,
-                )
-            };
-            (rc == 0).then(|| {
-                SocketAddr::V6(SocketAddrV6::new(
-                    Ipv6Addr::from(sa.sin6_addr.s6_addr),
-                    u16::from_be(sa.sin6_port),
-                    0,
-                    0,
-                ))
-            })
+            let sa = getsockopt(conn, sockopt::Ip6tOriginalDst).ok()?;
+            Some(SocketAddr::V6(SocketAddrV6::new(
+                Ipv6Addr::from(sa.sin6_addr.s6_addr),
+                u16::from_be(sa.sin6_port),
+                0,
+                0,
+            )))
         }
     }
 }

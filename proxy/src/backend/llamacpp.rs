@@ -12,10 +12,12 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
+use super::error::BackendError;
+use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
-use super::{probe_failure, Backend, BackendError, BackendKind, CallMode, GenerationStream};
 use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap, TokenSource};
 use crate::normalize::ProbeOutcome;
+use tokentap_schema::BackendKind;
 
 pub struct LlamaCppBackend {
     client: EngineClient,

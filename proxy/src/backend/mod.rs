@@ -8,122 +8,18 @@
 #[cfg(test)]
 mod contract_tests;
 mod error;
+mod interface;
 mod llamacpp;
 mod openai_compat;
 mod sglang;
 mod vllm;
 
-use std::time::Duration;
-
-use async_trait::async_trait;
-use futures::stream::BoxStream;
-
 pub use error::{error_chain, BackendError};
+pub use interface::{Backend, BackendConfig, CallMode, GenerationStream};
 pub use llamacpp::LlamaCppBackend;
 pub use sglang::SglangBackend;
 pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;
-
-use crate::canonical::{ChatRequest, GenerationEvent};
-use crate::normalize::ProbeOutcome;
-
-/// A stream of generation events; an `Err` ends it.
-pub type GenerationStream = BoxStream<'static, Result<GenerationEvent, BackendError>>;
-
-/// How to call the engine.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CallMode {
-    /// Ask the engine to stream; events arrive as tokens are sampled.
-    Streaming,
-    /// One non-streaming call; all events arrive when it completes.
-    Whole,
-}
-
-/// An inference engine that can generate with token-level data.
-#[async_trait]
-pub trait Backend: Send + Sync {
-    fn kind(&self) -> BackendKind;
-
-    /// Base URL of the engine, without credentials.
-    fn url(&self) -> &str;
-
-    /// How this engine can serve a call the harness wants answered in `wanted` mode. An engine
-    /// that cannot return token data when streaming some request answers `Whole` with the
-    /// reason, and the proxy plays the whole answer back as a stream.
-    fn call_mode(
-        &self,
-        _request: &ChatRequest,
-        wanted: CallMode,
-    ) -> (CallMode, Option<&'static str>) {
-        (wanted, None)
-    }
-
-    /// Starts a generation. Errors before the first event (connection refused, an error status)
-    /// come back as `Err` here so the harness gets a proper error status.
-    async fn generate(
-        &self,
-        request: &ChatRequest,
-        mode: CallMode,
-    ) -> Result<GenerationStream, BackendError>;
-
-    /// How many prompt tokens the engine would see for `request` (Anthropic `count_tokens`).
-    /// By default a one-token generation whose reported prompt size is the answer; engines
-    /// with a tokenizer endpoint override this with something cheaper.
-    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
-        let mut probe = request.clone();
-        probe.stream = false;
-        probe.sampling.max_tokens = Some(1);
-        let mut events = self.generate(&probe, CallMode::Whole).await?;
-        while let Some(event) = futures::StreamExt::next(&mut events).await {
-            if let GenerationEvent::Finished { usage: Some(u), .. } = event? {
-                return Ok(u.prompt_tokens);
-            }
-        }
-        Err(BackendError::Protocol(
-            "the engine reported no prompt size".into(),
-        ))
-    }
-
-    /// Renders `probe` with the engine's chat template, without generating, so the proxy can
-    /// learn which system-message layouts the template takes.
-    async fn probe_template(&self, _probe: &ChatRequest) -> ProbeOutcome {
-        ProbeOutcome::Unsupported
-    }
-
-    /// The engine's `GET /v1/models` answer, as JSON.
-    async fn models(&self) -> Result<serde_json::Value, BackendError>;
-}
-
-/// What a template probe's failure says: an engine that answered with an error rejected it.
-pub(crate) fn probe_failure(e: BackendError) -> ProbeOutcome {
-    match e {
-        // No such endpoint on this engine (version): nothing learned.
-        BackendError::Status {
-            status: 404 | 405 | 501,
-            ..
-        } => ProbeOutcome::Unsupported,
-        BackendError::Status { message, .. } => ProbeOutcome::Rejected(message),
-        BackendError::ContextLengthExceeded { message } => ProbeOutcome::Rejected(message),
-        BackendError::Unavailable(_) | BackendError::Timeout(_) | BackendError::Protocol(_) => {
-            ProbeOutcome::Unreachable
-        }
-    }
-}
-
-/// Connection settings shared by all adapters.
-#[derive(Debug, Clone)]
-pub struct BackendConfig {
-    pub kind: BackendKind,
-    /// Base URL, e.g. `http://127.0.0.1:8080` (a trailing `/v1` is accepted and removed).
-    pub url: String,
-    /// Bearer token for the engine, if it wants one. Never recorded.
-    pub api_key: Option<String>,
-    /// CA certificates trusted besides the built-in roots (`--ca-file`), for HTTPS engines.
-    pub ca_roots: Vec<reqwest::Certificate>,
-    pub connect_timeout: Duration,
-    /// Longest wait for the first byte and between two chunks of a stream.
-    pub idle_timeout: Duration,
-}
 
 /// Builds the adapter for `config.kind`.
 pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {

@@ -10,7 +10,8 @@ use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
 use super::error::truncate;
-use super::{BackendConfig, BackendError, CallMode, GenerationStream};
+use super::error::BackendError;
+use super::interface::{BackendConfig, CallMode, GenerationStream};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationEvent, TokenField,
     TokenGap, TokenSource, ToolCallDelta, Usage,

@@ -13,9 +13,11 @@
 use async_trait::async_trait;
 use serde_json::{json, Map, Value};
 
+use super::error::BackendError;
+use super::interface::{Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
-use super::{Backend, BackendError, BackendKind, CallMode, GenerationStream};
 use crate::canonical::ChatRequest;
+use tokentap_schema::BackendKind;
 
 pub struct SglangBackend {
     client: EngineClient,

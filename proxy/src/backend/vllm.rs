@@ -10,10 +10,12 @@
 use async_trait::async_trait;
 use serde_json::{json, Map, Value};
 
+use super::error::BackendError;
+use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
-use super::{probe_failure, Backend, BackendError, BackendKind, CallMode, GenerationStream};
 use crate::canonical::ChatRequest;
 use crate::normalize::ProbeOutcome;
+use tokentap_schema::BackendKind;
 
 pub struct VllmBackend {
     client: EngineClient,
