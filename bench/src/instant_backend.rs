@@ -276,11 +276,14 @@ mod tests {
         );
         assert_eq!(choice["message"]["content"], json!(ANSWER.concat()));
 
-        let events: Vec<Value> = a
+        let body: String = a
             .stream
             .iter()
             .map(|c| std::str::from_utf8(c).unwrap())
-            .filter_map(|c| c.strip_prefix("data: ")?.trim().parse::<Value>().ok())
+            .collect();
+        let events: Vec<Value> = tokentap_e2e::sse::data_frames(&body)
+            .iter()
+            .filter_map(|d| d.parse::<Value>().ok())
             .collect();
         assert_eq!(events[0]["prompt_token_ids"].as_array().unwrap().len(), 5);
         let ids: usize = events

@@ -22,17 +22,17 @@ fn harness_body(name: &str) -> Vec<u8> {
 /// SSE frames as JSON, without the fields that differ per answer (and the `logprobs: null`
 /// that OpenAI sends and the reference mock left out).
 fn frames(sse: &str) -> Vec<Value> {
-    sse.split("\n\n")
-        .map(str::trim)
-        .filter(|f| !f.is_empty())
-        .map(|f| {
-            let data = f
-                .strip_prefix("data: ")
-                .unwrap_or_else(|| panic!("not a data frame: {f}"));
-            if data == "[DONE]" {
+    tokentap_e2e::sse::canonical_events(sse)
+        .into_iter()
+        .map(|e| {
+            assert_eq!(
+                e.event, "message",
+                "a Chat Completions stream names no events"
+            );
+            if e.data == "[DONE]" {
                 return Value::String("[DONE]".into());
             }
-            let mut v: Value = serde_json::from_str(data).unwrap();
+            let mut v: Value = serde_json::from_str(&e.data).unwrap();
             for k in ["id", "created", "model"] {
                 v.as_object_mut().unwrap().remove(k);
             }

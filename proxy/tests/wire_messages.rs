@@ -24,21 +24,9 @@ fn body(v: &Value) -> Vec<u8> {
 
 /// SSE frames as (event name, data), with the per-answer message id removed.
 fn frames(sse: &str) -> Vec<(String, Value)> {
-    sse.split("\n\n")
-        .map(str::trim)
-        .filter(|f| !f.is_empty())
-        .map(|f| {
-            let (event, data) = f
-                .split_once('\n')
-                .unwrap_or_else(|| panic!("not an event frame: {f}"));
-            let event = event.strip_prefix("event: ").unwrap().to_owned();
-            let mut data: Value =
-                serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-            assert_eq!(
-                data["type"],
-                event.as_str(),
-                "event name and data type differ"
-            );
+    tokentap_e2e::sse::typed_events(sse)
+        .into_iter()
+        .map(|(event, mut data)| {
             if let Some(m) = data.get_mut("message").and_then(Value::as_object_mut) {
                 assert!(m["id"].as_str().unwrap().starts_with("msg_"));
                 m.remove("id");

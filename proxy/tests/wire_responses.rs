@@ -40,16 +40,9 @@ fn normalize(v: &mut Value) {
 
 /// SSE frames as (event name, normalized JSON); each frame's `event:` must match its `type`.
 fn frames(sse: &str) -> Vec<(String, Value)> {
-    sse.split("\n\n")
-        .map(str::trim)
-        .filter(|f| !f.is_empty())
-        .map(|f| {
-            let (event, data) = f
-                .split_once('\n')
-                .unwrap_or_else(|| panic!("not an event frame: {f}"));
-            let event = event.strip_prefix("event: ").unwrap().to_owned();
-            let mut v: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-            assert_eq!(v["type"], event.as_str(), "{f}");
+    tokentap_e2e::sse::typed_events(sse)
+        .into_iter()
+        .map(|(event, mut v)| {
             normalize(&mut v);
             (event, v)
         })

@@ -236,13 +236,9 @@ async fn a_rollout_streams_its_progress_as_server_sent_events() {
         .await
         .expect("the stream closes once every sample ended")
         .unwrap();
-    let events: Vec<(String, Value)> = text
-        .split("\n\n")
-        .filter_map(|block| {
-            let name = block.lines().find_map(|l| l.strip_prefix("event: "))?;
-            let data = block.lines().find_map(|l| l.strip_prefix("data: "))?;
-            Some((name.to_owned(), serde_json::from_str(data).unwrap()))
-        })
+    let events: Vec<(String, Value)> = tokentap_e2e::sse::events(&text)
+        .into_iter()
+        .map(|e| (e.event, serde_json::from_str(&e.data).unwrap()))
         .collect();
     let names: Vec<&str> = events.iter().map(|(n, _)| n.as_str()).collect();
     assert_eq!(names.first(), Some(&"snapshot"), "{names:?}");

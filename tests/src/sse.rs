@@ -2,20 +2,82 @@
 
 use serde_json::Value;
 
+/// One server-sent event: its `event:` name (`"message"` when the stream named none, as the
+/// spec says) and its `data:` lines joined with newlines.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SseEvent {
+    pub event: String,
+    pub data: String,
+}
+
+/// The events of an SSE body, by the WHATWG rules (`\r\n` or `\n`, multi-line data, comments,
+/// `data:` with or without its space, an unterminated last event dropped): parsed by
+/// eventsource-stream, the parser tokentap uses on engines' streams. The one SSE parser of
+/// every test.
+pub fn events(body: &str) -> Vec<SseEvent> {
+    use eventsource_stream::Eventsource;
+    use futures::StreamExt;
+    let chunk = Ok::<_, std::convert::Infallible>(bytes::Bytes::from(body.to_owned()));
+    let parsed = futures::executor::block_on(
+        futures::stream::iter([chunk])
+            .eventsource()
+            .collect::<Vec<_>>(),
+    );
+    parsed
+        .into_iter()
+        .map(|e| {
+            let e = e.unwrap_or_else(|e| panic!("not an SSE body ({e}): {body}"));
+            SseEvent {
+                event: e.event,
+                data: e.data,
+            }
+        })
+        .collect()
+}
+
+/// [`events`] of a body framed exactly as tokentap frames its answers, which is asserted:
+/// every event `[event: NAME\n]data: ONE LINE\n\n`, and nothing else in the body.
+pub fn canonical_events(body: &str) -> Vec<SseEvent> {
+    assert!(
+        body.is_empty() || body.ends_with("\n\n"),
+        "the stream must end with a whole event: {body:?}"
+    );
+    for block in body.split_terminator("\n\n") {
+        let data = block.strip_prefix("event: ").map_or(Some(block), |rest| {
+            rest.split_once('\n')
+                .filter(|(name, _)| !name.is_empty())
+                .map(|(_, data)| data)
+        });
+        assert!(
+            data.and_then(|d| d.strip_prefix("data: "))
+                .is_some_and(|d| !d.contains('\n') && !d.contains('\r')),
+            "not a canonical SSE event: {block:?}"
+        );
+    }
+    events(body)
+}
+
+/// A Messages or Responses stream: its [`canonical_events`] as (event name, JSON data), each
+/// event's name asserted equal to its data's `type`.
+pub fn typed_events(body: &str) -> Vec<(String, Value)> {
+    canonical_events(body)
+        .into_iter()
+        .map(|e| {
+            let data: Value = serde_json::from_str(&e.data)
+                .unwrap_or_else(|err| panic!("event data is not JSON ({err}): {}", e.data));
+            assert_eq!(
+                data["type"],
+                e.event.as_str(),
+                "event name and data type differ"
+            );
+            (e.event, data)
+        })
+        .collect()
+}
+
 /// The `data:` payloads of an SSE body, in order (`[DONE]` included verbatim).
 pub fn data_frames(body: &str) -> Vec<String> {
-    let mut frames = Vec::new();
-    for event in body.replace("\r\n", "\n").split("\n\n") {
-        let data: Vec<&str> = event
-            .lines()
-            .filter_map(|l| l.strip_prefix("data:"))
-            .map(|d| d.strip_prefix(' ').unwrap_or(d))
-            .collect();
-        if !data.is_empty() {
-            frames.push(data.join("\n"));
-        }
-    }
-    frames
+    events(body).into_iter().map(|e| e.data).collect()
 }
 
 /// The JSON objects of an answer body: every chunk of an SSE stream, or the one object of a

@@ -17,24 +17,9 @@ fn shell_args() -> Value {
     json!({"command": "ls"})
 }
 
-/// (event name, data) of each SSE frame.
+/// (event name, data) of each SSE frame; each name is its data's `type`.
 fn events(sse: &str) -> Vec<(String, Value)> {
-    sse.replace("\r\n", "\n")
-        .split("\n\n")
-        .filter(|f| !f.trim().is_empty())
-        .map(|f| {
-            let name = f
-                .lines()
-                .find_map(|l| l.strip_prefix("event: "))
-                .unwrap_or_default()
-                .to_owned();
-            let data = f
-                .lines()
-                .find_map(|l| l.strip_prefix("data: "))
-                .unwrap_or_else(|| panic!("a frame without data: {f}"));
-            (name, serde_json::from_str(data).unwrap())
-        })
-        .collect()
+    tokentap_e2e::sse::typed_events(sse)
 }
 
 /// Consecutive duplicates collapsed (`a, b, b, b, c` → `a, b, c`).

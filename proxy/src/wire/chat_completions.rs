@@ -630,10 +630,13 @@ mod tests {
             &mut out,
         );
         let text = String::from_utf8(out).unwrap();
-        let frames: Vec<&str> = text.split("\n\n").filter(|f| !f.is_empty()).collect();
+        let frames = tokentap_e2e::sse::canonical_events(&text);
         assert_eq!(frames.len(), 6, "{text}");
-        assert!(frames.iter().all(|f| f.starts_with("data: ")));
-        let chunk = |i: usize| serde_json::from_str::<Value>(&frames[i][6..]).unwrap();
+        assert!(
+            frames.iter().all(|f| f.event == "message"),
+            "unnamed events"
+        );
+        let chunk = |i: usize| serde_json::from_str::<Value>(&frames[i].data).unwrap();
         assert_eq!(
             chunk(0)["choices"][0]["delta"],
             json!({"role": "assistant", "content": ""})
@@ -646,7 +649,7 @@ mod tests {
         assert_eq!(chunk(3)["choices"][0]["finish_reason"], "tool_calls");
         assert_eq!(chunk(4)["choices"], json!([]));
         assert_eq!(chunk(4)["usage"]["total_tokens"], 5);
-        assert_eq!(frames[5], "data: [DONE]");
+        assert_eq!(frames[5].data, "[DONE]");
         for i in 0..5 {
             assert_eq!(chunk(i)["object"], "chat.completion.chunk");
             assert_eq!(chunk(i)["id"], "chatcmpl-1");

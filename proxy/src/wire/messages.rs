@@ -1235,19 +1235,7 @@ mod tests {
 
     /// SSE frames as (event, data).
     fn frames(out: &[u8]) -> Vec<(String, Value)> {
-        let text = std::str::from_utf8(out).unwrap();
-        assert!(text.ends_with("\n\n"), "{text}");
-        text.split("\n\n")
-            .filter(|f| !f.is_empty())
-            .map(|f| {
-                let (ev, data) = f.split_once('\n').unwrap();
-                let ev = ev.strip_prefix("event: ").unwrap().to_owned();
-                let data: Value =
-                    serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-                assert_eq!(data["type"], ev.as_str());
-                (ev, data)
-            })
-            .collect()
+        tokentap_e2e::sse::typed_events(std::str::from_utf8(out).unwrap())
     }
 
     fn events(f: &[(String, Value)]) -> Vec<String> {

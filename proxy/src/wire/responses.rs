@@ -1431,17 +1431,7 @@ mod tests {
 
     /// SSE frames as (event name, JSON payload); checks each frame's name matches its type.
     fn frames(out: &[u8]) -> Vec<(String, Value)> {
-        let text = std::str::from_utf8(out).unwrap();
-        text.split("\n\n")
-            .filter(|f| !f.is_empty())
-            .map(|f| {
-                let (event, data) = f.split_once('\n').unwrap();
-                let event = event.strip_prefix("event: ").unwrap().to_owned();
-                let v: Value = serde_json::from_str(data.strip_prefix("data: ").unwrap()).unwrap();
-                assert_eq!(v["type"], event.as_str());
-                (event, v)
-            })
-            .collect()
+        tokentap_e2e::sse::typed_events(std::str::from_utf8(out).unwrap())
     }
 
     fn call_delta(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> Delta {
