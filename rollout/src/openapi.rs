@@ -25,6 +25,25 @@ pub const ROUTES: &[(&str, &str)] = &[
     ("get", "/v1/admin/status"),
 ];
 
+/// In OpenAPI 3.0 a `$ref` replaces its whole object: keywords beside it (schemars puts
+/// `nullable`, `description` and `default` there for an `Option` of a named type) are ignored,
+/// so `null` — e.g. a running sample's `outcome` — would not validate. Such an object becomes
+/// `{"allOf": [{"$ref": …}], …}`, where the keywords count.
+fn keep_keywords_beside_refs(v: &mut Value) {
+    match v {
+        Value::Object(o) => {
+            if o.len() > 1 {
+                if let Some(r) = o.remove("$ref") {
+                    o.insert("allOf".into(), json!([{ "$ref": r }]));
+                }
+            }
+            o.values_mut().for_each(keep_keywords_beside_refs);
+        }
+        Value::Array(a) => a.iter_mut().for_each(keep_keywords_beside_refs),
+        _ => {}
+    }
+}
+
 pub fn document() -> Value {
     let mut gen = SchemaSettings::openapi3().into_generator();
     let of = |name: &str| json!({"$ref": format!("#/components/schemas/{name}")});
@@ -142,7 +161,7 @@ pub fn document() -> Value {
             "responses": {"200": ok("The gate", of("GateStatus")), "409": err("The node runs without capture")}
         }}
     });
-    json!({
+    let mut doc = json!({
         "openapi": "3.0.3",
         "info": {
             "title": "tokentap rollout node",
@@ -155,7 +174,9 @@ pub fn document() -> Value {
             "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}
         },
         "security": [{"bearer": []}]
-    })
+    });
+    keep_keywords_beside_refs(&mut doc);
+    doc
 }
 
 #[cfg(test)]
@@ -188,6 +209,40 @@ mod tests {
             assert!(
                 doc["components"]["schemas"][name].is_object(),
                 "{r} is not defined"
+            );
+        }
+    }
+
+    /// A `$ref` stands alone (OpenAPI 3.0 ignores its siblings), and what may be null says so
+    /// where it counts: a running sample's outcome, trajectory and evaluation are null.
+    #[test]
+    fn nullable_references_are_nullable() {
+        fn check(v: &Value) {
+            match v {
+                Value::Object(o) => {
+                    assert!(
+                        !o.contains_key("$ref") || o.len() == 1,
+                        "keywords beside a $ref are ignored: {v}"
+                    );
+                    o.values().for_each(check);
+                }
+                Value::Array(a) => a.iter().for_each(check),
+                _ => {}
+            }
+        }
+        let doc = document();
+        check(&doc);
+        let sample = &doc["components"]["schemas"]["Sample"]["properties"];
+        for field in ["outcome", "trajectory", "evaluation"] {
+            assert_eq!(
+                sample[field]["nullable"], true,
+                "{field}: {}",
+                sample[field]
+            );
+            assert!(
+                sample[field]["allOf"][0]["$ref"].is_string(),
+                "{}",
+                sample[field]
             );
         }
     }
