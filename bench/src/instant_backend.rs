@@ -6,13 +6,20 @@
 //! and the short answer are fixed and rendered once, so each call costs only reading the
 //! request body and writing pre-built bytes.
 //!
+//! With [`InstantBackend::start_growing`] the prompt ids grow with the conversation instead: a
+//! request of n messages gets the ids of n blocks (a user message's block, then the answer's
+//! ids for an assistant message), so each turn's prompt extends the last turn's prompt and
+//! answer, as an engine's would, and a session's calls merge into one trace. Answers are built
+//! once per message count.
+//!
 //! It runs on its own thread with a single-threaded tokio runtime: one core's worth at most,
 //! leaving the rest of the 2-core machine to the proxy and the load generator.
 
+use std::collections::HashMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 
 use anyhow::Context;
@@ -51,7 +58,20 @@ pub struct InstantBackend {
 impl InstantBackend {
     /// Starts serving on 127.0.0.1 (any free port), answering with `prompt_ids` prompt ids.
     pub fn start(prompt_ids: usize) -> anyhow::Result<InstantBackend> {
-        let answers = Arc::new(Answers::new(prompt_ids));
+        InstantBackend::serve(Prompts::Fixed(Arc::new(Answers::new(prompt_ids))))
+    }
+
+    /// Starts serving with prompts that grow with the conversation, `user_ids` ids per user
+    /// message (see the module's documentation).
+    pub fn start_growing(user_ids: usize) -> anyhow::Result<InstantBackend> {
+        InstantBackend::serve(Prompts::Growing {
+            user_ids,
+            by_messages: Mutex::new(HashMap::new()),
+        })
+    }
+
+    fn serve(prompts: Prompts) -> anyhow::Result<InstantBackend> {
+        let answers = Arc::new(prompts);
         let served = Arc::new(Served::default());
         let std_listener =
             std::net::TcpListener::bind("127.0.0.1:0").context("binding the instant backend")?;
@@ -105,7 +125,7 @@ impl Drop for InstantBackend {
 
 async fn accept_loop(
     listener: tokio::net::TcpListener,
-    answers: Arc<Answers>,
+    answers: Arc<Prompts>,
     served: Arc<Served>,
 ) {
     loop {
@@ -129,13 +149,14 @@ async fn accept_loop(
     }
 }
 
-async fn answer(req: Request<Incoming>, answers: &Answers, served: &Served) -> Response<Body> {
+async fn answer(req: Request<Incoming>, prompts: &Prompts, served: &Served) -> Response<Body> {
     match (req.method(), req.uri().path()) {
-        (&Method::GET, "/v1/models") => json_response(StatusCode::OK, answers.models.clone()),
+        (&Method::GET, "/v1/models") => json_response(StatusCode::OK, prompts.models()),
         (&Method::POST, "/v1/chat/completions") => {
             let Ok(body) = req.into_body().collect().await.map(|b| b.to_bytes()) else {
                 return json_response(StatusCode::BAD_REQUEST, Bytes::from_static(b"{}"));
             };
+            let answers = prompts.for_body(&body);
             // A byte search, not a JSON parse: the double must stay cheap next to the proxy.
             // Inside a JSON string the quotes are escaped, so these only match the real key.
             let stream = memchr::memmem::find(&body, b"\"stream\":true").is_some()
@@ -180,6 +201,67 @@ fn json_response(status: StatusCode, body: Bytes) -> Response<Body> {
     resp
 }
 
+/// Which prompt ids a request gets.
+enum Prompts {
+    /// The same for every request.
+    Fixed(Arc<Answers>),
+    /// By the request's message count, built on first use.
+    Growing {
+        user_ids: usize,
+        by_messages: Mutex<HashMap<usize, Arc<Answers>>>,
+    },
+}
+
+impl Prompts {
+    fn for_body(&self, body: &[u8]) -> Arc<Answers> {
+        match self {
+            Prompts::Fixed(a) => a.clone(),
+            Prompts::Growing {
+                user_ids,
+                by_messages,
+            } => {
+                // One `"role"` key per message (a byte count, not a parse, as above).
+                let n = memchr::memmem::find_iter(body, b"\"role\"").count();
+                by_messages
+                    .lock()
+                    .expect("not poisoned")
+                    .entry(n)
+                    .or_insert_with(|| Arc::new(Answers::with_prompt(growing_prompt(n, *user_ids))))
+                    .clone()
+            }
+        }
+    }
+
+    fn models(&self) -> Bytes {
+        match self {
+            Prompts::Fixed(a) => a.models.clone(),
+            Prompts::Growing { .. } => Answers::with_prompt(Vec::new()).models,
+        }
+    }
+}
+
+/// The prompt of a conversation of `messages` messages, alternating user and assistant from a
+/// user message: a user block of `user_ids` ids each (different per turn), the answer's ids
+/// for each assistant message.
+fn growing_prompt(messages: usize, user_ids: usize) -> Vec<u32> {
+    let mut ids = Vec::new();
+    for m in 0..messages {
+        if m % 2 == 0 {
+            ids.extend(
+                (0..user_ids).map(|j| 1000 + (((m * user_ids + j) as u32) * 7919) % 150_000),
+            );
+        } else {
+            ids.extend(answer_ids());
+        }
+    }
+    ids
+}
+
+/// The ids of [`ANSWER`]'s tokens.
+fn answer_ids() -> Vec<u32> {
+    (0..ANSWER.len() as u32).map(|i| 40_000 + i).collect()
+}
+
 /// Every answer, rendered once.
 struct Answers {
     whole: Bytes,
@@ -190,10 +272,16 @@ struct Answers {
 impl Answers {
     fn new(prompt_ids: usize) -> Answers {
         // Plausible ids in a Qwen-sized vocabulary; nothing reads their meaning.
-        let prompt: Vec<u32> = (0..prompt_ids as u32)
-            .map(|i| 1000 + (i * 7919) % 150_000)
-            .collect();
-        let answer_ids: Vec<u32> = (0..ANSWER.len() as u32).map(|i| 40_000 + i).collect();
+        Answers::with_prompt(
+            (0..prompt_ids as u32)
+                .map(|i| 1000 + (i * 7919) % 150_000)
+                .collect(),
+        )
+    }
+
+    fn with_prompt(prompt: Vec<u32>) -> Answers {
+        let prompt_ids = prompt.len();
+        let answer_ids = answer_ids();
         let logprob =
             |t: &str| json!({"token": t, "logprob": -0.1, "bytes": null, "top_logprobs": []});
         let usage = json!({
@@ -297,5 +385,28 @@ mod tests {
             .any(|e| e["choices"][0]["finish_reason"] == json!("stop")));
         assert!(events.last().unwrap()["usage"].is_object());
         assert_eq!(a.stream.last().unwrap().as_ref(), b"data: [DONE]\n\n");
+    }
+
+    #[test]
+    fn growing_prompts_extend_the_last_prompt_and_answer() {
+        let three = growing_prompt(3, 4);
+        let five = growing_prompt(5, 4);
+        assert_eq!(three.len(), 4 + ANSWER.len() + 4);
+        let mut expected = three.clone();
+        expected.extend(answer_ids());
+        assert_eq!(&five[..expected.len()], &expected[..]);
+        assert_ne!(
+            &five[expected.len()..],
+            &three[..4],
+            "each user block differs"
+        );
+
+        let p = Prompts::Growing {
+            user_ids: 4,
+            by_messages: Mutex::new(HashMap::new()),
+        };
+        let body = br#"{"messages":[{"role":"user","content":"a"},{"role":"assistant","content":"b"},{"role":"user","content":"c"}]}"#;
+        let whole: Value = serde_json::from_slice(&p.for_body(body).whole).unwrap();
+        assert_eq!(whole["prompt_token_ids"], json!(three));
     }
 }

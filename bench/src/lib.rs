@@ -14,6 +14,7 @@ mod proxy_child;
 mod reconstruct;
 mod report;
 mod rollout;
+mod soak;
 mod translate;
 mod transparent;
 
@@ -54,6 +55,13 @@ pub enum BenchCmd {
   tokentap bench rollout
   tokentap bench rollout --samples 48 --run-workers 8 --think-ms 1000")]
     Rollout(rollout::RolloutBenchArgs),
+    /// Many streaming multi-turn sessions through a capturing proxy for a long time: memory
+    /// growth after warm-up, latency from the first window to the last, and every call's
+    /// record and trace accounted for.
+    #[command(after_help = "Examples:
+  tokentap bench soak                                  # 256 sessions, 10 minutes
+  tokentap bench soak --duration 3600 --json > soak.json")]
+    Soak(soak::SoakBenchArgs),
 }
 
 #[derive(Args)]
@@ -153,6 +161,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Translate(args) => translate::run(args),
         BenchCmd::Reconstruct(args) => reconstruct::run(args),
         BenchCmd::Rollout(args) => rollout::run(args),
+        BenchCmd::Soak(args) => soak::run(args),
     }
 }
 

@@ -28,8 +28,31 @@ impl ProxyChild {
         threads: usize,
         dir: &Path,
     ) -> anyhow::Result<ProxyChild> {
-        let addr = free_port()?;
+        // The proxy alone: in-process reconstruction is a separate consumer of the spool
+        // (about 0.5 ms of one core per 143 KB record, mostly JSON parsing), measured by
+        // `tokentap bench reconstruct`.
+        let mut extra = vec!["--no-reconstruct"];
+        if !capture {
+            extra.push("--no-capture");
+        }
         let name = if capture { "capture-on" } else { "capture-off" };
+        let mut child = ProxyChild::spawn_with(backend, threads, dir, name, &extra)?;
+        if !capture {
+            child.spool = None;
+        }
+        Ok(child)
+    }
+
+    /// Starts `tokentap proxy` in front of `backend` with `extra` arguments, its spool and log
+    /// in `dir` named after `name`.
+    pub fn spawn_with(
+        backend: SocketAddr,
+        threads: usize,
+        dir: &Path,
+        name: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<ProxyChild> {
+        let addr = free_port()?;
         let spool = dir.join(format!("spool-{name}"));
         let log = dir.join(format!("proxy-{name}.log"));
         let exe = std::env::current_exe().context("finding this executable")?;
@@ -41,13 +64,7 @@ impl ProxyChild {
             .args(["--threads", &threads.to_string()])
             .arg("--spool")
             .arg(&spool)
-            // The proxy alone: in-process reconstruction is a separate consumer of the spool
-            // (about 0.5 ms of one core per 143 KB record, mostly JSON parsing), measured by
-            // `tokentap bench reconstruct`.
-            .arg("--no-reconstruct");
-        if !capture {
-            cmd.arg("--no-capture");
-        }
+            .args(extra);
         let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
@@ -57,7 +74,7 @@ impl ProxyChild {
         Ok(ProxyChild {
             child,
             addr,
-            spool: capture.then_some(spool),
+            spool: Some(spool),
             log,
         })
     }
@@ -87,6 +104,17 @@ impl ProxyChild {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
+    }
+
+    /// Resident memory of the proxy now, in bytes (`VmRSS` in `/proc/PID/status`).
+    pub fn rss_bytes(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.child.id()))
+            .unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map_or(0, |kb| kb * 1024)
     }
 
     /// CPU time (user + system) the proxy has used so far.
