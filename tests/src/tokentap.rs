@@ -244,6 +244,11 @@ pub struct CliOutput {
 /// Runs `tokentap ARGS...` to completion (for the `records` subcommands), guarded like every
 /// other child.
 pub async fn tokentap_cli(args: &[&str]) -> CliOutput {
+    tokentap_cli_within(args, Duration::from_secs(60)).await
+}
+
+/// [`tokentap_cli`] for a longer run (a benchmark's CI form): killed and failed after `limit`.
+pub async fn tokentap_cli_within(args: &[&str], limit: Duration) -> CliOutput {
     let dir = tempfile::tempdir().expect("temp dir");
     let (out, err) = (dir.path().join("stdout"), dir.path().join("stderr"));
     let mut cmd = Command::new(tokentap_bin());
@@ -251,9 +256,9 @@ pub async fn tokentap_cli(args: &[&str]) -> CliOutput {
     let mut child = spawn_guarded_split(cmd, &out, &err, KillScope::Process, "tokentap cli")
         .expect("running tokentap");
     let status = child
-        .wait_limited(Duration::from_secs(60))
+        .wait_limited(limit)
         .await
-        .unwrap_or_else(|| panic!("tokentap {args:?} did not finish"));
+        .unwrap_or_else(|| panic!("tokentap {args:?} did not finish within {limit:?}"));
     CliOutput {
         success: status.success(),
         stdout: std::fs::read_to_string(&out).unwrap_or_default(),

@@ -67,6 +67,27 @@ impl Worker {
         }
     }
 
+    /// SIGSTOP: the process stays, its sockets stay open, nothing is read or answered (a hung
+    /// worker, or one whose machine stalls).
+    pub fn pause(&self) {
+        self.signal(libc::SIGSTOP);
+    }
+
+    /// SIGCONT after [`Worker::pause`].
+    pub fn resume(&self) {
+        self.signal(libc::SIGCONT);
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        let pid = self.child.as_ref().expect("the worker is running").id();
+        // SAFETY: plain kill(2) on our own child.
+        assert_eq!(
+            unsafe { libc::kill(pid as i32, sig) },
+            0,
+            "signalling the worker"
+        );
+    }
+
     /// SIGTERM, then waits for the exit (bounded); true if it exited in time.
     pub async fn terminate(&mut self) -> bool {
         let Some(mut c) = self.child.take() else {

@@ -1,0 +1,478 @@
+//! Chaos under load: harness-shaped sessions call through `tokentap proxy --ship-to worker` at a
+//! steady rate while the proxy is killed (SIGKILL) twice and restarted on its spool, and the
+//! worker is stopped (SIGSTOP) for 60 s — with a shipment in flight to it when the proxy dies
+//! the second time. Afterwards every call a harness saw answered has exactly one record at the
+//! worker, appears in exactly one trace, and the traces are faithful.
+//!
+//! A second test kills a rollout node (`tokentap serve`) in each stage of its samples.
+//!
+//! A harness retries a call that failed (its proxy died under it) with the same conversation,
+//! as real ones do; each attempt carries its own `x-chaos-attempt` header, which the record
+//! keeps, so the test can tell which attempt the harness saw answered.
+
+use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, RwLock};
+use std::time::{Duration, Instant};
+
+use serde_json::{json, Value};
+use tokentap_e2e::artefacts::tokentap_bin;
+use tokentap_e2e::node_api;
+use tokentap_e2e::procs::{http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope};
+use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
+use tokentap_e2e::sse::parse_chat_stream;
+use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
+use tokentap_e2e::traces::wait_session_reports;
+use tokentap_e2e::worker::Worker;
+use tokentap_reconstruct::output::read_traces_jsonl;
+use tokentap_reconstruct::{verify, RecordDigest};
+
+/// Concurrent harness sessions; half stream their answers.
+const HARNESSES: usize = 8;
+/// Turns of one conversation before its harness starts a new one (a new session).
+const TURNS: usize = 10;
+/// Each harness's pause between calls (its tools' time): about 8 × 6 = 48 calls/s in all.
+const THINK: Duration = Duration::from_millis(150);
+/// How long the worker is stopped.
+const WORKER_STOPPED: Duration = Duration::from_secs(60);
+
+/// What one harness saw: the attempts it saw answered, and how many attempts failed.
+#[derive(Default)]
+struct Seen {
+    answered: Vec<String>,
+    failed: u64,
+}
+
+/// One call; the answer's text if the harness got all of it.
+async fn call(
+    client: &reqwest::Client,
+    url: &str,
+    session: &str,
+    attempt: &str,
+    messages: &[Value],
+    stream: bool,
+) -> Result<String, String> {
+    let r = client
+        .post(format!("{url}/v1/chat/completions"))
+        .header("x-tokentap-session", session)
+        .header("x-chaos-attempt", attempt)
+        .timeout(Duration::from_secs(20))
+        .json(&json!({"model": "m", "messages": messages, "max_tokens": 64, "stream": stream}))
+        .send()
+        .await
+        .map_err(|e| e.to_string())?;
+    if !r.status().is_success() {
+        return Err(format!("status {}", r.status()));
+    }
+    let body = r.text().await.map_err(|e| e.to_string())?;
+    if stream {
+        let s = parse_chat_stream(&body);
+        if !s.done || !s.errors.is_empty() || s.finish_reason.is_none() {
+            return Err(format!("incomplete stream: {body}"));
+        }
+        Ok(s.content)
+    } else {
+        let v: Value = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .map(str::to_owned)
+            .ok_or_else(|| format!("no answer in {body}"))
+    }
+}
+
+/// A harness: conversations of [`TURNS`] calls, each call retried until answered, until `stop`.
+async fn harness(h: usize, url: Arc<RwLock<String>>, stop: Arc<AtomicBool>) -> Seen {
+    let client = http_client();
+    let mut seen = Seen::default();
+    for conversation in 0.. {
+        let session = format!("chaos-{h}-{conversation}");
+        let mut messages =
+            vec![json!({"role": "user", "content": format!("task {h}.{conversation}")})];
+        for turn in 0..TURNS {
+            for attempt in 0.. {
+                if stop.load(Ordering::Relaxed) {
+                    return seen;
+                }
+                let key = format!("{session}/{turn}/{attempt}");
+                let base = url.read().unwrap().clone();
+                match call(
+                    &client,
+                    &base,
+                    &session,
+                    &key,
+                    &messages,
+                    h.is_multiple_of(2),
+                )
+                .await
+                {
+                    Ok(answer) => {
+                        seen.answered.push(key);
+                        messages.push(json!({"role": "assistant", "content": answer}));
+                        messages
+                            .push(json!({"role": "user", "content": format!("go on ({turn})")}));
+                        break;
+                    }
+                    Err(_) => {
+                        seen.failed += 1;
+                        tokio::time::sleep(Duration::from_millis(100)).await;
+                    }
+                }
+            }
+            tokio::time::sleep(THINK).await;
+        }
+    }
+    seen
+}
+
+/// SIGKILL, then a new proxy on the same spool; harnesses call the new one from then on.
+async fn kill_and_restart(
+    proxy: &mut Tokentap,
+    retired: &mut Vec<Tokentap>,
+    config: &TokentapConfig,
+    spool: &std::path::Path,
+    url: &RwLock<String>,
+) {
+    proxy.kill();
+    let mut again = config.clone();
+    again.spool = Some(spool.to_owned());
+    let fresh = Tokentap::start(again).await;
+    *url.write().unwrap() = fresh.url.clone();
+    retired.push(std::mem::replace(proxy, fresh));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_chaos_a_killed_proxy_and_a_stopped_worker_lose_no_answered_call() {
+    let backend = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("worker-out");
+    let mut worker = Worker::start(&out, &["--session-idle", "3"]).await;
+    let config = TokentapConfig::new(&backend.url, "vllm")
+        .arg("--ship-to")
+        .arg(&worker.url)
+        .arg("--fsync")
+        .arg("always");
+    let mut proxy = Tokentap::start(config.clone()).await;
+    let spool = proxy.spool.clone();
+    let url = Arc::new(RwLock::new(proxy.url.clone()));
+    let stop = Arc::new(AtomicBool::new(false));
+    let harnesses: Vec<_> = (0..HARNESSES)
+        .map(|h| tokio::spawn(harness(h, url.clone(), stop.clone())))
+        .collect();
+    // Killed proxies' temp dirs (the spool lives in the first one) stay to the end.
+    let mut retired = Vec::new();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    kill_and_restart(&mut proxy, &mut retired, &config, &spool, &url).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    worker.pause();
+    let stopped_at = Instant::now();
+    // Halfway through the stop, the proxy dies with a shipment sent to the stopped worker.
+    tokio::time::sleep(WORKER_STOPPED / 2).await;
+    let before_second_kill = read_spool(&spool).len();
+    kill_and_restart(&mut proxy, &mut retired, &config, &spool, &url).await;
+    tokio::time::sleep(WORKER_STOPPED.saturating_sub(stopped_at.elapsed())).await;
+    worker.resume();
+    tokio::time::sleep(Duration::from_secs(4)).await;
+    stop.store(true, Ordering::Relaxed);
+    let mut answered = Vec::new();
+    let mut failed = 0;
+    for h in harnesses {
+        let seen = h.await.unwrap();
+        answered.extend(seen.answered);
+        failed += seen.failed;
+    }
+    let sent = read_spool(&spool);
+    eprintln!(
+        "{} calls answered, {failed} failed attempts (retried), {} records spooled ({before_second_kill} before the second kill), 2 proxy restarts",
+        answered.len(),
+        sent.len(),
+    );
+    assert!(
+        answered.len() > 1000,
+        "the load ran ({} calls answered)",
+        answered.len()
+    );
+    assert!(failed > 0, "the kills hit calls in flight");
+
+    // Every record the proxy wrote reaches the worker exactly once.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let received = loop {
+        let r = read_spool(&out.join("spool"));
+        if r.len() >= sent.len() || Instant::now() > deadline {
+            break r;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    let mut received_ids: Vec<&str> = received.iter().map(|r| r.record_id.as_str()).collect();
+    received_ids.sort_unstable();
+    let unique: HashSet<&str> = received_ids.iter().copied().collect();
+    assert_eq!(unique.len(), received_ids.len(), "a record stored twice");
+    let sent_ids: HashSet<&str> = sent.iter().map(|r| r.record_id.as_str()).collect();
+    assert_eq!(
+        unique,
+        sent_ids,
+        "the worker's records are the proxy's\nproxy log:\n{}\nworker log:\n{}",
+        proxy.log_tail(20),
+        worker.log_tail(20)
+    );
+
+    // Every answered call: exactly one record, a complete one.
+    let by_attempt: HashMap<&str, Vec<_>> = received.iter().fold(HashMap::new(), |mut m, r| {
+        if let Some(a) = r.request.headers.get("x-chaos-attempt") {
+            m.entry(a.as_str()).or_insert_with(Vec::new).push(r);
+        }
+        m
+    });
+    let mut lost = Vec::new();
+    for key in &answered {
+        match by_attempt.get(key.as_str()).map(Vec::as_slice) {
+            Some([r]) => {
+                assert_eq!(r.response_status, 200, "{key}: {:?}", r.error);
+                assert!(r.error.is_none(), "{key}: {:?}", r.error);
+                assert!(r.completion_token_ids.is_some(), "{key}: token ids");
+            }
+            Some(many) => panic!("{key}: {} records", many.len()),
+            None => lost.push(key.clone()),
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} answered calls without a record, e.g. {:?}",
+        lost.len(),
+        &lost[..lost.len().min(5)]
+    );
+    let duplicates = worker
+        .metric("tokentap_worker_duplicates_dropped_total")
+        .await
+        .unwrap_or(0.0);
+    eprintln!("the worker dropped {duplicates} redelivered records");
+
+    // Traces: every record with token data in exactly one trace, faithfully.
+    let sessions: HashSet<&str> = received.iter().map(|r| r.session_id.as_str()).collect();
+    wait_session_reports(&out, sessions.len(), || worker.log_tail(30)).await;
+    assert!(worker.terminate().await, "the worker stops on SIGTERM");
+    let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
+    let mut in_traces: Vec<&str> = traces
+        .iter()
+        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
+        .collect();
+    in_traces.sort_unstable();
+    let mut with_tokens: Vec<&str> = received
+        .iter()
+        .filter(|r| r.prompt_token_ids.is_some())
+        .map(|r| r.record_id.as_str())
+        .collect();
+    with_tokens.sort_unstable();
+    assert_eq!(in_traces, with_tokens, "each record in exactly one trace");
+    let digests: HashMap<String, RecordDigest> = received
+        .iter()
+        .map(|r| (r.record_id.clone(), RecordDigest::of(r)))
+        .collect();
+    let f = verify(&traces, &digests);
+    assert_eq!(f.violations, 0, "{:?}", f.examples);
+    drop(retired);
+}
+
+const NODE_TOKEN: &str = "chaos-node-token";
+
+/// `tokentap serve` on `port` with its data under `dir/node`.
+async fn start_node(dir: &std::path::Path, port: u16, engine: &str) -> ChildGuard {
+    let mut cmd = std::process::Command::new(tokentap_bin());
+    cmd.arg("serve")
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--data")
+        .arg(dir.join("node"))
+        .args(["--backend", engine, "--backend-kind", "vllm"])
+        // Three kills below, each may interrupt the same sample: one attempt more than that
+        // (at the default of 3, a sample whose every attempt a restart cut short fails, so a
+        // sample that crashes its node cannot crash it forever).
+        .args(["--max-attempts", "4"])
+        .env("TOKENTAP_NODE_TOKEN", NODE_TOKEN)
+        .env("TOKENTAP_LOG", "info");
+    // One log per start: a killed node's log stays beside its successor's.
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_nanos();
+    let log = dir.join(format!("node-{started}.log"));
+    let mut child = spawn_guarded(cmd, &log, KillScope::Group, "tokentap serve").unwrap();
+    wait_healthy(
+        &format!("http://127.0.0.1:{port}/health"),
+        &mut child,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    child
+}
+
+/// A trainer's callback endpoint: every delivery, in arrival order, as (Idempotency-Key, body).
+async fn callback_receiver() -> (String, Arc<std::sync::Mutex<Vec<(String, Value)>>>) {
+    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = got.clone();
+    let app = axum::Router::new().route(
+        "/results",
+        axum::routing::post(
+            move |headers: axum::http::HeaderMap, axum::Json(body): axum::Json<Value>| {
+                let sink = sink.clone();
+                async move {
+                    let key = headers
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    sink.lock().unwrap().push((key, body));
+                    axum::http::StatusCode::OK
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/results", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, got)
+}
+
+/// The stages of a rollout's samples now.
+async fn stages(base: &str, rollout: &str) -> Vec<String> {
+    let v = node_api::get_json(&format!("{base}/v1/rollouts/{rollout}"), NODE_TOKEN).await;
+    v["samples"]
+        .as_array()
+        .map(|s| {
+            s.iter()
+                .map(|s| s["stage"].as_str().unwrap_or_default().to_owned())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// A node is killed (SIGKILL) while its samples are in each stage in turn — setting up the
+/// workspace, running the agent, evaluating — and restarted on its data each time. Every
+/// accepted sample ends exactly once in the results, completed, the interrupted ones on a
+/// later attempt; every sample's callback
+/// arrives, each delivery of a sample carries the same result, and the trainer, deduplicating
+/// by `Idempotency-Key` as the API documents, sees each sample once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_chaos_a_node_killed_in_every_stage_finishes_each_sample_once() {
+    let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::create_dir_all(dir.path().join("project")).unwrap();
+    let (callback, deliveries) = callback_receiver().await;
+    let port = tokentap_e2e::procs::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut node = start_node(dir.path(), port, &engine.url).await;
+    const SAMPLES: usize = 6;
+    let task = json!({
+        "task_id": "chaos",
+        "instruction": "chat",
+        "workspace": {"dir": {"path": dir.path().join("project"), "setup": "sleep 1"}},
+        "harness": {"name": "command", "argv": ["sh", "-c", curl_agent(2, "sleep 1")]},
+        "evaluator": {"kind": "command", "command": "sleep 1"},
+        "num_samples": SAMPLES,
+        "callback_url": callback,
+    });
+    let r = http_client()
+        .post(format!("{base}/v1/rollouts"))
+        .bearer_auth(NODE_TOKEN)
+        .json(&task)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 202);
+    let accepted: Value = r.json().await.unwrap();
+    let rollout = accepted["rollout_id"].as_str().unwrap().to_owned();
+    let mut killed_in = Vec::new();
+    for stage in ["init", "run", "post_run"] {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let now = stages(&base, &rollout).await;
+            if now.iter().any(|s| s == stage) {
+                killed_in.push(now);
+                break;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "no sample reached {stage}: {now:?}"
+            );
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        node.kill();
+        node = start_node(dir.path(), port, &engine.url).await;
+    }
+    let results =
+        node_api::results_within(&base, NODE_TOKEN, 0, SAMPLES, 10, Duration::from_secs(120)).await;
+    eprintln!("killed while the samples were in {killed_in:?}");
+
+    // Each accepted sample exactly once in the results, completed.
+    let accepted_ids: HashSet<String> = accepted["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|v| v.as_str().unwrap().to_owned())
+        .collect();
+    let mut result_ids: Vec<String> = results
+        .iter()
+        .map(|s| s["sample_id"].as_str().unwrap().to_owned())
+        .collect();
+    result_ids.sort();
+    let unique: HashSet<String> = result_ids.iter().cloned().collect();
+    assert_eq!(
+        unique.len(),
+        result_ids.len(),
+        "a sample finished twice: {result_ids:?}"
+    );
+    assert_eq!(unique, accepted_ids);
+    for s in &results {
+        assert_eq!(s["outcome"]["status"], "completed", "{s}");
+    }
+    // Each kill cut short at least one running sample, which ran again.
+    let reruns: u64 = results
+        .iter()
+        .map(|s| s["attempt"].as_u64().unwrap() - 1)
+        .sum();
+    assert!(reruns >= 3, "{results:?}");
+    // Nothing more arrives later.
+    let later = node_api::get_json(
+        &format!("{base}/v1/results?after={SAMPLES}&wait=2"),
+        NODE_TOKEN,
+    )
+    .await;
+    assert_eq!(later["results"], json!([]), "{later}");
+
+    // Callbacks: every sample's arrives; redeliveries repeat the same result.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let keys: HashSet<String> = deliveries
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(k, _)| k.clone())
+            .collect();
+        if keys == accepted_ids {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "callbacks for {keys:?} of {accepted_ids:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let got = deliveries.lock().unwrap().clone();
+    let mut first: HashMap<&str, &Value> = HashMap::new();
+    for (key, body) in &got {
+        assert_eq!(
+            body["sample"]["sample_id"],
+            key.as_str(),
+            "the key is the sample id"
+        );
+        let seen = first.entry(key.as_str()).or_insert(body);
+        assert_eq!(
+            seen["sample"]["outcome"], body["sample"]["outcome"],
+            "a redelivery with another result"
+        );
+    }
+    eprintln!(
+        "{} callback deliveries for {} samples",
+        got.len(),
+        accepted_ids.len()
+    );
+}
