@@ -17,6 +17,9 @@ mod vllm;
 pub use error::{error_chain, BackendError};
 pub use interface::{Backend, BackendConfig, CallMode, GenerationStream};
 pub use llamacpp::LlamaCppBackend;
+/// Public for the wire round-trip property tests (proxy/tests/properties_wire.rs): the
+/// engine request every wire API's canonical request becomes.
+pub use openai_compat::chat_body;
 pub use sglang::SglangBackend;
 pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;

@@ -116,7 +116,7 @@ pub(crate) trait TokenDialect: Send + Sync + 'static {
 }
 
 /// The Chat Completions body for `request`.
-pub(crate) fn chat_body(request: &ChatRequest, mode: CallMode) -> Map<String, Value> {
+pub fn chat_body(request: &ChatRequest, mode: CallMode) -> Map<String, Value> {
     let mut body = Map::new();
     body.insert("model".into(), json!(request.model));
     body.insert(
