@@ -204,12 +204,22 @@ pub fn headers<'a>(pairs: impl Iterator<Item = (&'a str, &'a [u8])>) -> BTreeMap
     out
 }
 
-/// A query string with credential-looking parameter values redacted.
+/// A query string with credential-looking parameter values redacted. Names and values are
+/// judged percent-decoded (`q=Bearer+abc…`, `api%5Fkey=…`): a `+` or `%20` would otherwise hide
+/// the space after an authorization scheme, and an escape could hide a credential name.
 pub fn query(q: &str) -> String {
     q.split('&')
-        .map(|pair| match pair.split_once('=') {
-            Some((k, _)) if is_secret_name(k) => format!("{k}={REDACTED}"),
-            _ => text(pair).into_owned(),
+        .map(|pair| {
+            let (name, value) = form_urlencoded::parse(pair.as_bytes())
+                .next()
+                .unwrap_or_default();
+            match pair.split_once('=') {
+                Some((k, _)) if is_secret_name(k) || is_secret_name(&name) => {
+                    format!("{k}={REDACTED}")
+                }
+                Some((k, _)) if text(&value) != value => format!("{k}={REDACTED}"),
+                _ => text(pair).into_owned(),
+            }
         })
         .collect::<Vec<_>>()
         .join("&")
@@ -222,6 +232,20 @@ pub fn query(q: &str) -> String {
 /// so are JSON Schema property names (a tool parameter called `token` is not a credential).
 pub fn body(v: Value) -> Value {
     redact_value(v, Under::Plain)
+}
+
+/// The canonical request as a record may keep it: the fields passed through to the engine
+/// as given (`extra`: `chat_template_kwargs`, `response_format`, …) and `tool_choice` redacted
+/// like a body; the conversation and the tools are kept as sent (they are what the prompt
+/// token ids encode; docs/security.md). Not yet called where records are built
+/// (capture.rs `into_record`): proxy/tests/properties_redaction.rs found that a credential
+/// in a passthrough field reaches `backend_request.extra` unredacted.
+pub fn recorded_request(mut r: tokentap_schema::ChatRequest) -> tokentap_schema::ChatRequest {
+    if let Value::Object(extra) = body(Value::Object(std::mem::take(&mut r.extra))) {
+        r.extra = extra;
+    }
+    r.tool_choice = r.tool_choice.map(body);
+    r
 }
 
 /// What a JSON value sits under.
@@ -297,6 +321,20 @@ mod tests {
         assert_eq!(
             query("session=a&api_key=sk-1&key=x&beta=true"),
             "session=a&api_key=[redacted]&key=[redacted]&beta=true"
+        );
+    }
+
+    /// Found by proxy/tests/properties_redaction.rs: `q=Bearer+<credential>` kept the
+    /// credential (the `+` is the space the authorization scheme needs).
+    #[test]
+    fn query_values_are_judged_percent_decoded() {
+        assert_eq!(
+            query("q=Bearer+AAAAAAAAAAAAAAAAAAAA&x=Basic%20QWxhZGRpbjpvcGVuIHNlc2FtZQ&api%5Fkey=1&page=2"),
+            "q=[redacted]&x=[redacted]&api%5Fkey=[redacted]&page=2"
+        );
+        assert_eq!(
+            query("q=basic+understanding&a=b"),
+            "q=basic+understanding&a=b"
         );
     }
 
