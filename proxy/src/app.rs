@@ -15,7 +15,9 @@ use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use serde_json::json;
-use tokentap_schema::{BackendInfo, ErrorKind, HarnessRequest, Normalization, WireApi};
+use tokentap_schema::{
+    BackendInfo, CaptureRecord, ErrorKind, HarnessRequest, Normalization, WireApi,
+};
 
 use crate::backend::{Backend, CallMode, GenerationStream};
 use crate::capture::{CallCapture, RecordSink};
@@ -26,7 +28,7 @@ use crate::normalize::{
     drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
 };
 use crate::redact;
-use crate::relay::{collect_events, relay_stream};
+use crate::relay::{collect_events, relay_stream, relay_stream_holding_end, AnswerSink};
 use crate::session::{
     self, SessionCounters, SessionHints, SessionResolver, HARNESS_SESSION_HEADERS, SESSION_HEADER,
 };
@@ -52,6 +54,10 @@ pub struct ProxyConfig {
     pub fixed_session: Option<String>,
     /// Deadlines and the connection cap of every listener serving this service.
     pub limits: ListenerLimits,
+    /// Write each answered call's record (synced per the spool's fsync policy) before the
+    /// harness gets the last bytes of its answer, so no answer a harness has seen can be
+    /// missing from the spool after a crash. On with `--fsync always`.
+    pub durable_answers: bool,
 }
 
 impl Default for ProxyConfig {
@@ -64,6 +70,7 @@ impl Default for ProxyConfig {
             system_layout: SystemLayout::Auto,
             fixed_session: None,
             limits: ListenerLimits::default(),
+            durable_answers: false,
         }
     }
 }
@@ -672,15 +679,27 @@ impl CaptureService {
 
         // Answer in the provider's shape.
         match (stream_to_harness, mode) {
-            (true, CallMode::Streaming) => {
+            (true, mode) => {
+                let events = match mode {
+                    CallMode::Streaming => events,
+                    CallMode::Whole => {
+                        let replay = collect_events(events, call).await;
+                        Box::pin(futures::stream::iter(replay))
+                    }
+                };
                 let renderer = codec.stream_renderer(meta, parsed.include_usage);
-                relay_stream(http, renderer, events, call).await
-            }
-            (true, CallMode::Whole) => {
-                let replay = collect_events(events, call).await;
-                let renderer = codec.stream_renderer(meta, parsed.include_usage);
-                let replay = Box::pin(futures::stream::iter(replay));
-                relay_stream(http, renderer, replay, call).await
+                if !self.config.durable_answers {
+                    return relay_stream(http, renderer, events, call).await;
+                }
+                match relay_stream_holding_end(http, renderer, events, call).await {
+                    (reusable, Some(end)) => {
+                        self.commit(call).await;
+                        // The record stands as answered even if these last bytes find the
+                        // harness gone: the engine generated it and it was sent.
+                        http.send_body(end, true).await && reusable
+                    }
+                    (reusable, None) => reusable,
+                }
             }
             (false, _) => self.respond_whole(http, codec, &meta, events, call).await,
         }
@@ -703,6 +722,9 @@ impl CaptureService {
         let body = codec.render_whole(meta, &call.generation);
         call.first_content_at = Some(Instant::now());
         call.response_status = 200;
+        if self.config.durable_answers {
+            self.commit(call).await;
+        }
         let ok = write_body(http, 200, "application/json", body).await;
         if !ok {
             call.error = Some(CallError::new(
@@ -739,7 +761,24 @@ impl CaptureService {
     }
 
     async fn end_call(&self, call: CallCapture) {
+        if call.committed {
+            return;
+        }
         let record = call.into_record();
+        self.count(&record);
+        self.sink.send(record, &self.metrics).await;
+    }
+
+    /// Durable answers: the call's record, written before the harness gets its answer's end.
+    async fn commit(&self, call: &mut CallCapture) {
+        let record = call.take_record();
+        self.count(&record);
+        // Not written (the spool failed): the writer counted it lost; the answer still goes.
+        self.sink.commit(record, &self.metrics).await;
+    }
+
+    /// A finished call in the metrics.
+    fn count(&self, record: &CaptureRecord) {
         let api = record.wire_api.as_str();
         let m = &self.metrics;
         m.calls
@@ -768,7 +807,6 @@ impl CaptureService {
                 .with_label_values(&[api])
                 .observe(ttft / 1000.0);
         }
-        self.sink.send(record, m).await;
     }
 }
 

@@ -10,7 +10,7 @@ use tokentap_schema::{
     TokenField, TokenGap, TokenProvenance, TokenSource, WireApi, CAPTURE_SCHEMA_VERSION,
 };
 use tokentap_spool::SpoolWriter;
-use tokio::sync::mpsc;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::canonical::GenerationAccumulator;
 use crate::metrics::Metrics;
@@ -34,6 +34,8 @@ pub struct CallCapture {
     pub first_content_at: Option<Instant>,
     pub response_status: u16,
     pub error: Option<CallError>,
+    /// The record was already taken ([`CallCapture::take_record`]) and sent.
+    pub committed: bool,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -64,7 +66,20 @@ impl CallCapture {
             first_content_at: None,
             response_status: 0,
             error: None,
+            committed: false,
         }
+    }
+
+    /// The record of the call as it stands, leaving a committed husk behind: for durable
+    /// answers, whose record is written before the harness gets the answer's last bytes.
+    pub fn take_record(&mut self) -> CaptureRecord {
+        let mut husk = CallCapture::new(
+            self.wire_api,
+            HarnessRequest::bare(&self.request.method, &self.request.path),
+            self.backend.clone(),
+        );
+        husk.committed = true;
+        std::mem::replace(self, husk).into_record()
     }
 
     /// Turns the call into its record. Token data is taken only from engine events; whatever
@@ -148,7 +163,9 @@ impl CallCapture {
             ended_at_unix_ms: unix_ms(self.started_at + total),
             wire_api: self.wire_api,
             request: self.request,
-            backend_request: self.backend_request,
+            // Fields passed through to the engine as given are redacted like a body; the
+            // conversation and tools stay as sent (what the prompt ids encode).
+            backend_request: self.backend_request.map(crate::redact::recorded_request),
             normalizations: self.normalizations,
             backend: self.backend,
             prompt_token_ids,
@@ -181,11 +198,19 @@ impl CallCapture {
 /// Called by the spool writer with each batch it has appended.
 pub type RecordObserver = Box<dyn FnMut(&[CaptureRecord]) + Send>;
 
+/// A record on its way to the spool writer, with whom to tell once it is written.
+pub struct Queued {
+    record: CaptureRecord,
+    /// Told `true` once the record is appended (and synced, per the fsync policy), `false` if
+    /// it could not be.
+    written: Option<oneshot::Sender<bool>>,
+}
+
 /// Where finished records go.
 #[derive(Clone)]
 pub enum RecordSink {
     /// To the spool writer thread.
-    Spool(mpsc::Sender<CaptureRecord>),
+    Spool(mpsc::Sender<Queued>),
     /// Nowhere (capture off; for measuring the proxy without it).
     Discard,
 }
@@ -210,7 +235,7 @@ impl RecordSink {
         metrics: Arc<Metrics>,
         mut observer: Option<RecordObserver>,
     ) -> (RecordSink, JoinHandle<()>) {
-        let (tx, mut rx) = mpsc::channel::<CaptureRecord>(SINK_QUEUE);
+        let (tx, mut rx) = mpsc::channel::<Queued>(SINK_QUEUE);
         metrics.spool_bytes.set(writer.total_bytes() as i64);
         let handle = std::thread::Builder::new()
             .name("tokentap-spool".into())
@@ -220,6 +245,7 @@ impl RecordSink {
                 let rt = tokio::runtime::Builder::new_current_thread().enable_time().build().expect("spool writer runtime");
                 rt.block_on(async move {
                     let mut batch = Vec::with_capacity(MAX_BATCH);
+                    let mut waiting: Vec<oneshot::Sender<bool>> = Vec::new();
                     loop {
                         let next = match writer.sync_deadline() {
                             Some(deadline) => match tokio::time::timeout_at(deadline.into(), rx.recv()).await {
@@ -234,25 +260,31 @@ impl RecordSink {
                             None => rx.recv().await,
                         };
                         let Some(first) = next else { break };
-                        batch.push(first);
-                        while batch.len() < MAX_BATCH {
-                            match rx.try_recv() {
-                                Ok(r) => batch.push(r),
-                                Err(_) => break,
+                        let mut next = Some(first);
+                        while let Some(q) = next.take() {
+                            batch.push(q.record);
+                            waiting.extend(q.written);
+                            if batch.len() < MAX_BATCH {
+                                next = rx.try_recv().ok();
                             }
                         }
-                        match writer.append_batch(&batch) {
+                        let written = match writer.append_batch(&batch) {
                             Ok(_) => {
                                 metrics.records_written.inc_by(batch.len() as u64);
                                 if let Some(observe) = observer.as_mut() {
                                     observe(&batch);
                                 }
+                                true
                             }
                             Err(e) => {
                                 tracing::error!(error = %e, records = batch.len(), "spool append failed; records lost");
                                 metrics.spool_write_errors.inc();
                                 metrics.records_lost.inc_by(batch.len() as u64);
+                                false
                             }
+                        };
+                        for w in waiting.drain(..) {
+                            let _ = w.send(written);
                         }
                         metrics.spool_bytes.set(writer.total_bytes() as i64);
                         batch.clear();
@@ -266,12 +298,37 @@ impl RecordSink {
         (RecordSink::Spool(tx), handle)
     }
 
+    /// Hands `record` to the spool writer and returns at once.
     pub async fn send(&self, record: CaptureRecord, metrics: &Metrics) {
         if let RecordSink::Spool(tx) = self {
-            if tx.send(record).await.is_err() {
+            let queued = Queued {
+                record,
+                written: None,
+            };
+            if tx.send(queued).await.is_err() {
                 tracing::error!("spool writer is gone; record lost");
                 metrics.records_lost.inc();
             }
         }
+    }
+
+    /// Hands `record` to the spool writer and waits until it is written (appended, and synced
+    /// per the fsync policy: on disk under `always`). Whether it was; a record that could not
+    /// be written is counted lost by the writer.
+    pub async fn commit(&self, record: CaptureRecord, metrics: &Metrics) -> bool {
+        let RecordSink::Spool(tx) = self else {
+            return true;
+        };
+        let (written, told) = oneshot::channel();
+        let queued = Queued {
+            record,
+            written: Some(written),
+        };
+        if tx.send(queued).await.is_err() {
+            tracing::error!("spool writer is gone; record lost");
+            metrics.records_lost.inc();
+            return false;
+        }
+        told.await.unwrap_or(false)
     }
 }

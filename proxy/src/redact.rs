@@ -237,9 +237,9 @@ pub fn body(v: Value) -> Value {
 /// The canonical request as a record may keep it: the fields passed through to the engine
 /// as given (`extra`: `chat_template_kwargs`, `response_format`, …) and `tool_choice` redacted
 /// like a body; the conversation and the tools are kept as sent (they are what the prompt
-/// token ids encode; docs/security.md). Not yet called where records are built
-/// (capture.rs `into_record`): proxy/tests/properties_redaction.rs found that a credential
-/// in a passthrough field reaches `backend_request.extra` unredacted.
+/// token ids encode; docs/security.md). Called where records are built (capture.rs
+/// `into_record`); proxy/tests/properties_redaction.rs found the credential in a passthrough
+/// field that reached `backend_request.extra` before it was.
 pub fn recorded_request(mut r: tokentap_schema::ChatRequest) -> tokentap_schema::ChatRequest {
     if let Value::Object(extra) = body(Value::Object(std::mem::take(&mut r.extra))) {
         r.extra = extra;

@@ -41,10 +41,34 @@ impl AnswerSink for ServerSession {
 /// the connection can serve another request.
 pub async fn relay_stream(
     sink: &mut impl AnswerSink,
+    renderer: Box<dyn StreamRenderer>,
+    events: GenerationStream,
+    call: &mut CallCapture,
+) -> bool {
+    relay(sink, renderer, events, call, false).await.0
+}
+
+/// Like [`relay_stream`], but the frames from the terminal event on are held back and
+/// returned, with the generation drained onto `call`, for the caller to write (`end` set) once
+/// the call's record is durable: the harness cannot have its answer before its record exists.
+/// `None` when the stream ended without a terminal event (an error, a harness gone), which the
+/// caller records as usual.
+pub async fn relay_stream_holding_end(
+    sink: &mut impl AnswerSink,
+    renderer: Box<dyn StreamRenderer>,
+    events: GenerationStream,
+    call: &mut CallCapture,
+) -> (bool, Option<Bytes>) {
+    relay(sink, renderer, events, call, true).await
+}
+
+async fn relay(
+    sink: &mut impl AnswerSink,
     mut renderer: Box<dyn StreamRenderer>,
     mut events: GenerationStream,
     call: &mut CallCapture,
-) -> bool {
+    hold_end: bool,
+) -> (bool, Option<Bytes>) {
     let mut head = ResponseHeader::build(200, Some(4)).expect("valid status");
     let _ = head.insert_header("content-type", "text/event-stream");
     let _ = head.insert_header("cache-control", "no-cache");
@@ -53,11 +77,13 @@ pub async fn relay_stream(
     let mut out = Vec::with_capacity(512);
     renderer.start(&mut out);
     if !sink.send_head(head).await {
-        return client_gone(call);
+        return (client_gone(call), None);
     }
     // Whether the frames with the terminal event have been written: from then on the harness
     // has its answer, whatever happens to the connection.
     let mut delivered = false;
+    // Whether the terminal event's frames are being held back (`hold_end`).
+    let mut holding = false;
     loop {
         let Some(event) = next_event(&mut events, call).await else {
             break;
@@ -83,14 +109,16 @@ pub async fn relay_stream(
             }
             Err(e) => {
                 let err = CallError::from(&e);
-                if !delivered {
+                if !delivered && !holding {
                     renderer.error(&err, &mut out);
                 }
                 call.error = Some(err);
                 break;
             }
         }
+        holding |= hold_end && finished;
         if !out.is_empty()
+            && !holding
             && !sink
                 .send_body(Bytes::from(std::mem::take(&mut out)), false)
                 .await
@@ -99,9 +127,12 @@ pub async fn relay_stream(
                 // Keep the bookkeeping that follows the answer (prompt ids) on the record.
                 drain_into(events, call).await;
             }
-            return if delivered { false } else { client_gone(call) };
+            return (if delivered { false } else { client_gone(call) }, None);
         }
         delivered |= finished;
+    }
+    if holding {
+        return (call.error.is_none(), Some(Bytes::from(out)));
     }
     if !sink.send_body(Bytes::from(out), true).await {
         if delivered {
@@ -109,9 +140,9 @@ pub async fn relay_stream(
         } else if call.error.is_none() {
             client_gone(call);
         } // else: the engine's error stays the record's error
-        return false;
+        return (false, None);
     }
-    call.error.is_none()
+    (call.error.is_none(), None)
 }
 
 /// The next event of a generation, counting the wait as the engine's time.
@@ -287,6 +318,31 @@ mod tests {
         let record = call.into_record();
         assert_eq!(record.completion_token_ids, Some(vec![71, 72]));
         assert_eq!(record.prompt_token_ids, Some(vec![1, 2, 3]));
+    }
+
+    /// Durable answers: everything up to the terminal event reaches the harness, the rest is
+    /// handed back for after the record is written, with the generation (prompt ids after the
+    /// answer included) already on the call.
+    #[tokio::test]
+    async fn holding_the_end_keeps_the_terminal_event_back_until_the_record_is_written() {
+        let mut harness = Harness::new(|_, _| false);
+        let mut call = call();
+        let (reusable, end) =
+            relay_stream_holding_end(&mut harness, renderer(), answer(), &mut call).await;
+        assert!(reusable);
+        let end = String::from_utf8(end.expect("the end is held").to_vec()).unwrap();
+        assert!(!harness.text().contains("[DONE]"), "{}", harness.text());
+        assert!(
+            !harness.text().contains("finish_reason\":\"stop"),
+            "{}",
+            harness.text()
+        );
+        assert!(end.ends_with("data: [DONE]\n\n"), "{end}");
+        let record = call.take_record();
+        assert!(call.committed);
+        assert_eq!(record.completion_token_ids, Some(vec![71, 72]));
+        assert_eq!(record.prompt_token_ids, Some(vec![1, 2, 3]), "drained");
+        assert!(record.error.is_none());
     }
 
     /// Codex closes the connection as soon as it reads `response.completed`, so the stream's

@@ -380,17 +380,6 @@ proptest! {
         let d = &secret.distinctive;
 
         let mut outside_conversation = serde_json::to_value(&record).unwrap();
-        if matches!(spot, Spot::PassthroughField | Spot::PassthroughText) {
-            // FINDING (open): fields passed through to the engine reach the record as
-            // `backend_request.extra` unredacted, because `CallCapture::into_record` stores
-            // the canonical request as sent. `redact::recorded_request` redacts them; it
-            // still has to be called in capture.rs (another engineer's file). Until then
-            // this asserts that the leak is confined to `extra` and that the fix removes it.
-            let fixed = redact::recorded_request(record.backend_request.clone().unwrap());
-            let fixed = serde_json::to_string(&fixed).unwrap();
-            prop_assert!(!fixed.contains(d.as_str()), "{:?} {:?}: {} kept by recorded_request: {}", api, spot, d, fixed);
-            outside_conversation["backend_request"].as_object_mut().unwrap().remove("extra");
-        }
         if spot.in_conversation() {
             // Documented: the conversation and the tools as sent to the engine stay as sent.
             let b = outside_conversation["backend_request"].as_object_mut().unwrap();
@@ -402,7 +391,7 @@ proptest! {
         }
         let json = outside_conversation.to_string();
         prop_assert!(!json.contains(d.as_str()), "{:?} {:?}: {} kept in the record: {}", api, spot, d, json);
-        if !spot.in_conversation() && !matches!(spot, Spot::PassthroughField | Spot::PassthroughText) {
+        if !spot.in_conversation() {
             let ndjson = spooled(&record);
             prop_assert!(!ndjson.contains(d.as_str()), "{:?} {:?}: {} kept in the spool: {}", api, spot, d, ndjson);
         }

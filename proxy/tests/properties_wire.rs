@@ -112,10 +112,10 @@ fn conversation() -> impl Strategy<Value = Conversation> {
         text(),
         prop::collection::vec(("[a-z_]{1,8}", prop::option::of(text())), 0..3),
         (
-            // Short decimals, as harnesses send them: serde_json (without its `float_roundtrip`
-            // feature) may read a 17-digit float one ULP off, so the parse is not exact there.
-            prop::option::of((0u32..2000).prop_map(|k| f64::from(k) / 1000.0)),
-            prop::option::of((0u32..1000).prop_map(|k| f64::from(k) / 1000.0)),
+            // Any float in range, to the last digit: the workspace's serde_json reads floats
+            // exactly (`float_roundtrip`; without it a 17-digit top_p came back one ULP off).
+            prop::option::of(0.0f64..2.0),
+            prop::option::of(0.0f64..1.0),
             prop::option::of(1i64..100),
         ),
         (

@@ -94,8 +94,8 @@ pub struct CaptureArgs {
     /// Directory of the capture spool [serve: DATA/spool; generate: OUT/spool].
     #[arg(long, default_value = DEFAULT_SPOOL)]
     pub spool: PathBuf,
-    /// When to fsync the spool: `always` (every record), `never` (leave it to the OS) or an
-    /// interval such as `100ms`.
+    /// When to fsync the spool: `always` (every record, and each answer's last bytes wait for
+    /// its record to be on disk), `never` (leave it to the OS) or an interval such as `100ms`.
     #[arg(long, default_value = "100ms")]
     fsync: FsyncPolicy,
     /// Start a new spool segment past this many bytes.
@@ -259,6 +259,9 @@ impl CaptureArgs {
             system_layout: args.system_layout,
             fixed_session,
             limits: args.limits.limits(),
+            // `always` promises that an answered call is on disk: its record is written
+            // before the harness gets the answer's end.
+            durable_answers: args.fsync == FsyncPolicy::Always && !args.no_capture,
         };
         Ok((
             CaptureService::new(config, backend, sink, metrics),

@@ -272,6 +272,62 @@ async fn heavy_chaos_a_killed_proxy_and_a_stopped_worker_lose_no_answered_call()
     drop(retired);
 }
 
+/// Why a kill -9 cannot lose an answered call under `--fsync always`: the moment a harness
+/// has its whole answer, streamed or not, in any wire API, the record is already in the spool.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_fsync_always_an_answer_never_arrives_before_its_record() {
+    let backend = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let config = TokentapConfig::new(&backend.url, "vllm")
+        .arg("--fsync")
+        .arg("always");
+    let proxy = Tokentap::start(config).await;
+    let client = http_client();
+    let messages = [json!({"role": "user", "content": "hello"})];
+    for i in 0..40 {
+        let key = format!("durable/{i}");
+        let answer = call(&client, &proxy.url, "durable", &key, &messages, i % 2 == 0).await;
+        assert!(answer.is_ok(), "{answer:?}");
+        // Read at once: no waiting for the spool writer.
+        let records = read_spool(&proxy.spool);
+        let mine: Vec<_> = records
+            .iter()
+            .filter(|r| r.request.headers.get("x-chaos-attempt") == Some(&key))
+            .collect();
+        assert_eq!(
+            mine.len(),
+            1,
+            "call {i}: the record is on disk when the answer is"
+        );
+        assert_eq!(mine[0].response_status, 200);
+        assert!(mine[0].completion_token_ids.is_some());
+    }
+    for (api, path, body) in [
+        (
+            "Messages",
+            "/v1/messages",
+            json!({"model": "m", "max_tokens": 32, "stream": true,
+                   "messages": [{"role": "user", "content": "hi"}]}),
+        ),
+        (
+            "Responses",
+            "/v1/responses",
+            json!({"model": "m", "stream": true, "input": "hi"}),
+        ),
+    ] {
+        let before = read_spool(&proxy.spool).len();
+        let r = client
+            .post(format!("{}{path}", proxy.url))
+            .header("x-tokentap-session", "durable")
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        assert!(r.status().is_success(), "{api}: {}", r.status());
+        r.text().await.unwrap();
+        assert_eq!(read_spool(&proxy.spool).len(), before + 1, "{api}");
+    }
+}
+
 const NODE_TOKEN: &str = "chaos-node-token";
 
 /// `tokentap serve` on `port` with its data under `dir/node`.
