@@ -29,7 +29,7 @@ pub struct SoakBenchArgs {
     /// Seconds measured after the warm-up.
     #[arg(long, default_value_t = 600.0)]
     duration: f64,
-    /// Seconds of load before measuring (memory baseline at its end).
+    /// Seconds of load before measuring (the memory baseline is the window after it).
     #[arg(long, default_value_t = 60.0)]
     warmup: f64,
     /// Seconds per latency window (the first and last are compared).
@@ -93,7 +93,9 @@ struct SoakReport {
     faithfulness_violations: u64,
     windows: Vec<Window>,
     memory: Vec<MemorySample>,
+    /// Lowest RSS in the first window after the warm-up.
     rss_baseline_mib: f64,
+    /// Lowest RSS in the last window.
     rss_end_mib: f64,
     rss_max_mib: f64,
     rss_growth: f64,
@@ -392,19 +394,25 @@ fn summarize(
             }
         })
         .collect();
-    // The baseline: the first sample at or after the end of the warm-up.
-    let baseline = memory
-        .iter()
-        .find(|m| m.t_s >= args.warmup)
-        .or(memory.last())
-        .map_or(0.0, |m| m.rss_mib);
-    let end = memory.last().map_or(0.0, |m| m.rss_mib);
-    let max = memory
-        .iter()
-        .filter(|m| m.t_s >= args.warmup)
-        .map(|m| m.rss_mib)
+    // Memory saws up and down as sessions open and are traced, so compare floors: the
+    // lowest sample of the first window after the warm-up with the lowest of the last window.
+    // A leak raises the floor; a sawtooth does not.
+    let in_window = |from: f64, to: f64| -> Vec<f64> {
+        memory
+            .iter()
+            .filter(|m| m.t_s >= from && m.t_s <= to)
+            .map(|m| m.rss_mib)
+            .collect()
+    };
+    let end_s = args.warmup + args.duration;
+    let first = in_window(args.warmup, args.warmup + args.window);
+    let last = in_window(end_s - args.window, f64::INFINITY);
+    let floor = |v: &[f64]| v.iter().copied().fold(f64::INFINITY, f64::min);
+    let (baseline, end) = (floor(&first), floor(&last));
+    let max = in_window(args.warmup, f64::INFINITY)
+        .into_iter()
         .fold(0.0, f64::max);
-    let rss_growth = if baseline > 0.0 {
+    let rss_growth = if baseline.is_finite() && end.is_finite() && baseline > 0.0 {
         (end - baseline) / baseline
     } else {
         f64::NAN
@@ -433,7 +441,7 @@ fn summarize(
             met: traced_records == records && faithfulness_violations == 0,
         },
         Verdict {
-            what: "RSS growth after warm-up",
+            what: "RSS floor growth, first window after warm-up to last",
             target: format!("< {:.0} %", TARGET_RSS_GROWTH * 100.0),
             measured: format!("{:+.1} %", rss_growth * 100.0),
             met: rss_growth < TARGET_RSS_GROWTH,
@@ -524,7 +532,7 @@ fn print_table(r: &SoakReport) {
     }
     println!();
     println!(
-        "proxy RSS: baseline {:.1} MiB (end of warm-up), end {:.1} MiB, max {:.1} MiB",
+        "proxy RSS: floor {:.1} MiB in the first window after warm-up, {:.1} MiB in the last; max {:.1} MiB",
         r.rss_baseline_mib, r.rss_end_mib, r.rss_max_mib
     );
     println!(
