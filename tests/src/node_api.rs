@@ -8,7 +8,8 @@ use serde_json::Value;
 use tokentap_rollout::store::Store;
 use tokentap_rollout::task::Sample;
 
-use crate::procs::http_client;
+use crate::artefacts::tokentap_bin;
+use crate::procs::{http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope};
 
 /// GET `url` with the node's bearer `token`, as JSON.
 pub async fn get_json(url: &str, token: &str) -> Value {
@@ -71,4 +72,41 @@ pub async fn stored_results(store: &Store, n: usize, limit: Duration) -> Vec<Sam
         );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
+}
+
+/// `tokentap serve` on `127.0.0.1:port` with `extra` arguments, its data under `dir/node` and
+/// `dir` as its working directory, `token` as its bearer token; returns once `/health`
+/// answers. Each start logs to a file of its own in `dir`, so a killed node's log stays beside
+/// its successor's.
+pub async fn start_serve(
+    dir: &std::path::Path,
+    port: u16,
+    engine: &str,
+    token: &str,
+    extra: &[&str],
+) -> ChildGuard {
+    let mut cmd = std::process::Command::new(tokentap_bin());
+    cmd.arg("serve")
+        .args(extra)
+        .args(["--listen", &format!("127.0.0.1:{port}")])
+        .arg("--data")
+        .arg(dir.join("node"))
+        // No --spool: a node's spool is DATA/spool, never in the working directory.
+        .current_dir(dir)
+        .args(["--backend", engine, "--backend-kind", "vllm"])
+        .env("TOKENTAP_NODE_TOKEN", token)
+        .env("TOKENTAP_LOG", "info");
+    let started = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let log = dir.join(format!("node-{port}-{started}.log"));
+    let mut child = spawn_guarded(cmd, &log, KillScope::Group, "tokentap serve").unwrap();
+    wait_healthy(
+        &format!("http://127.0.0.1:{port}/health"),
+        &mut child,
+        Duration::from_secs(30),
+    )
+    .await
+    .unwrap();
+    child
 }

@@ -16,9 +16,8 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokentap_e2e::artefacts::tokentap_bin;
 use tokentap_e2e::node_api;
-use tokentap_e2e::procs::{http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope};
+use tokentap_e2e::procs::{http_client, ChildGuard};
 use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
 use tokentap_e2e::sse::parse_chat_stream;
 use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
@@ -332,33 +331,10 @@ const NODE_TOKEN: &str = "chaos-node-token";
 
 /// `tokentap serve` on `port` with its data under `dir/node`.
 async fn start_node(dir: &std::path::Path, port: u16, engine: &str) -> ChildGuard {
-    let mut cmd = std::process::Command::new(tokentap_bin());
-    cmd.arg("serve")
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .arg("--data")
-        .arg(dir.join("node"))
-        .args(["--backend", engine, "--backend-kind", "vllm"])
-        // Three kills below, each may interrupt the same sample: one attempt more than that
-        // (at the default of 3, a sample whose every attempt a restart cut short fails, so a
-        // sample that crashes its node cannot crash it forever).
-        .args(["--max-attempts", "4"])
-        .env("TOKENTAP_NODE_TOKEN", NODE_TOKEN)
-        .env("TOKENTAP_LOG", "info");
-    // One log per start: a killed node's log stays beside its successor's.
-    let started = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap()
-        .as_nanos();
-    let log = dir.join(format!("node-{started}.log"));
-    let mut child = spawn_guarded(cmd, &log, KillScope::Group, "tokentap serve").unwrap();
-    wait_healthy(
-        &format!("http://127.0.0.1:{port}/health"),
-        &mut child,
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    child
+    // Three kills below, each may interrupt the same sample: one attempt more than that (at
+    // the default of 3, a sample whose every attempt a restart cut short fails, so a sample
+    // that crashes its node cannot crash it forever).
+    node_api::start_serve(dir, port, engine, NODE_TOKEN, &["--max-attempts", "4"]).await
 }
 
 /// A trainer's callback endpoint: every delivery, in arrival order, as (Idempotency-Key, body).

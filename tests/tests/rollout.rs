@@ -10,9 +10,7 @@ use tokentap_e2e::artefacts::tokentap_bin;
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::node_api;
-use tokentap_e2e::procs::{
-    free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
-};
+use tokentap_e2e::procs::{free_port, http_client, spawn_guarded, ChildGuard, KillScope};
 use tokentap_e2e::scripted::{
     counting_replies, curl_agent, Reply, Script, ScriptedBackend, Tokens,
 };
@@ -25,28 +23,7 @@ async fn node(dir: &std::path::Path, port: u16, engine: &str) -> ChildGuard {
 }
 
 async fn node_with(dir: &std::path::Path, port: u16, engine: &str, extra: &[&str]) -> ChildGuard {
-    let mut cmd = Command::new(tokentap_bin());
-    cmd.arg("serve")
-        .args(extra)
-        .args(["--listen", &format!("127.0.0.1:{port}")])
-        .arg("--data")
-        .arg(dir.join("node"))
-        // No --spool: a node's spool is DATA/spool (node/spool here), never in the working
-        // directory (`dir`).
-        .current_dir(dir)
-        .args(["--backend", engine, "--backend-kind", "vllm"])
-        .env("TOKENTAP_NODE_TOKEN", TOKEN)
-        .env("TOKENTAP_LOG", "info");
-    let log = dir.join(format!("node-{port}.log"));
-    let mut child = spawn_guarded(cmd, &log, KillScope::Group, "tokentap serve").unwrap();
-    wait_healthy(
-        &format!("http://127.0.0.1:{port}/health"),
-        &mut child,
-        Duration::from_secs(30),
-    )
-    .await
-    .unwrap();
-    child
+    node_api::start_serve(dir, port, engine, TOKEN, extra).await
 }
 
 /// What a finished sample's agent wrote (for failure messages).
