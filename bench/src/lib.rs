@@ -99,6 +99,10 @@ pub struct ProxyBenchArgs {
     /// Worker threads of the proxy under test.
     #[arg(long, default_value_t = 2)]
     threads: usize,
+    /// The capture-on proxy's spool fsync policy: `always` also holds each answer's end until
+    /// its record is on disk (durable answers), which is what it costs.
+    #[arg(long, default_value = "100ms")]
+    fsync: String,
     /// Which measurements to run.
     #[arg(long, value_enum, default_value = "both")]
     mode: Mode,
@@ -199,6 +203,7 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
             prompt_ids,
             stream: args.stream,
             proxy_threads: args.threads,
+            fsync: args.fsync.clone(),
         },
         latency: Vec::new(),
         throughput: Vec::new(),
@@ -345,8 +350,8 @@ async fn measure(
 ) -> anyhow::Result<()> {
     let mut t = Targets {
         backend: backend.addr(),
-        off: ProxyChild::spawn(backend.addr(), false, args.threads, dir)?,
-        on: ProxyChild::spawn(backend.addr(), true, args.threads, dir)?,
+        off: ProxyChild::spawn(backend.addr(), false, args.threads, dir, &args.fsync)?,
+        on: ProxyChild::spawn(backend.addr(), true, args.threads, dir, &args.fsync)?,
         body,
         proxied_body,
         path: args.api.path(),

@@ -22,16 +22,19 @@ pub struct ProxyChild {
 
 impl ProxyChild {
     /// Starts `tokentap proxy` in front of `backend`, logging to a file in `dir`.
+    /// `fsync` is the capture-on proxy's spool policy (`always` also holds each answer's end
+    /// until its record is on disk).
     pub fn spawn(
         backend: SocketAddr,
         capture: bool,
         threads: usize,
         dir: &Path,
+        fsync: &str,
     ) -> anyhow::Result<ProxyChild> {
         // The proxy alone: in-process reconstruction is a separate consumer of the spool
         // (about 0.5 ms of one core per 143 KB record, mostly JSON parsing), measured by
         // `tokentap bench reconstruct`.
-        let mut extra = vec!["--no-reconstruct"];
+        let mut extra = vec!["--no-reconstruct", "--fsync", fsync];
         if !capture {
             extra.push("--no-capture");
         }

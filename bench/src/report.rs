@@ -82,6 +82,8 @@ pub struct Config {
     pub prompt_ids: usize,
     pub stream: bool,
     pub proxy_threads: usize,
+    /// The capture-on proxy's spool fsync policy.
+    pub fsync: String,
 }
 
 /// Latency percentiles of one run, in milliseconds.
@@ -249,8 +251,8 @@ impl Report {
             );
         }
         println!(
-            "  proxy:    tokentap proxy --backend-kind vllm --threads {} --no-reconstruct (capture on: spool in a temp dir, fsync 100ms)",
-            c.proxy_threads
+            "  proxy:    tokentap proxy --backend-kind vllm --threads {} --no-reconstruct (capture on: spool in a temp dir, fsync {})",
+            c.proxy_threads, c.fsync
         );
         if !self.latency.is_empty() {
             println!();
