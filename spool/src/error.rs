@@ -30,10 +30,6 @@ pub enum SpoolError {
         #[source]
         source: serde_json::Error,
     },
-    /// An earlier write failed and its partial bytes could not be removed, so appending more
-    /// would glue a new record onto a torn one. Reopen the writer (recovery truncates the tail).
-    #[error("spool writer for {} is unusable: a failed write could not be rolled back", dir.display())]
-    Poisoned { dir: PathBuf },
     /// `SpoolReader::open_at` was given a position that is not the start of a line.
     #[error("invalid spool position {segment}:{offset} in {}: {reason}", dir.display())]
     InvalidPosition {

@@ -23,12 +23,22 @@ pub(crate) struct SpoolLock {
 impl SpoolLock {
     pub(crate) fn acquire(dir: &Path) -> Result<SpoolLock, SpoolError> {
         let path: PathBuf = dir.join(LOCK_FILE_NAME);
-        let file = crate::owner_only::options()
-            .create(true)
-            .truncate(false)
-            .write(true)
-            .open(&path)
-            .map_err(SpoolError::io("open lock file", &path))?;
+        // Held open read-only (flock needs no write access): a file open for writing on a file
+        // system blocks remounting it read-only, and the writer lets go of its segment after a
+        // failed append precisely so that the spool's file system can be remounted.
+        let file = match File::open(&path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                crate::owner_only::options()
+                    .create(true)
+                    .truncate(false)
+                    .write(true)
+                    .open(&path)
+                    .map_err(SpoolError::io("create lock file", &path))?;
+                File::open(&path).map_err(SpoolError::io("open lock file", &path))?
+            }
+            Err(e) => return Err(SpoolError::io("open lock file", &path)(e)),
+        };
         match file.try_lock() {
             Ok(()) => Ok(SpoolLock { _file: file }),
             Err(TryLockError::WouldBlock) => Err(SpoolError::Locked {

@@ -42,12 +42,22 @@ impl Default for SpoolConfig {
 ///
 /// Each append is a single `write` of complete lines on an unbuffered file, so a crash leaves
 /// at most one torn line at the end of the last segment, which [`SpoolWriter::open`] removes.
+///
+/// A failed append (disk full, read-only file system, I/O error) leaves nothing of its batch
+/// in the spool: whatever part of it landed is cut before the error is returned, or, if even
+/// the cut fails, before anything else is written. After a failure the writer lets go of the
+/// segment file and opens it again on the next append, so it recovers by itself once the
+/// disk does (and holds no writable file on it in between, which a read-only remount needs).
+/// Retrying the same batch after an error therefore never duplicates a record.
 #[derive(Debug)]
 pub struct SpoolWriter {
     dir: PathBuf,
     config: SpoolConfig,
     segment: u64,
-    file: File,
+    /// The current segment, open for appending; `None` after a failed append until the next
+    /// one re-opens it (and cuts whatever the failure left past `segment_len`).
+    file: Option<File>,
+    /// Bytes of complete, acknowledged lines in the current segment: where the file must end.
     segment_len: u64,
     total_bytes: u64,
     /// `file` has bytes not yet fsynced.
@@ -58,7 +68,9 @@ pub struct SpoolWriter {
     /// A segment was created without fsyncing the directory (only under `Never`).
     dir_unsynced: bool,
     torn_bytes_dropped: u64,
-    poisoned: bool,
+    /// An fsync under `Interval` that failed after its lines were written: those lines stay
+    /// (rewriting them would duplicate records), the error is kept for the owner to report.
+    sync_error: Option<SpoolError>,
     /// Reused encoding buffer: one allocation for the writer's lifetime, not one per record.
     buf: Vec<u8>,
     _lock: SpoolLock,
@@ -87,7 +99,15 @@ impl SpoolWriter {
                 let dropped = truncate_torn_tail(&mut file, &path, durable)?;
                 (seq, file, dropped)
             }
-            None => (0, create_segment(dir, 0, durable, &mut dir_unsynced)?, 0),
+            None => {
+                let file = create_segment(dir, 0)?;
+                if durable {
+                    sync_dir(dir)?;
+                } else {
+                    dir_unsynced = true;
+                }
+                (0, file, 0)
+            }
         };
 
         let path = segment_path(dir, segment);
@@ -110,7 +130,7 @@ impl SpoolWriter {
             dir: dir.to_owned(),
             config,
             segment,
-            file,
+            file: Some(file),
             segment_len,
             total_bytes,
             unsynced: false,
@@ -118,7 +138,7 @@ impl SpoolWriter {
             closed_unsynced: Vec::new(),
             dir_unsynced,
             torn_bytes_dropped,
-            poisoned: false,
+            sync_error: None,
             buf: Vec::new(),
             _lock: lock,
         })
@@ -132,12 +152,12 @@ impl SpoolWriter {
 
     /// Appends several records with a single `write` and at most one fsync (group commit).
     /// All lines go to the same segment. Returns the bytes written.
+    ///
+    /// On error none of `records` is in the spool (see the type's docs), so the caller may
+    /// retry the same batch, or drop it, without leaving a torn or duplicate line. Retry with
+    /// exactly the same records to keep what readers may have glimpsed before a cut (the same
+    /// bytes at the same offset) valid.
     pub fn append_batch(&mut self, records: &[CaptureRecord]) -> Result<u64, SpoolError> {
-        if self.poisoned {
-            return Err(SpoolError::Poisoned {
-                dir: self.dir.clone(),
-            });
-        }
         // Encode everything first: a record that fails to serialize writes nothing.
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
@@ -161,28 +181,111 @@ impl SpoolWriter {
         if len == 0 {
             return Ok(0);
         }
+        let result = self.try_write_lines(lines);
+        if result.is_err() {
+            // Cut now what may have landed, so readers see it for as short a time as possible;
+            // if the cut fails too, `reopen` repeats it before the next write. Either way let go
+            // of the file: it may be the thing that broke (and a read-only remount waits for
+            // every writable file on the file system to close).
+            if let Some(file) = self.file.take() {
+                let _ = file.set_len(self.segment_len);
+            }
+        }
+        result
+    }
+
+    fn try_write_lines(&mut self, lines: &[u8]) -> Result<u64, SpoolError> {
+        let len = lines.len() as u64;
+        self.reopen()?;
         if self.segment_len > 0 && self.segment_len + len > self.config.segment_max_bytes {
             self.roll()?;
         }
-        if let Err(e) = self.file.write_all(lines) {
-            // Part of the batch may have landed; cut it so the next append starts on a line
-            // boundary. If even that fails, refuse further appends rather than corrupt them.
-            if self.file.set_len(self.segment_len).is_err() {
-                self.poisoned = true;
+        let path = self.segment_path();
+        let file = self.file.as_mut().expect("reopen or roll left a file open");
+        file.write_all(lines)
+            .map_err(SpoolError::io("write segment", &path))?;
+        match self.config.fsync {
+            // The batch counts as written only once it is on disk. If the fsync fails, the
+            // caller is told the batch failed and the lines are cut (by `write_lines`): after
+            // a failed fsync Linux may drop the dirty pages and report the next fsync clean,
+            // so only writing the bytes again makes them durable, and without the cut that
+            // retry would duplicate them.
+            FsyncPolicy::Always => {
+                file.sync_data().map_err(SpoolError::io("fsync", &path))?;
+                self.unsynced = false;
+                self.last_sync = Instant::now();
             }
-            return Err(SpoolError::io("write segment", self.segment_path())(e));
+            FsyncPolicy::Interval(_) => self.unsynced = true,
+            FsyncPolicy::Never => self.unsynced = true,
         }
         self.segment_len += len;
         self.total_bytes += len;
-        self.unsynced = true;
-        match self.config.fsync {
-            FsyncPolicy::Always => self.sync_current()?,
-            FsyncPolicy::Interval(_) => {
-                self.sync_if_due()?;
+        if matches!(self.config.fsync, FsyncPolicy::Interval(_)) {
+            // These lines are written, whatever the fsync says: failing the append would make
+            // the caller write them again. A failed sync is kept for `take_sync_error`, and
+            // retried one interval later.
+            if let Err(e) = self.sync_if_due() {
+                self.sync_error = Some(e);
             }
-            FsyncPolicy::Never => {}
         }
         Ok(len)
+    }
+
+    /// After a failed append: opens the current segment again and cuts it back to the end of
+    /// its last acknowledged line, and makes a new segment's directory entry durable if that
+    /// failed before. Nothing to do while the writer is healthy.
+    fn reopen(&mut self) -> Result<(), SpoolError> {
+        let durable = self.config.fsync != FsyncPolicy::Never;
+        if durable && self.dir_unsynced {
+            sync_dir(&self.dir)?;
+            self.dir_unsynced = false;
+        }
+        if self.file.is_some() {
+            return Ok(());
+        }
+        let path = self.segment_path();
+        let mut file = match OpenOptions::new().read(true).append(true).open(&path) {
+            Ok(f) => f,
+            // Removed while we were not holding it (by hand: the shipper removes only
+            // finished segments): start it again rather than fail forever.
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                tracing::warn!(segment = %path.display(), "the current spool segment disappeared; starting it again");
+                self.total_bytes = self.total_bytes.saturating_sub(self.segment_len);
+                self.segment_len = 0;
+                let file = create_segment(&self.dir, self.segment)?;
+                self.file = Some(file);
+                self.dir_unsynced = true;
+                if durable {
+                    sync_dir(&self.dir)?;
+                    self.dir_unsynced = false;
+                }
+                return Ok(());
+            }
+            Err(e) => return Err(SpoolError::io("open segment", &path)(e)),
+        };
+        let len = file
+            .metadata()
+            .map_err(SpoolError::io("stat segment", &path))?
+            .len();
+        if len > self.segment_len {
+            // What a failed append left behind (complete lines or not): not acknowledged, so
+            // not records; the caller retries or counts them lost.
+            file.set_len(self.segment_len)
+                .map_err(SpoolError::io("cut a failed append from", &path))?;
+            if durable {
+                file.sync_data().map_err(SpoolError::io("fsync", &path))?;
+            }
+            tracing::info!(segment = %path.display(), cut_bytes = len - self.segment_len, "cut the remains of a failed spool append");
+        } else if len < self.segment_len {
+            // Shortened by someone else: trust the file, keeping it on a line boundary.
+            let dropped = truncate_torn_tail(&mut file, &path, durable)?;
+            let now = len - dropped;
+            tracing::warn!(segment = %path.display(), expected = self.segment_len, found = now, "the current spool segment is shorter than written; continuing after its last line");
+            self.total_bytes = self.total_bytes.saturating_sub(self.segment_len - now);
+            self.segment_len = now;
+        }
+        self.file = Some(file);
+        Ok(())
     }
 
     /// Closes the current segment and starts the next one.
@@ -198,11 +301,24 @@ impl SpoolWriter {
             }
         }
         let next = self.segment + 1;
-        self.file = create_segment(&self.dir, next, durable, &mut self.dir_unsynced)?;
-        self.segment = next;
+        let file = create_segment(&self.dir, next)?;
+        // Switch to the new segment as soon as it exists, before its directory entry is
+        // synced: if that sync fails, `reopen` repeats it before the next write, whereas
+        // staying on the old segment would try to create the existing file again forever.
+        self.switch_to(next, file);
+        self.dir_unsynced = true;
+        if durable {
+            sync_dir(&self.dir)?;
+            self.dir_unsynced = false;
+        }
+        Ok(())
+    }
+
+    fn switch_to(&mut self, segment: u64, file: File) {
+        self.file = Some(file);
+        self.segment = segment;
         self.segment_len = 0;
         self.unsynced = false;
-        Ok(())
     }
 
     /// Makes everything appended so far durable (all segments and the directory entries),
@@ -254,11 +370,16 @@ impl SpoolWriter {
 
     fn sync_current(&mut self) -> Result<(), SpoolError> {
         // fdatasync: the file size is data for this purpose, timestamps are not worth a flush.
-        self.file
-            .sync_data()
-            .map_err(SpoolError::io("fsync", self.segment_path()))?;
-        self.unsynced = false;
+        let path = self.segment_path();
+        let result = match &self.file {
+            Some(f) => f.sync_data(),
+            // Let go of after a failed append; the page cache still holds what it had.
+            None => File::open(&path).and_then(|f| f.sync_data()),
+        };
+        // Also after a failure: the next attempt comes one interval later, not in a busy loop.
         self.last_sync = Instant::now();
+        result.map_err(SpoolError::io("fsync", path))?;
+        self.unsynced = false;
         Ok(())
     }
 
@@ -294,6 +415,13 @@ impl SpoolWriter {
         self.torn_bytes_dropped
     }
 
+    /// The error of an interval fsync that failed inside an append that still succeeded (its
+    /// lines are in the segment; only their durability is in doubt), once. The sync is
+    /// retried one interval later.
+    pub fn take_sync_error(&mut self) -> Option<SpoolError> {
+        self.sync_error.take()
+    }
+
     /// Whether anything appended is still waiting for an fsync.
     pub fn has_unsynced(&self) -> bool {
         self.unsynced || !self.closed_unsynced.is_empty()
@@ -325,27 +453,17 @@ fn create_dir(dir: &Path, durable: bool) -> Result<(), SpoolError> {
     Ok(())
 }
 
-/// Creates segment `seq` (it must not exist) and makes its directory entry durable, without
-/// which a power loss could lose the whole file even after its data was fsynced.
-fn create_segment(
-    dir: &Path,
-    seq: u64,
-    durable: bool,
-    dir_unsynced: &mut bool,
-) -> Result<File, SpoolError> {
+/// Creates segment `seq` (it must not exist). The caller makes its directory entry durable
+/// (`sync_dir`), without which a power loss could lose the whole file even after its data was
+/// fsynced.
+fn create_segment(dir: &Path, seq: u64) -> Result<File, SpoolError> {
     let path = segment_path(dir, seq);
-    let file = owner_only::options()
+    owner_only::options()
         .read(true)
         .append(true)
         .create_new(true)
         .open(&path)
-        .map_err(SpoolError::io("create segment", &path))?;
-    if durable {
-        sync_dir(dir)?;
-    } else {
-        *dir_unsynced = true;
-    }
-    Ok(file)
+        .map_err(SpoolError::io("create segment", &path))
 }
 
 fn sync_dir(dir: &Path) -> Result<(), SpoolError> {

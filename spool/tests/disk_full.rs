@@ -1,0 +1,307 @@
+//! The writer on a real full or read-only file system (a small tmpfs each test mounts): a
+//! failed append leaves nothing of its batch, the same batch succeeds once space returns, and
+//! nothing is ever torn or duplicated. Mounting needs root: without it these tests fail under
+//! `TOKENTAP_REQUIRE_PRIVILEGED=1` (CI) and say they skipped otherwise.
+
+use std::collections::BTreeMap;
+use std::fs::{self, OpenOptions};
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use tokentap_schema::{
+    BackendInfo, BackendKind, CaptureRecord, HarnessRequest, SessionSource, Timings,
+    TokenProvenance, TokenSource, WireApi, CAPTURE_SCHEMA_VERSION,
+};
+use tokentap_spool::segment::{list_segments, segment_path};
+use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolError, SpoolItem, SpoolReader, SpoolWriter};
+
+fn record(i: u64, payload: usize) -> CaptureRecord {
+    CaptureRecord {
+        schema_version: CAPTURE_SCHEMA_VERSION,
+        record_id: format!("0190aaaa-0000-7000-8000-{i:012x}"),
+        session_id: "session-1".into(),
+        session_source: SessionSource::Header,
+        seq: i,
+        started_at_unix_ms: 1_700_000_000_000 + i,
+        ended_at_unix_ms: 1_700_000_000_100 + i,
+        wire_api: WireApi::ChatCompletions,
+        request: HarnessRequest {
+            method: "POST".into(),
+            path: "/v1/chat/completions".into(),
+            query: None,
+            headers: BTreeMap::new(),
+            body_bytes: payload as u64,
+            body: None,
+            body_text: Some("x".repeat(payload)),
+        },
+        backend_request: None,
+        normalizations: Vec::new(),
+        backend: BackendInfo {
+            kind: BackendKind::Vllm,
+            url: "http://127.0.0.1:8000".into(),
+            model: "m".into(),
+            policy_version: None,
+            synthetic_stream: false,
+        },
+        prompt_token_ids: None,
+        completion_token_ids: None,
+        logprobs: None,
+        token_provenance: TokenProvenance {
+            prompt: TokenSource::Unavailable,
+            completion: TokenSource::Unavailable,
+            gaps: Vec::new(),
+        },
+        finish_reason: None,
+        message: None,
+        usage: None,
+        timings: Timings {
+            time_to_first_token_ms: None,
+            total_ms: 1.0,
+            backend_ms: 1.0,
+            proxy_overhead_ms: 0.0,
+        },
+        response_status: 200,
+        error: None,
+    }
+}
+
+/// Whether the test may mount; the e2e crate's `privileged::runs` convention, in small.
+fn may_mount() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var("TOKENTAP_REQUIRE_PRIVILEGED").is_ok_and(|v| v == "1") {
+        panic!("mounting a tmpfs needs root and TOKENTAP_REQUIRE_PRIVILEGED=1 forbids skipping");
+    }
+    eprintln!("skipped: mounting a tmpfs needs root");
+    false
+}
+
+/// A tmpfs of `size` mounted on a fresh temp dir, unmounted on drop (also when the test fails).
+struct Tmpfs {
+    dir: tempfile::TempDir,
+}
+
+impl Tmpfs {
+    fn mount(size: &str) -> Tmpfs {
+        let dir = tempfile::tempdir().unwrap();
+        let st = Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0700"),
+                "tmpfs",
+            ])
+            .arg(dir.path())
+            .status()
+            .unwrap();
+        assert!(st.success(), "mount tmpfs: {st}");
+        Tmpfs { dir }
+    }
+
+    fn path(&self) -> &Path {
+        self.dir.path()
+    }
+
+    fn remount(&self, mode: &str) {
+        // A remount read-only is refused (EBUSY) while a file is open for writing on it; the
+        // writer holds none after a failed append, but give a retry loop a moment anyway.
+        for _ in 0..50 {
+            let out = Command::new("mount")
+                .args(["-o", &format!("remount,{mode}")])
+                .arg(self.path())
+                .output()
+                .unwrap();
+            if out.status.success() {
+                return;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(100));
+        }
+        panic!("cannot remount {} {mode}", self.path().display());
+    }
+
+    /// Fills the file system to the last byte with `filler`, leaving `keep` bytes free by
+    /// shrinking it afterwards.
+    fn fill(&self, keep: u64) -> PathBuf {
+        let path = self.path().join("filler");
+        let mut f = OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap();
+        let chunk = vec![0u8; 4096];
+        loop {
+            match f.write(&chunk) {
+                Ok(0) => break,
+                Ok(_) => {}
+                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
+                Err(e) => panic!("filling: {e}"),
+            }
+        }
+        if keep > 0 {
+            let len = f.metadata().unwrap().len();
+            f.set_len(len.saturating_sub(keep)).unwrap();
+        }
+        path
+    }
+}
+
+impl Drop for Tmpfs {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(self.dir.path()).status();
+    }
+}
+
+fn os_error(e: &SpoolError) -> Option<i32> {
+    match e {
+        SpoolError::Io { source, .. } => source.raw_os_error(),
+        _ => None,
+    }
+}
+
+/// Every item of the spool, asserting there is nothing torn or corrupt; the record ids.
+fn spool_ids(dir: &Path) -> Vec<String> {
+    SpoolReader::open(dir)
+        .unwrap()
+        .map(|item| match item.unwrap() {
+            SpoolItem::Record(e) => e.record.record_id,
+            other => panic!("the spool holds a torn or corrupt line: {other:?}"),
+        })
+        .collect()
+}
+
+fn ids(range: std::ops::Range<u64>) -> Vec<String> {
+    range.map(|i| record(i, 0).record_id).collect()
+}
+
+fn last_segment_len(dir: &Path) -> u64 {
+    let seq = *list_segments(dir).unwrap().last().unwrap();
+    fs::metadata(segment_path(dir, seq)).unwrap().len()
+}
+
+#[test]
+fn a_batch_that_half_fits_leaves_nothing_and_is_written_once_when_space_returns() {
+    if !may_mount() {
+        return;
+    }
+    for fsync in [FsyncPolicy::Always, FsyncPolicy::Never] {
+        let fs = Tmpfs::mount("256k");
+        let dir = fs.path().join("spool");
+        let cfg = SpoolConfig {
+            fsync,
+            ..SpoolConfig::default()
+        };
+        let mut w = SpoolWriter::open(&dir, cfg.clone()).unwrap();
+        let first: Vec<_> = (0..3).map(|i| record(i, 100)).collect();
+        w.append_batch(&first).unwrap();
+        let before = last_segment_len(&dir);
+
+        // Room for a few of the batch's lines, not all: a write that lands partly.
+        let filler = fs.fill(10_000);
+        let batch: Vec<_> = (3..13).map(|i| record(i, 3000)).collect();
+        let e = w.append_batch(&batch).unwrap_err();
+        assert_eq!(os_error(&e), Some(libc::ENOSPC), "{e}");
+        assert_eq!(
+            last_segment_len(&dir),
+            before,
+            "{fsync}: the lines of a failed batch that did land were cut"
+        );
+        assert_eq!(spool_ids(&dir), ids(0..3));
+        // Still full: the retry fails the same way, and still leaves nothing.
+        assert!(w.append_batch(&batch).is_err());
+        assert_eq!(spool_ids(&dir), ids(0..3));
+
+        fs::remove_file(filler).unwrap();
+        w.append_batch(&batch).unwrap();
+        w.append_batch(&[record(13, 10)]).unwrap();
+        assert_eq!(spool_ids(&dir), ids(0..14), "{fsync}: each record once");
+        drop(w);
+        // And a fresh writer (a restart) finds nothing to repair.
+        let w = SpoolWriter::open(&dir, cfg).unwrap();
+        assert_eq!(w.torn_bytes_dropped(), 0);
+    }
+}
+
+#[test]
+fn remains_of_a_failed_append_are_cut_before_the_next_one() {
+    if !may_mount() {
+        return;
+    }
+    let fs = Tmpfs::mount("128k");
+    let dir = fs.path().join("spool");
+    let mut w = SpoolWriter::open(&dir, SpoolConfig::default()).unwrap();
+    w.append(&record(0, 10)).unwrap();
+    let filler = fs.fill(0);
+    assert!(w.append(&record(1, 5000)).is_err());
+    fs::remove_file(filler).unwrap();
+    // What a failed cut would have left: the writer let go of the file and must not trust it.
+    let seg = segment_path(&dir, 0);
+    let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
+    f.write_all(b"{\"record_id\":\"half a line").unwrap();
+    drop(f);
+    w.append(&record(1, 10)).unwrap();
+    assert_eq!(spool_ids(&dir), ids(0..2));
+}
+
+#[test]
+fn a_spool_remounted_read_only_fails_with_erofs_and_recovers_when_writable_again() {
+    if !may_mount() {
+        return;
+    }
+    let fs = Tmpfs::mount("256k");
+    let dir = fs.path().join("spool");
+    let cfg = SpoolConfig {
+        fsync: FsyncPolicy::Always,
+        ..SpoolConfig::default()
+    };
+    let mut w = SpoolWriter::open(&dir, cfg).unwrap();
+    w.append(&record(0, 10)).unwrap();
+    // A full disk first: after the failed append the writer holds no writable file, so the
+    // file system can be remounted read-only under it (the lock file is held read-only).
+    let filler = fs.fill(0);
+    assert!(w.append(&record(1, 5000)).is_err());
+    fs.remount("ro");
+    let e = w.append(&record(1, 10)).unwrap_err();
+    assert_eq!(os_error(&e), Some(libc::EROFS), "{e}");
+    assert!(e.to_string().contains("Read-only file system"), "{e}");
+    fs.remount("rw");
+    fs::remove_file(filler).unwrap();
+    w.append(&record(1, 10)).unwrap();
+    assert_eq!(spool_ids(&dir), ids(0..2));
+}
+
+#[test]
+fn a_segment_roll_that_fails_is_retried_without_losing_or_repeating_lines() {
+    if !may_mount() {
+        return;
+    }
+    let fs = Tmpfs::mount("256k");
+    let dir = fs.path().join("spool");
+    let cfg = SpoolConfig {
+        segment_max_bytes: 4096,
+        fsync: FsyncPolicy::Always,
+    };
+    let mut w = SpoolWriter::open(&dir, cfg).unwrap();
+    let mut next = 0;
+    // Fill most of a segment, then the disk: the next batch needs a new segment.
+    while last_segment_len(&dir) < 3000 {
+        w.append(&record(next, 200)).unwrap();
+        next += 1;
+    }
+    let filler = fs.fill(0);
+    let batch: Vec<_> = (next..next + 3).map(|i| record(i, 2000)).collect();
+    for _ in 0..3 {
+        let e = w.append_batch(&batch).unwrap_err();
+        assert!(
+            matches!(os_error(&e), Some(libc::ENOSPC)),
+            "a full disk, whether the write or the roll hit it: {e}"
+        );
+    }
+    fs::remove_file(filler).unwrap();
+    w.append_batch(&batch).unwrap();
+    assert_eq!(spool_ids(&dir), ids(0..next + 3));
+    assert!(list_segments(&dir).unwrap().len() >= 2);
+}
