@@ -13,6 +13,9 @@
 
 use serde::{Deserialize, Serialize};
 
+use crate::ndjson::decode_line;
+use crate::{CaptureRecord, CAPTURE_SCHEMA_VERSION};
+
 /// The worker's ingest path.
 pub const SHIP_PATH: &str = "/v1/records";
 /// Where the worker tells its limits ([`ShipLimits`]).
@@ -52,4 +55,77 @@ pub struct ShipLimits {
     /// The largest request body it reads, in bytes: no batch may be bigger, and a single
     /// record bigger than this cannot be delivered.
     pub max_body_bytes: u64,
+}
+
+/// A batch body as a worker reads it: the records it can take, in order, and the ack so far
+/// (`rejected`, `errors`, `rejected_lines`; `accepted` and `duplicates` are the worker's to
+/// count once it has de-duplicated and persisted `records`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodedBatch {
+    pub records: Vec<CaptureRecord>,
+    pub ack: ShipAck,
+}
+
+/// How many reasons [`decode_batch`] copies into [`ShipAck::errors`].
+pub const MAX_ACK_ERRORS: usize = 5;
+
+/// Reads a shipped batch body: one [`CaptureRecord`] per line; blank lines are skipped, and
+/// every other line that is not a record this worker can take is named in the ack. Never
+/// fails: a batch's bytes come from the network.
+pub fn decode_batch(body: &[u8]) -> DecodedBatch {
+    let mut out = DecodedBatch::default();
+    for (i, line) in body.split(|b| *b == b'\n').enumerate() {
+        if line.iter().all(u8::is_ascii_whitespace) {
+            continue;
+        }
+        let reason = match decode_line::<CaptureRecord>(line) {
+            Ok(r) => match refusal(&r) {
+                None => {
+                    out.records.push(r);
+                    continue;
+                }
+                Some(why) => why,
+            },
+            Err(e) => e.to_string(),
+        };
+        let line = i as u64 + 1;
+        out.ack.rejected += 1;
+        if out.ack.errors.len() < MAX_ACK_ERRORS {
+            out.ack.errors.push(format!("line {line}: {reason}"));
+        }
+        out.ack.rejected_lines.push(RejectedLine { line, reason });
+    }
+    out
+}
+
+/// Why a worker cannot take a record it could parse, if it cannot.
+pub fn refusal(r: &CaptureRecord) -> Option<String> {
+    if r.schema_version > CAPTURE_SCHEMA_VERSION {
+        return Some(format!(
+            "record {} has schema version {}, newer than this worker's {CAPTURE_SCHEMA_VERSION}: \
+             upgrade the worker",
+            r.record_id, r.schema_version
+        ));
+    }
+    if r.record_id.is_empty() {
+        return Some("a record without a record_id cannot be de-duplicated".into());
+    }
+    None
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_batch_names_each_line_it_refuses_and_skips_blank_ones() {
+        let body = b"\n  \nnot json\n{\"record_id\":\"\"}\n";
+        let batch = decode_batch(body);
+        assert!(batch.records.is_empty());
+        assert_eq!(batch.ack.rejected, 2);
+        let lines: Vec<u64> = batch.ack.rejected_lines.iter().map(|r| r.line).collect();
+        assert_eq!(lines, vec![3, 4]);
+        assert_eq!(batch.ack.errors.len(), 2);
+        assert!(batch.ack.errors[0].starts_with("line 3: "));
+    }
 }

@@ -25,9 +25,9 @@ use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge,
 use serde_json::json;
 use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
 use tokentap_rollout::bearer::{self, BearerToken};
-use tokentap_schema::ndjson::decode_line;
-use tokentap_schema::ship::{RejectedLine, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH};
-use tokentap_schema::{CaptureRecord, CAPTURE_SCHEMA_VERSION};
+use tokentap_schema::ship::{
+    decode_batch, DecodedBatch, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH,
+};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter};
 
 use crate::reconstruct_cmd::StrategyArg;
@@ -330,21 +330,6 @@ fn reconstruct_loop(
     Ok(result?)
 }
 
-/// Why this worker cannot take a record it could parse, if it cannot.
-fn refusal(r: &CaptureRecord) -> Option<String> {
-    if r.schema_version > CAPTURE_SCHEMA_VERSION {
-        return Some(format!(
-            "record {} has schema version {}, newer than this worker's {CAPTURE_SCHEMA_VERSION}: \
-             upgrade the worker",
-            r.record_id, r.schema_version
-        ));
-    }
-    if r.record_id.is_empty() {
-        return Some("a record without a record_id cannot be de-duplicated".into());
-    }
-    None
-}
-
 async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejection>) -> Response {
     let body = match body {
         Ok(b) => b,
@@ -368,29 +353,8 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
         Err(e) => return e.into_response(),
     };
     let received_at = unix_ms();
-    let mut ack = ShipAck::default();
-    let mut records: Vec<CaptureRecord> = Vec::new();
-    for (i, line) in body.split(|b| *b == b'\n').enumerate() {
-        if line.iter().all(u8::is_ascii_whitespace) {
-            continue;
-        }
-        let reason = match decode_line::<CaptureRecord>(line) {
-            Ok(r) => match refusal(&r) {
-                None => {
-                    records.push(r);
-                    continue;
-                }
-                Some(why) => why,
-            },
-            Err(e) => e.to_string(),
-        };
-        let line = i as u64 + 1;
-        ack.rejected += 1;
-        if ack.errors.len() < 5 {
-            ack.errors.push(format!("line {line}: {reason}"));
-        }
-        ack.rejected_lines.push(RejectedLine { line, reason });
-    }
+    // Decoding lives in the schema crate (fuzzed there: fuzz/fuzz_targets/ship_batch.rs).
+    let DecodedBatch { records, mut ack } = decode_batch(&body);
     let metrics = state.metrics.clone();
     let ingest = state.ingest.clone();
     let result = tokio::task::spawn_blocking(move || -> anyhow::Result<ShipAck> {

@@ -29,7 +29,7 @@ impl LlamaCppBackend {
     }
 }
 
-struct LlamaCppDialect;
+pub(crate) struct LlamaCppDialect;
 
 impl TokenDialect for LlamaCppDialect {
     fn request_token_data(&self, body: &mut Map<String, Value>) {
@@ -41,7 +41,7 @@ impl TokenDialect for LlamaCppDialect {
         let content = choice.get("logprobs")?.get("content")?.as_array()?;
         let ids = content
             .iter()
-            .map(|e| e.get("id").and_then(Value::as_u64).map(|n| n as u32))
+            .map(|e| e.get("id").and_then(openai_compat::token_id))
             .collect::<Option<Vec<u32>>>()?;
         Some((ids, content_logprobs(choice)?))
     }
@@ -186,6 +186,16 @@ mod tests {
     #[test]
     fn a_logprob_entry_without_an_id_gives_no_ids_rather_than_a_guess() {
         let choice = json!({"logprobs": {"content": [{"token": "a", "logprob": -0.5}]}});
+        assert!(LlamaCppDialect.sampled_tokens(&choice).is_none());
+    }
+
+    /// Found by fuzzing (fuzz/fuzz_targets/openai_compat_chunk.rs, the same cast in
+    /// `id_array`): an id past `u32::MAX` was truncated into another token's id.
+    #[test]
+    fn a_logprob_entry_with_an_id_past_u32_gives_no_ids_rather_than_a_truncated_one() {
+        let choice = json!({"logprobs": {"content": [
+            {"id": 4294967296u64, "token": "a", "logprob": -0.5, "top_logprobs": []}
+        ]}});
         assert!(LlamaCppDialect.sampled_tokens(&choice).is_none());
     }
 

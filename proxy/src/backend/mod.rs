@@ -24,6 +24,68 @@ pub use sglang::SglangBackend;
 pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;
 
+/// Public for fuzzing (fuzz/): each engine's answer decoders without the HTTP around them, as
+/// the adapters run them on an engine's whole answer or streamed body.
+#[doc(hidden)]
+pub mod decode {
+    use std::time::Duration;
+
+    use serde_json::Value;
+
+    use super::llamacpp::LlamaCppDialect;
+    use super::openai_compat::{self, TokenDialect};
+    use super::sglang::SglangDialect;
+    use super::vllm::VllmDialect;
+    use super::{BackendError, BackendKind, GenerationStream};
+    use crate::canonical::{Delta, GenerationEvent, Usage};
+
+    /// The events of a whole answer body (what `CallMode::Whole` yields, minus llama.cpp's
+    /// template-rendered prompt ids, which come from another endpoint).
+    pub fn whole(kind: BackendKind, body: &[u8]) -> Result<Vec<GenerationEvent>, BackendError> {
+        // As `reqwest::Response::json` reads it.
+        let v: Value = serde_json::from_slice(body)
+            .map_err(|e| BackendError::Protocol(format!("error decoding response body: {e}")))?;
+        match kind {
+            BackendKind::Vllm => openai_compat::whole_answer_events(&v, &VllmDialect),
+            BackendKind::Sglang => openai_compat::whole_answer_events(&v, &SglangDialect),
+            BackendKind::Llamacpp => openai_compat::whole_answer_events(&v, &LlamaCppDialect),
+        }
+    }
+
+    /// The events of a streamed (SSE) answer body arriving in `chunks`. Needs a Tokio runtime
+    /// with timers (the idle timeout).
+    pub fn stream(kind: BackendKind, chunks: Vec<Vec<u8>>) -> GenerationStream {
+        fn with<D: TokenDialect>(d: D, chunks: Vec<Vec<u8>>) -> GenerationStream {
+            let body = futures::stream::iter(
+                chunks
+                    .into_iter()
+                    .map(|c| Ok::<_, reqwest::Error>(bytes::Bytes::from(c))),
+            );
+            openai_compat::stream_events(body, d, Duration::from_secs(3600))
+        }
+        match kind {
+            BackendKind::Vllm => with(VllmDialect, chunks),
+            BackendKind::Sglang => with(SglangDialect, chunks),
+            BackendKind::Llamacpp => with(LlamaCppDialect, chunks),
+        }
+    }
+
+    /// A whole answer's `message` (`whole`) or a stream chunk's `delta`.
+    pub fn delta(v: &Value, whole: bool) -> Delta {
+        openai_compat::parse_delta(v, whole)
+    }
+
+    /// The `usage` object of an answer or chunk.
+    pub fn usage(v: &Value) -> Option<Usage> {
+        openai_compat::parse_usage(v)
+    }
+
+    /// Token ids from a JSON array of integers (`None` unless every element is one).
+    pub fn id_array(v: Option<&Value>) -> Option<Vec<u32>> {
+        openai_compat::id_array(v)
+    }
+}
+
 /// Builds the adapter for `config.kind`.
 pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
     let client = openai_compat::EngineClient::new(&config)?;

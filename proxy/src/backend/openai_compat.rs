@@ -233,47 +233,66 @@ pub(crate) async fn generate<D: TokenDialect>(
         .await?;
     Ok(match mode {
         CallMode::Whole => whole_events(resp, dialect),
-        CallMode::Streaming => stream_events(resp, dialect, client.idle_timeout),
+        CallMode::Streaming => stream_events(resp.bytes_stream(), dialect, client.idle_timeout),
     })
 }
 
 fn whole_events<D: TokenDialect>(resp: reqwest::Response, dialect: D) -> GenerationStream {
     Box::pin(try_stream! {
         let v: Value = resp.json().await.map_err(BackendError::from_reqwest)?;
-        let choice = first_choice(&v)?;
-        let message = choice.get("message").cloned().unwrap_or(Value::Null);
-        let mut tracker = TokenTracker::default();
-        if let Some(ids) = dialect.prompt_tokens(&v, Some(choice)) {
-            tracker.prompt_seen = true;
-            yield GenerationEvent::PromptTokens { ids, source: TokenSource::EngineResponse };
-        }
-        let delta = parse_delta(&message, true);
-        if let Some((ids, logprobs)) = dialect.sampled_tokens(choice) {
-            tracker.on_tokens(ids.len());
-            yield GenerationEvent::Delta(delta);
-            yield GenerationEvent::SampledTokens { ids, logprobs };
-        } else {
-            tracker.on_untokened_delta(&delta);
-            yield GenerationEvent::Delta(delta);
-        }
-        let finish = choice.get("finish_reason").and_then(Value::as_str).map(FinishReason::from_openai);
-        yield GenerationEvent::Finished {
-            finish_reason: finish.unwrap_or(FinishReason::Stop),
-            usage: parse_usage(&v),
-        };
-        for gap in tracker.gaps(dialect.reports_prompt_ids(), parse_usage(&v)) {
-            yield GenerationEvent::Gap(gap);
+        for event in whole_answer_events(&v, &dialect)? {
+            yield event;
         }
     })
 }
 
-fn stream_events<D: TokenDialect>(
-    resp: reqwest::Response,
-    dialect: D,
-    idle: Duration,
-) -> GenerationStream {
+/// The generation events of a whole (non-streamed) answer.
+pub(crate) fn whole_answer_events<D: TokenDialect>(
+    v: &Value,
+    dialect: &D,
+) -> Result<Vec<GenerationEvent>, BackendError> {
+    let mut events = Vec::new();
+    let choice = first_choice(v)?;
+    let message = choice.get("message").cloned().unwrap_or(Value::Null);
+    let mut tracker = TokenTracker::default();
+    if let Some(ids) = dialect.prompt_tokens(v, Some(choice)) {
+        tracker.prompt_seen = true;
+        events.push(GenerationEvent::PromptTokens {
+            ids,
+            source: TokenSource::EngineResponse,
+        });
+    }
+    let delta = parse_delta(&message, true);
+    if let Some((ids, logprobs)) = dialect.sampled_tokens(choice) {
+        tracker.on_tokens(ids.len());
+        events.push(GenerationEvent::Delta(delta));
+        events.push(GenerationEvent::SampledTokens { ids, logprobs });
+    } else {
+        tracker.on_untokened_delta(&delta);
+        events.push(GenerationEvent::Delta(delta));
+    }
+    let finish = choice
+        .get("finish_reason")
+        .and_then(Value::as_str)
+        .map(FinishReason::from_openai);
+    events.push(GenerationEvent::Finished {
+        finish_reason: finish.unwrap_or(FinishReason::Stop),
+        usage: parse_usage(v),
+    });
+    for gap in tracker.gaps(dialect.reports_prompt_ids(), parse_usage(v)) {
+        events.push(GenerationEvent::Gap(gap));
+    }
+    Ok(events)
+}
+
+/// The generation events of a streamed answer, read as SSE from the answer's body chunks.
+pub(crate) fn stream_events<D, S>(body: S, dialect: D, idle: Duration) -> GenerationStream
+where
+    D: TokenDialect,
+    S: futures::Stream<Item = Result<bytes::Bytes, reqwest::Error>> + Send + 'static,
+{
     Box::pin(try_stream! {
-        let mut events = resp.bytes_stream().eventsource();
+        let mut events = std::pin::pin!(body.eventsource());
         let mut finish: Option<FinishReason> = None;
         let mut usage: Option<Usage> = None;
         let mut tracker = TokenTracker::default();
@@ -451,16 +470,21 @@ pub(crate) fn parse_usage(v: &Value) -> Option<Usage> {
     Some(Usage {
         prompt_tokens,
         completion_tokens,
-        total_tokens: n("total_tokens").unwrap_or(prompt_tokens + completion_tokens),
+        // Saturating: counts are the engine's word, and absurd ones must not panic.
+        total_tokens: n("total_tokens")
+            .unwrap_or_else(|| prompt_tokens.saturating_add(completion_tokens)),
     })
 }
 
-/// Token ids from a JSON array of integers.
+/// Token ids from a JSON array of integers; `None` unless every element is an id (an integer
+/// that fits a `u32`: a larger one is never truncated into some other token's id).
 pub(crate) fn id_array(v: Option<&Value>) -> Option<Vec<u32>> {
-    v?.as_array()?
-        .iter()
-        .map(|x| x.as_u64().map(|n| n as u32))
-        .collect()
+    v?.as_array()?.iter().map(token_id).collect()
+}
+
+/// One token id: a JSON integer that fits a `u32`.
+pub(crate) fn token_id(v: &Value) -> Option<u32> {
+    u32::try_from(v.as_u64()?).ok()
 }
 
 /// Logprobs from OpenAI-style `logprobs.content[]` entries.
@@ -472,4 +496,27 @@ pub(crate) fn content_logprobs(choice: &Value) -> Option<Vec<Option<f32>>> {
             .map(|e| e.get("logprob").and_then(Value::as_f64).map(|x| x as f32))
             .collect(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Found by fuzz/fuzz_targets/openai_compat_chunk.rs: an id past `u32::MAX` was cast, so
+    /// 15500000001954555 was recorded as token 4196569851.
+    #[test]
+    fn an_id_array_with_an_id_past_u32_is_no_ids_rather_than_truncated_ones() {
+        let v = json!({"token_ids": [15500000001954555u64], "ok": [0, 4294967295u64]});
+        assert_eq!(id_array(v.get("token_ids")), None);
+        assert_eq!(id_array(v.get("ok")), Some(vec![0, u32::MAX]));
+    }
+
+    /// Seen while writing the fuzz target for usage: counts whose sum overflows a u64
+    /// panicked (debug builds) or wrapped to a tiny total (release).
+    #[test]
+    fn a_usage_whose_counts_overflow_a_total_saturates() {
+        let v = json!({"usage": {"prompt_tokens": u64::MAX, "completion_tokens": 2}});
+        let u = parse_usage(&v).unwrap();
+        assert_eq!(u.total_tokens, u64::MAX);
+    }
 }
