@@ -473,6 +473,9 @@ impl CaptureService {
         path_session: Option<String>,
         fixed: Option<&str>,
     ) -> bool {
+        if let Some(cause) = self.sink.refusal() {
+            return self.refuse_unwritable_spool(http, codec, &cause).await;
+        }
         let mut call = self.begin_call(http, codec.api());
         self.metrics.inflight.inc();
         let reusable = self
@@ -481,6 +484,34 @@ impl CaptureService {
         self.metrics.inflight.dec();
         self.end_call(call).await;
         reusable
+    }
+
+    /// `--on-spool-error fail-closed` while the spool cannot be written: the call is refused
+    /// before anything else happens (no session, no engine, no record — there would be nowhere
+    /// to put it), in the provider's shape with a 503, which harnesses retry.
+    async fn refuse_unwritable_spool(
+        &self,
+        http: &mut ServerSession,
+        codec: &dyn WireCodec,
+        cause: &str,
+    ) -> bool {
+        self.metrics
+            .calls_refused
+            .with_label_values(&["spool_unwritable"])
+            .inc();
+        // Read (bounded) what the harness sends, so the connection can carry its retry.
+        let drained =
+            tokio::time::timeout(self.config.limits.body_timeout, http.drain_request_body())
+                .await
+                .is_ok_and(|r| r.is_ok());
+        let err = CallError::new(
+            ErrorKind::Internal,
+            503,
+            format!(
+                "tokentap cannot write its capture spool ({cause}); the call was not sent to the engine. It is answered again as soon as the spool is writable (--on-spool-error fail-closed)."
+            ),
+        );
+        self.write_error(http, codec, &err).await && drained
     }
 
     fn begin_call(&self, http: &ServerSession, wire_api: WireApi) -> CallCapture {
@@ -773,7 +804,9 @@ impl CaptureService {
     async fn commit(&self, call: &mut CallCapture) {
         let record = call.take_record();
         self.count(&record);
-        // Not written (the spool failed): the writer counted it lost; the answer still goes.
+        // Under fail-closed this waits while the spool fails (the record is retried, never
+        // dropped). Not written (fail-open, or the proxy stopping): the writer counted it
+        // lost; the answer still goes.
         self.sink.commit(record, &self.metrics).await;
     }
 

@@ -26,6 +26,10 @@ pub struct Metrics {
     pub records_written: IntCounter,
     pub records_lost: IntCounter,
     pub spool_write_errors: IntCounter,
+    /// 1 while the spool takes records, 0 after a failed append until one succeeds again.
+    pub spool_writable: IntGauge,
+    /// Calls refused before the engine, by `reason` (`spool_unwritable`).
+    pub calls_refused: IntCounterVec,
     pub websocket_refused: IntCounter,
     pub transparent: IntCounterVec,
     /// Connections closed by a listener limit, by `limit`.
@@ -113,7 +117,21 @@ impl Metrics {
             ),
             spool_write_errors: counter(
                 "tokentap_spool_write_errors_total",
-                "Failed spool appends",
+                "Failed spool appends and fsyncs (each retry counts)",
+            ),
+            spool_writable: {
+                let g = gauge(
+                    "tokentap_spool_writable",
+                    "1 while the capture spool takes records, 0 while appends fail (disk full, read-only, I/O errors)",
+                );
+                // Writable until an append says otherwise (also without a spool: nothing fails).
+                g.set(1);
+                g
+            },
+            calls_refused: counter_vec(
+                "tokentap_calls_refused_total",
+                "Model calls refused before reaching the engine, by reason (spool_unwritable: --on-spool-error fail-closed while the spool cannot be written); refused calls have no record",
+                &["reason"],
             ),
             websocket_refused: counter(
                 "tokentap_websocket_upgrades_refused_total",

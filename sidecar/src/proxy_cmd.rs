@@ -11,7 +11,7 @@ use pingora::server::configuration::ServerConf;
 use pingora::server::{RunArgs, Server};
 use pingora::services::listening::Service;
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
-use tokentap_proxy::capture::RecordSink;
+use tokentap_proxy::capture::{OnSpoolError, RecordSink};
 use tokentap_proxy::limits::ListenerLimits;
 use tokentap_proxy::metrics::Metrics;
 use tokentap_proxy::normalize::SystemLayout;
@@ -98,6 +98,17 @@ pub struct CaptureArgs {
     /// its record to be on disk), `never` (leave it to the OS) or an interval such as `100ms`.
     #[arg(long, default_value = "100ms")]
     fsync: FsyncPolicy,
+    /// What to do while the spool cannot be written (disk full, read-only, I/O errors):
+    /// `fail-closed` keeps every record in memory, retries, and refuses new calls with a 503
+    /// naming the cause until the spool is writable again (every answered call is in the
+    /// data); `fail-open` keeps answering and counts the records it cannot write in
+    /// tokentap_records_lost_total. Both recover by themselves when space returns.
+    #[arg(
+        long,
+        default_value = "fail-closed",
+        value_name = "fail-closed|fail-open"
+    )]
+    on_spool_error: OnSpoolError,
     /// Start a new spool segment past this many bytes.
     #[arg(long, default_value_t = 64 << 20)]
     segment_bytes: u64,
@@ -248,7 +259,8 @@ impl CaptureArgs {
                 },
             )
             .with_context(|| format!("opening the spool at {}", args.spool.display()))?;
-            let (sink, handle) = RecordSink::spool_observed(writer, metrics.clone(), observer);
+            let (sink, handle) =
+                RecordSink::start(writer, metrics.clone(), observer, args.on_spool_error);
             (sink, Some(handle))
         };
         let config = ProxyConfig {
