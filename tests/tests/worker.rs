@@ -256,3 +256,117 @@ async fn the_worker_acks_new_duplicate_and_rejected_lines_and_ship_resumes() {
     let stored = read_spool(&dir.path().join("out/spool"));
     assert_eq!(stored.len(), 6);
 }
+
+/// A redelivery that certainly happens: the proxy is killed (SIGKILL) after the worker acked
+/// its last shipments but before its cursor moved past them — the cursor file is put back to
+/// what it was before those shipments, which is exactly what a kill in that window leaves.
+/// The restarted proxy resends them; the worker counts every one as a duplicate and stores,
+/// reconstructs and traces none of them twice.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_nothing_doubles() {
+    const FIRST: usize = 4;
+    const THEN: usize = 5;
+    let backend = ScriptedBackend::start(
+        Tokens::FakeChat,
+        Arc::new(|_req: &Value, i| Reply::Text(format!("answer {i}"))),
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("worker-out");
+    let mut worker = Worker::start(&out, &["--session-idle", "3"]).await;
+    let config = TokentapConfig::new(&backend.url, "vllm")
+        .arg("--ship-to")
+        .arg(&worker.url);
+    let mut proxy = Tokentap::start(config.clone()).await;
+    let cursor = proxy.spool.join("ship-cursor.json");
+    let client = http_client();
+    // One append-only conversation: each turn is the last prompt, its answer and a new ask.
+    let mut messages = vec![json!({"role": "user", "content": "task"})];
+    async fn turn(client: &reqwest::Client, proxy: &Tokentap, messages: &mut Vec<Value>) {
+        let answer = chat(client, proxy, "redelivered", messages).await;
+        messages.push(json!({"role": "assistant", "content": answer}));
+        messages.push(json!({"role": "user", "content": "go on"}));
+    }
+    // Counts redeliveries too.
+    let received = |worker: &Worker| {
+        let url = worker.url.clone();
+        async move {
+            tokentap_e2e::procs::metric(&url, "tokentap_worker_records_received_total")
+                .await
+                .unwrap_or(0.0) as usize
+        }
+    };
+    let settled = |want: usize| {
+        let (cursor, worker) = (cursor.clone(), &worker);
+        async move {
+            let deadline = Instant::now() + Duration::from_secs(30);
+            // Received by the worker and the cursor saved past it.
+            while received(worker).await < want || !cursor.exists() {
+                assert!(
+                    Instant::now() < deadline,
+                    "{want} records never reached the worker"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            std::fs::read(&cursor).unwrap()
+        }
+    };
+    for _ in 0..FIRST {
+        turn(&client, &proxy, &mut messages).await;
+    }
+    let before = settled(FIRST).await;
+    for _ in 0..THEN {
+        turn(&client, &proxy, &mut messages).await;
+    }
+    let after = settled(FIRST + THEN).await;
+    assert_ne!(before, after, "the cursor moved with the acks");
+
+    proxy.kill();
+    std::fs::write(&cursor, &before).unwrap();
+    let mut again = config.clone();
+    again.spool = Some(proxy.spool.clone());
+    let _killed = std::mem::replace(&mut proxy, Tokentap::start(again).await);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while worker
+        .metric("tokentap_worker_duplicates_dropped_total")
+        .await
+        .unwrap_or(0.0)
+        < THEN as f64
+    {
+        assert!(
+            Instant::now() < deadline,
+            "the restarted proxy did not redeliver; proxy log:\n{}",
+            proxy.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // One more turn after the restart: new records still flow.
+    turn(&client, &proxy, &mut messages).await;
+    settled(FIRST + THEN + THEN + 1).await;
+    assert_eq!(
+        worker
+            .metric("tokentap_worker_duplicates_dropped_total")
+            .await,
+        Some(THEN as f64),
+        "exactly the resent records are duplicates"
+    );
+
+    let sent = proxy.wait_records(FIRST + THEN + 1).await;
+    let stored = read_spool(&out.join("spool"));
+    let stored_ids: Vec<&str> = stored.iter().map(|r| r.record_id.as_str()).collect();
+    let sent_ids: Vec<&str> = sent.iter().map(|r| r.record_id.as_str()).collect();
+    assert_eq!(stored_ids, sent_ids, "each record stored once, in order");
+    wait_session_reports(&out, 1, || worker.log_tail(30)).await;
+    assert!(worker.terminate().await, "the worker stops on SIGTERM");
+    let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
+    let mut in_traces: Vec<&str> = traces
+        .iter()
+        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
+        .collect();
+    in_traces.sort_unstable();
+    let mut want = sent_ids.clone();
+    want.sort_unstable();
+    assert_eq!(in_traces, want, "each record in exactly one trace");
+    assert_eq!(traces.len(), 1, "one append-only conversation, one trace");
+}
