@@ -16,12 +16,13 @@ use pingora::protocols::http::ServerSession;
 use pingora::server::ShutdownWatch;
 use serde_json::json;
 use tokentap_schema::{
-    BackendInfo, CaptureRecord, ErrorKind, HarnessRequest, Normalization, WireApi,
+    BackendInfo, CaptureRecord, ErrorKind, HarnessRequest, Normalization, SessionSource, WireApi,
 };
 
 use crate::backend::{Backend, CallMode, GenerationStream};
 use crate::capture::{CallCapture, RecordSink};
 use crate::gate::CallGate;
+use crate::harness::Harness;
 use crate::limits::{ConnectionGate, ConnectionPermit, ListenerLimits};
 use crate::metrics::Metrics;
 use crate::normalize::{
@@ -477,11 +478,15 @@ impl CaptureService {
             return self.refuse_unwritable_spool(http, codec, &cause).await;
         }
         let mut call = self.begin_call(http, codec.api());
-        self.metrics.inflight.inc();
+        let inflight = self
+            .metrics
+            .inflight
+            .with_label_values(&self.engine_labels());
+        inflight.inc();
         let reusable = self
             .run_call(http, codec, path_session, fixed, &mut call)
             .await;
-        self.metrics.inflight.dec();
+        inflight.dec();
         self.end_call(call).await;
         reusable
     }
@@ -584,6 +589,16 @@ impl CaptureService {
             }
         };
         let seq = self.sessions.next_seq(&session);
+        if session.source != SessionSource::Generated {
+            // A generated session holds one call: it has no harness time between calls.
+            let [engine, model] = self.engine_labels();
+            let harness = Harness::from_headers(&call.request.headers);
+            self.metrics.activity.begin(
+                &session.id,
+                [engine.into(), model.into(), harness.as_str().into()],
+            );
+            call.in_activity = true;
+        }
         call.session = Some((session, seq));
 
         // Read the body, within the limit.
@@ -685,7 +700,17 @@ impl CaptureService {
         let _permit = match &self.gate {
             Some(gate) => {
                 let session = call.session.as_ref().map(|(s, _)| s.id.clone());
+                let labels = self.engine_labels();
+                let waiting = self.metrics.gate_waiting.with_label_values(&labels);
+                waiting.inc();
+                let held = Instant::now();
                 let admission = gate.admit(session.as_deref(), &mut request).await;
+                waiting.dec();
+                self.metrics
+                    .gate_hold_seconds
+                    .with_label_values(&labels)
+                    .observe(held.elapsed().as_secs_f64());
+                call.harness = admission.harness.or(call.harness);
                 call.normalizations.extend(admission.normalizations);
                 if admission.policy_version.is_some() {
                     call.backend.policy_version = admission.policy_version;
@@ -795,37 +820,83 @@ impl CaptureService {
         if call.committed {
             return;
         }
+        let (harness, in_activity) = (call.harness, call.in_activity);
         let record = call.into_record();
-        self.count(&record);
+        self.count(&record, harness, in_activity);
         self.sink.send(record, &self.metrics).await;
     }
 
     /// Durable answers: the call's record, written before the harness gets its answer's end.
     async fn commit(&self, call: &mut CallCapture) {
+        let (harness, in_activity) = (call.harness, call.in_activity);
         let record = call.take_record();
-        self.count(&record);
+        self.count(&record, harness, in_activity);
         // Under fail-closed this waits while the spool fails (the record is retried, never
         // dropped). Not written (fail-open, or the proxy stopping): the writer counted it
         // lost; the answer still goes.
         self.sink.commit(record, &self.metrics).await;
     }
 
-    /// A finished call in the metrics.
-    fn count(&self, record: &CaptureRecord) {
+    /// The engine and model labels of this proxy's calls before a request names its model:
+    /// the configured model (engines serve one name), else `any`.
+    fn engine_labels(&self) -> [&str; 2] {
+        let model = match &self.config.backend_model {
+            Some(m) => self.metrics.models.label(m),
+            None => "any",
+        };
+        [self.backend.kind().as_str(), model]
+    }
+
+    /// A finished call in the metrics. `harness`: as the admission gate knows it (else from
+    /// the request); `in_activity`: its session's activity counted its start.
+    fn count(&self, record: &CaptureRecord, harness: Option<Harness>, in_activity: bool) {
         let api = record.wire_api.as_str();
         let m = &self.metrics;
+        let engine = record.backend.kind.as_str();
+        // The model as sent to the engine: the configured one, or (without one) whatever the
+        // harness asked for, kept bounded.
+        let model = m.models.label(if record.backend.model.is_empty() {
+            "any"
+        } else {
+            &record.backend.model
+        });
+        let harness = harness
+            .unwrap_or_else(|| Harness::from_headers(&record.request.headers))
+            .as_str();
+        let policy = m
+            .policy_versions
+            .label(record.backend.policy_version.as_deref().unwrap_or("none"));
         m.calls
             .with_label_values(&[api, &record.response_status.to_string()])
             .inc();
         if let Some(u) = record.usage {
             m.prompt_tokens
-                .with_label_values(&[api])
+                .with_label_values(&[engine, model, harness, policy])
                 .inc_by(u.prompt_tokens);
             m.completion_tokens
-                .with_label_values(&[api])
+                .with_label_values(&[engine, model, harness, policy])
                 .inc_by(u.completion_tokens);
         }
+        if let Some(e) = &record.error {
+            m.call_errors
+                .with_label_values(&[engine, model, e.kind.as_str()])
+                .inc();
+        }
         let t = &record.timings;
+        m.engine_seconds
+            .with_label_values(&[engine, model, harness])
+            .inc_by(t.backend_ms / 1000.0);
+        m.proxy_seconds
+            .with_label_values(&[engine, model, harness])
+            .inc_by(t.proxy_overhead_ms.max(0.0) / 1000.0);
+        if in_activity {
+            m.activity.end(
+                &record.session_id,
+                [engine.into(), model.into(), harness.into()],
+                record.started_at_unix_ms,
+                record.ended_at_unix_ms,
+            );
+        }
         m.call_seconds
             .with_label_values(&[api])
             .observe(t.total_ms / 1000.0);
@@ -837,7 +908,7 @@ impl CaptureService {
             .observe(t.proxy_overhead_ms / 1000.0);
         if let Some(ttft) = t.time_to_first_token_ms {
             m.ttft_seconds
-                .with_label_values(&[api])
+                .with_label_values(&[engine, model, api])
                 .observe(ttft / 1000.0);
         }
     }

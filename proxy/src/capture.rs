@@ -14,6 +14,7 @@ use tokentap_spool::{SpoolError, SpoolWriter};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::canonical::GenerationAccumulator;
+use crate::harness::Harness;
 use crate::metrics::Metrics;
 use crate::session::Session;
 use crate::wire::CallError;
@@ -37,6 +38,10 @@ pub struct CallCapture {
     pub error: Option<CallError>,
     /// The record was already taken ([`CallCapture::take_record`]) and sent.
     pub committed: bool,
+    /// For the metrics, not the record: the harness as the admission gate knows it, and
+    /// whether the session's activity counts this call (`SessionActivity::begin` was called).
+    pub harness: Option<Harness>,
+    pub in_activity: bool,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -68,6 +73,8 @@ impl CallCapture {
             response_status: 0,
             error: None,
             committed: false,
+            harness: None,
+            in_activity: false,
         }
     }
 

@@ -14,6 +14,9 @@ pub struct Admission {
     pub policy_version: Option<String>,
     /// Held until the call has been answered (the gate counts calls in flight with it).
     pub permit: Option<Box<dyn Send + Sync>>,
+    /// The harness the embedding service knows runs this session (for the metrics; Pi cannot
+    /// be told from its requests).
+    pub harness: Option<crate::harness::Harness>,
 }
 
 #[async_trait]

@@ -2,11 +2,13 @@
 //! forwards each call to an inference engine asking for token-level data, answers the harness
 //! in exactly the shape it expects, and emits one capture record per call.
 
+pub mod activity;
 pub mod app;
 pub mod backend;
 pub mod canonical;
 pub mod capture;
 pub mod gate;
+pub mod harness;
 pub mod limits;
 pub mod metrics;
 pub mod normalize;

@@ -1,9 +1,14 @@
 //! Prometheus metrics of the capture proxy, served at `GET /metrics`.
 
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex};
+
 use prometheus::{
-    Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, Opts, Registry,
-    TextEncoder,
+    CounterVec, Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
 };
+
+use crate::activity::SessionActivity;
 
 /// Latency buckets from 50 µs to 10 min: proxy overhead lives at the bottom, whole agent
 /// calls at the top.
@@ -12,16 +17,38 @@ const LATENCY_BUCKETS: &[f64] = &[
     2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0,
 ];
 
+/// Labels every series of a call's tokens and time carries, so throughput and time can be
+/// joined per engine, model and harness.
+pub const CALL_LABELS: &[&str] = &["engine", "model", "harness"];
+
 pub struct Metrics {
     registry: Registry,
     pub calls: IntCounterVec,
+    /// By engine, model, harness and policy version.
     pub prompt_tokens: IntCounterVec,
     pub completion_tokens: IntCounterVec,
+    /// Where calls' time goes, by [`CALL_LABELS`]: the engine answering, the proxy, and the
+    /// harness between a session's calls (counted by `activity`).
+    pub engine_seconds: CounterVec,
+    pub proxy_seconds: CounterVec,
+    pub harness_seconds: CounterVec,
+    /// Sessions per engine, model and harness; `tokentap_sessions_active` when gathered.
+    pub activity: Arc<SessionActivity>,
+    pub call_errors: IntCounterVec,
     pub call_seconds: HistogramVec,
     pub backend_seconds: HistogramVec,
     pub proxy_overhead_seconds: HistogramVec,
+    /// By engine, model and wire API.
     pub ttft_seconds: HistogramVec,
-    pub inflight: IntGauge,
+    /// By engine and model.
+    pub inflight: IntGaugeVec,
+    /// Calls the admission gate holds now (a rollout node during a weight update), and how
+    /// long it held each; by engine and model.
+    pub gate_waiting: IntGaugeVec,
+    pub gate_hold_seconds: HistogramVec,
+    /// Bounds on label values a client or a task chooses (model names, policy versions).
+    pub models: LabelCap,
+    pub policy_versions: LabelCap,
     pub spool_bytes: IntGauge,
     pub records_written: IntCounter,
     pub records_lost: IntCounter,
@@ -36,6 +63,11 @@ pub struct Metrics {
     pub connections_closed: IntCounterVec,
     /// Counted by the shipper (`--ship-to`), which runs beside the proxy.
     pub ship_dead_letter: IntCounter,
+    /// Spool bytes written and not yet acked by the worker.
+    pub ship_backlog_bytes: IntGauge,
+    pub ship_records: IntCounter,
+    pub ship_last_ack: Gauge,
+    pub ship_errors: IntCounter,
 }
 
 impl Metrics {
@@ -73,6 +105,41 @@ impl Metrics {
                 .expect("unique metric");
             g
         };
+        let float_counter = |name: &str, help: &str, labels: &[&str]| {
+            let c = CounterVec::new(Opts::new(name, help), labels).expect("valid counter");
+            registry
+                .register(Box::new(c.clone()))
+                .expect("unique metric");
+            c
+        };
+        let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
+            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
+            registry
+                .register(Box::new(g.clone()))
+                .expect("unique metric");
+            g
+        };
+        let histogram = |name: &str, help: &str, labels: &[&str]| {
+            let h = HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+                labels,
+            )
+            .expect("valid histogram");
+            registry
+                .register(Box::new(h.clone()))
+                .expect("unique metric");
+            h
+        };
+        let token_labels = &["engine", "model", "harness", "policy_version"];
+        let harness_seconds = float_counter(
+            "tokentap_harness_seconds_total",
+            "Time sessions spent in their harness and its tools: from a call's end to the same session's next call (gaps over 300 s are rest, not counted)",
+            CALL_LABELS,
+        );
+        let activity = Arc::new(SessionActivity::new(harness_seconds.clone()));
+        registry
+            .register(Box::new(ActivityCollector(activity.clone())))
+            .expect("unique metric");
         Metrics {
             calls: counter_vec(
                 "tokentap_calls_total",
@@ -82,12 +149,29 @@ impl Metrics {
             prompt_tokens: counter_vec(
                 "tokentap_prompt_tokens_total",
                 "Prompt tokens reported by the engine",
-                &["wire_api"],
+                token_labels,
             ),
             completion_tokens: counter_vec(
                 "tokentap_completion_tokens_total",
-                "Completion tokens reported by the engine",
-                &["wire_api"],
+                "Completion (generated) tokens reported by the engine",
+                token_labels,
+            ),
+            engine_seconds: float_counter(
+                "tokentap_engine_seconds_total",
+                "Time the engine spent answering calls",
+                CALL_LABELS,
+            ),
+            proxy_seconds: float_counter(
+                "tokentap_proxy_seconds_total",
+                "Time calls spent in the proxy, not waiting on the engine",
+                CALL_LABELS,
+            ),
+            harness_seconds,
+            activity,
+            call_errors: counter_vec(
+                "tokentap_call_errors_total",
+                "Calls that ended in an error, by kind (invalid_request, body_too_large, backend_unavailable, backend_error, backend_timeout, context_length_exceeded, client_disconnected, internal, tls_handshake_failed)",
+                &["engine", "model", "kind"],
             ),
             call_seconds: latency(
                 "tokentap_call_duration_seconds",
@@ -101,11 +185,28 @@ impl Metrics {
                 "tokentap_proxy_overhead_seconds",
                 "Call time not spent waiting on the backend",
             ),
-            ttft_seconds: latency(
+            ttft_seconds: histogram(
                 "tokentap_time_to_first_token_seconds",
                 "Request arrival to first content sent to the harness",
+                &["engine", "model", "wire_api"],
             ),
-            inflight: gauge("tokentap_inflight_calls", "Model calls in progress"),
+            inflight: gauge_vec(
+                "tokentap_inflight_calls",
+                "Model calls in progress",
+                &["engine", "model"],
+            ),
+            gate_waiting: gauge_vec(
+                "tokentap_gate_waiting_calls",
+                "Calls the admission gate holds before the engine now (a rollout node during a weight update)",
+                &["engine", "model"],
+            ),
+            gate_hold_seconds: histogram(
+                "tokentap_gate_hold_seconds",
+                "Time the admission gate held a call before the engine",
+                &["engine", "model"],
+            ),
+            models: LabelCap::new(MODEL_LABELS_CAP),
+            policy_versions: LabelCap::new(POLICY_LABELS_CAP),
             spool_bytes: gauge("tokentap_spool_bytes", "Bytes in the spool's segment files"),
             records_written: counter(
                 "tokentap_records_written_total",
@@ -151,6 +252,29 @@ impl Metrics {
                 "tokentap_ship_dead_letter_total",
                 "Records the worker will never take (rejected, or over its body limit), kept in SPOOL/dead-letter.ndjson",
             ),
+            ship_backlog_bytes: gauge(
+                "tokentap_ship_backlog_bytes",
+                "Spool bytes written and not yet acked by the worker (--ship-to)",
+            ),
+            ship_records: counter(
+                "tokentap_ship_records_total",
+                "Records the worker acked (--ship-to)",
+            ),
+            ship_last_ack: {
+                let g = Gauge::new(
+                    "tokentap_ship_last_ack_timestamp_seconds",
+                    "When the worker last acked a shipment, seconds since the epoch (--ship-to)",
+                )
+                .expect("valid gauge");
+                registry
+                    .register(Box::new(g.clone()))
+                    .expect("unique metric");
+                g
+            },
+            ship_errors: counter(
+                "tokentap_ship_errors_total",
+                "Shipments that failed (worker unreachable, refused, or an unreadable ack); retried",
+            ),
             registry,
         }
     }
@@ -162,6 +286,53 @@ impl Metrics {
             .encode(&self.registry.gather(), &mut buf)
             .expect("encoding metrics to memory");
         buf
+    }
+}
+
+/// Distinct model names kept as label values; later ones are `other`.
+const MODEL_LABELS_CAP: usize = 16;
+/// Distinct policy versions kept as label values (a run moves through a few at a time).
+const POLICY_LABELS_CAP: usize = 64;
+
+/// A label whose values someone else chooses, kept bounded: the first `cap` distinct values
+/// are themselves, later ones `other`.
+pub struct LabelCap {
+    cap: usize,
+    seen: Mutex<HashSet<String>>,
+}
+
+impl LabelCap {
+    pub fn new(cap: usize) -> LabelCap {
+        LabelCap {
+            cap,
+            seen: Mutex::new(HashSet::new()),
+        }
+    }
+
+    /// `value`, or `other` once `cap` other values have been seen.
+    pub fn label<'a>(&self, value: &'a str) -> &'a str {
+        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.contains(value) {
+            return value;
+        }
+        if seen.len() < self.cap {
+            seen.insert(value.to_owned());
+            return value;
+        }
+        "other"
+    }
+}
+
+/// Registers [`SessionActivity`] (shared with the proxy) as a collector.
+struct ActivityCollector(Arc<SessionActivity>);
+
+impl prometheus::core::Collector for ActivityCollector {
+    fn desc(&self) -> Vec<&prometheus::core::Desc> {
+        self.0.desc()
+    }
+
+    fn collect(&self) -> Vec<prometheus::proto::MetricFamily> {
+        self.0.collect()
     }
 }
 

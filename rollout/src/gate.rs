@@ -21,6 +21,8 @@ pub struct SessionPolicy {
     pub sampling: Sampling,
     /// The task's policy version, used when the node has none of its own.
     pub policy_version: Option<String>,
+    /// The sample's harness, for the proxy's metrics.
+    pub harness: Option<tokentap_proxy::harness::Harness>,
 }
 
 #[derive(Default)]
@@ -143,6 +145,7 @@ impl CallGate for Gate {
             normalizations: apply_sampling(&session_policy.sampling, request),
             policy_version: node_version.or(session_policy.policy_version),
             permit: Some(permit),
+            harness: session_policy.harness,
         }
     }
 }
@@ -236,6 +239,7 @@ mod tests {
                     max_tokens: Some(512),
                 },
                 policy_version: Some("task-v".into()),
+                harness: None,
             },
         );
         let gate = Gate(node.clone());

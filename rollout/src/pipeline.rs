@@ -30,8 +30,8 @@ use tokentap_reconstruct::{build_all, verify, RecordDigest};
 use tokentap_schema::Trace;
 
 use crate::task::{
-    AgentReport, CaptureMode, Incomplete, NodeCeilings, Outcome, Rollout, Sample, Stage, TaskSpec,
-    TrajectorySummary, Workspace,
+    AgentReport, CaptureMode, Harness, Incomplete, NodeCeilings, Outcome, Rollout, Sample, Stage,
+    TaskSpec, TrajectorySummary, Workspace,
 };
 
 /// How a node runs its stages.
@@ -175,7 +175,7 @@ impl Shared {
 
     /// Tells metrics, event streams and result waiters that a (stored) sample ended.
     fn announce_end(&self, sample: &Sample, outcome: Outcome) {
-        self.metrics.ended(&outcome);
+        self.metrics.ended(&sample.task_id, &outcome);
         let _ = self.events.send(Event::Finished {
             rollout_id: sample.rollout_id.clone(),
             sample_id: sample.sample_id.clone(),
@@ -299,9 +299,9 @@ impl Pipeline {
                     job.slot = Some(slot);
                     sh.metrics.depth(Stage::Queued, depth);
                     sh.metrics.waited(Stage::Queued, job.queued_at);
-                    let t = Instant::now();
+                    let t = sh.metrics.enter(Stage::Init);
                     let r = init(&sh, &mut job).await;
-                    sh.metrics.took(Stage::Init, t);
+                    t.done();
                     match r {
                         Ok(true) => {
                             let _ =
@@ -323,13 +323,13 @@ impl Pipeline {
                 while let Some(mut job) = next(&rx).await {
                     sh.metrics.dec_depth(Stage::Init);
                     sh.metrics.waited(Stage::Init, job.queued_at);
-                    let t = Instant::now();
+                    let t = sh.metrics.enter(Stage::Run);
                     let r = run(&sh, &mut job).await;
                     let _ = sh
                         .store
                         .stage_ended(&job.sample.sample_id, Stage::Run, now_ms());
                     job.slot = None;
-                    sh.metrics.took(Stage::Run, t);
+                    t.done();
                     match r {
                         Ok(()) => {
                             job.queued_at = Instant::now();
@@ -347,9 +347,9 @@ impl Pipeline {
                 while let Some(mut job) = next(&rx).await {
                     sh.metrics.dec_depth(Stage::Run);
                     sh.metrics.waited(Stage::Run, job.queued_at);
-                    let t = Instant::now();
+                    let t = sh.metrics.enter(Stage::PostRun);
                     let r = post_run(&sh, &mut job).await;
-                    sh.metrics.took(Stage::PostRun, t);
+                    t.done();
                     match r {
                         Ok(outcome) => sh.finish(&job.sample, outcome),
                         Err(e) => sh.fail(&job, format!("post-run: {e:#}")),
@@ -580,6 +580,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
             SessionPolicy {
                 sampling: spec.sampling.clone(),
                 policy_version: spec.policy_version.clone(),
+                harness: Some(metrics_harness(&spec.harness)),
             },
         );
     }
@@ -877,4 +878,16 @@ async fn outcome(
     let (reward, trace_rewards) = (evaluation.reward, evaluation.trace_rewards.clone());
     store.set_evaluation(&job.sample.sample_id, evaluation)?;
     Ok((Outcome::Completed { reward }, trace_rewards))
+}
+
+/// The proxy metrics' `harness` label for a task's harness.
+fn metrics_harness(harness: &Harness) -> tokentap_proxy::harness::Harness {
+    use tokentap_proxy::harness::Harness as Label;
+    match harness {
+        Harness::Codex => Label::Codex,
+        Harness::ClaudeCode => Label::ClaudeCode,
+        Harness::QwenCode => Label::QwenCode,
+        Harness::Pi => Label::Pi,
+        Harness::Command { .. } => Label::Other,
+    }
 }

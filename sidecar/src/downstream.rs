@@ -44,13 +44,13 @@ pub struct Downstream {
 }
 
 impl DownstreamArgs {
-    /// Starts shipping (trusting `ca_roots` besides the built-in roots, counting dead letters
-    /// on `dead_letters`) or local reconstruction of `spool`, if configured.
+    /// Starts shipping (trusting `ca_roots` besides the built-in roots, counting on
+    /// `metrics`) or local reconstruction of `spool`, if configured.
     pub fn start(
         &self,
         spool: &std::path::Path,
         ca_roots: Vec<reqwest::Certificate>,
-        dead_letters: prometheus::IntCounter,
+        metrics: ship::ShipMetrics,
     ) -> anyhow::Result<Option<Downstream>> {
         let stop = Arc::new(AtomicBool::new(false));
         let finish_open = Arc::new(AtomicBool::new(false));
@@ -69,7 +69,7 @@ impl DownstreamArgs {
                 .name("ship".into())
                 .spawn(move || {
                     if let Err(e) =
-                        ship::ship(&spool, &target, &stop, BatchLimits::default(), dead_letters)
+                        ship::ship(&spool, &target, &stop, BatchLimits::default(), metrics)
                     {
                         tracing::error!(error = %e, "shipping stopped");
                     }

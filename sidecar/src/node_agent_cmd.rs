@@ -125,7 +125,7 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         args.downstream.start(
             &args.capture.spool,
             args.capture.ca_roots()?,
-            service.metrics().ship_dead_letter.clone(),
+            crate::ship::ShipMetrics::of(service.metrics()),
         )?
     };
     let service = Arc::new(service);

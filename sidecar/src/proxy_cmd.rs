@@ -176,7 +176,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         args.downstream.start(
             &capture.spool,
             capture.ca_roots()?,
-            service.metrics().ship_dead_letter.clone(),
+            crate::ship::ShipMetrics::of(service.metrics()),
         )?
     };
 

@@ -174,7 +174,7 @@ impl TransparentArgs {
             self.downstream.start(
                 &self.capture.spool,
                 self.capture.ca_roots()?,
-                service.metrics().ship_dead_letter.clone(),
+                crate::ship::ShipMetrics::of(service.metrics()),
             )?
         };
         let service = Arc::new(service);

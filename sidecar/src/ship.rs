@@ -193,13 +193,13 @@ fn open_private_append(path: &Path) -> std::io::Result<std::fs::File> {
 }
 
 /// Ships `spool` to `target` until the spool is drained and `stop.drain` is set. Records it
-/// dead-letters are counted on `dead_letters`.
+/// progress is counted on `metrics`.
 pub fn ship(
     spool: &Path,
     target: &ShipTarget,
     stop: &ShipStop,
     limits: BatchLimits,
-    dead_letters: IntCounter,
+    metrics: ShipMetrics,
 ) -> anyhow::Result<ShipTotals> {
     let cursor_path = spool.join(CURSOR_FILE);
     let to = target.to.trim_end_matches('/').to_owned();
@@ -236,8 +236,10 @@ pub fn ship(
     let dead = DeadLetters {
         path: spool.join(DEAD_LETTER_FILE),
         worker: to.clone(),
-        counter: dead_letters,
+        counter: metrics.dead_letters.clone(),
     };
+    // The backlog is measured at most this often (it lists and stats the segments).
+    let mut backlog_measured: Option<Instant> = None;
     let save = |position: SpoolPosition| {
         save_cursor(
             &cursor_path,
@@ -269,6 +271,15 @@ pub fn ship(
             limits_asked = Some(Instant::now());
             worker_max = client.limits();
         }
+        if backlog_measured.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            backlog_measured = Some(Instant::now());
+            // Read and unacked, plus not yet read.
+            if let Ok(unread) = tokentap_spool::bytes_after(spool, reader.position()) {
+                metrics
+                    .backlog_bytes
+                    .set((unread + pending_bytes as u64) as i64);
+            }
+        }
         let budget = worker_max.map_or(limits.max_bytes, |m| limits.max_bytes.min(m as usize));
         while pending.len() < limits.max_records && pending_bytes < budget {
             let line = match reader.next_available()? {
@@ -291,6 +302,9 @@ pub fn ship(
         }
         let Some(front) = pending.front() else {
             if draining {
+                if let Ok(unread) = tokentap_spool::bytes_after(spool, reader.position()) {
+                    metrics.backlog_bytes.set(unread as i64);
+                }
                 tracing::info!(?totals, "shipper drained");
                 return Ok(totals);
             }
@@ -336,6 +350,8 @@ pub fn ship(
         }
         let transient = match client.send(&body) {
             Sent::Acked(ack) => {
+                metrics.records.inc_by(ack.accepted + ack.duplicates);
+                metrics.last_ack.set(unix_ms() as f64 / 1000.0);
                 backoff = Duration::from_millis(100);
                 split_cap = None;
                 totals.batches += 1;
@@ -419,6 +435,7 @@ pub fn ship(
         };
         if let Some(e) = transient {
             totals.retries += 1;
+            metrics.errors.inc();
             let gave_up = drain_since.is_some_and(|t| t.elapsed() >= stop.drain_deadline);
             if gave_up {
                 tracing::warn!(error = %e, "worker unreachable at shutdown; the cursor is saved and the next start resumes");
@@ -431,6 +448,33 @@ pub fn ship(
                 limits_asked = None; // the worker may be back: ask again
             }
         }
+    }
+}
+
+/// What the shipper counts: the proxy's `tokentap_ship_*` series, or (for `tokentap ship`)
+/// counters nobody scrapes.
+#[derive(Clone)]
+pub struct ShipMetrics {
+    pub dead_letters: IntCounter,
+    pub backlog_bytes: prometheus::IntGauge,
+    pub records: IntCounter,
+    pub last_ack: prometheus::Gauge,
+    pub errors: IntCounter,
+}
+
+impl ShipMetrics {
+    pub fn of(m: &tokentap_proxy::metrics::Metrics) -> ShipMetrics {
+        ShipMetrics {
+            dead_letters: m.ship_dead_letter.clone(),
+            backlog_bytes: m.ship_backlog_bytes.clone(),
+            records: m.ship_records.clone(),
+            last_ack: m.ship_last_ack.clone(),
+            errors: m.ship_errors.clone(),
+        }
+    }
+
+    pub fn unregistered() -> ShipMetrics {
+        ShipMetrics::of(&tokentap_proxy::metrics::Metrics::new())
     }
 }
 
@@ -542,7 +586,6 @@ pub fn run(args: ShipArgs) -> anyhow::Result<()> {
         token: args.auth.ship_token.clone(),
         ca_roots: load_ca_file(args.ca_file.as_deref())?,
     };
-    let dead_letters = IntCounter::new("tokentap_ship_dead_letter_total", "dead-lettered")?;
     let totals = ship(
         &args.spool,
         &target,
@@ -551,7 +594,7 @@ pub fn run(args: ShipArgs) -> anyhow::Result<()> {
             drain_deadline: Duration::from_secs(if args.follow { 10 } else { 60 }),
         },
         BatchLimits::default(),
-        dead_letters,
+        ShipMetrics::unregistered(),
     )?;
     println!(
         "shipped {} records in {} batches ({} duplicates dropped by the worker, {} rejected, {} dead-lettered, {} retries)",
@@ -671,7 +714,8 @@ mod tests {
         w.sync().unwrap();
         drop(w);
 
-        let dead = IntCounter::new("dead", "dead").unwrap();
+        let metrics = ShipMetrics::unregistered();
+        let dead = metrics.dead_letters.clone();
         let target = ShipTarget {
             to: url,
             token: None,
@@ -685,7 +729,7 @@ mod tests {
                 drain_deadline: Duration::from_secs(5),
             },
             BatchLimits::default(),
-            dead.clone(),
+            metrics.clone(),
         )
         .unwrap();
 
@@ -698,6 +742,17 @@ mod tests {
         assert_eq!(got, want, "every record that fits, once, in order");
         assert_eq!(dead.get(), 1);
         assert_eq!(totals.dead_lettered, 1);
+        assert_eq!(
+            metrics.records.get(),
+            totals.records,
+            "acked records counted"
+        );
+        assert_eq!(
+            metrics.backlog_bytes.get(),
+            0,
+            "drained: nothing left to ship"
+        );
+        assert!(metrics.last_ack.get() > 1.7e9, "an ack's time in seconds");
         let letters = std::fs::read_to_string(dir.path().join(DEAD_LETTER_FILE)).unwrap();
         let letter: serde_json::Value = serde_json::from_str(letters.trim()).unwrap();
         assert_eq!(letter["record"]["record_id"], too_big.as_str());
@@ -715,7 +770,7 @@ mod tests {
                 drain_deadline: Duration::from_secs(1),
             },
             BatchLimits::default(),
-            dead,
+            metrics.clone(),
         )
         .unwrap();
         assert_eq!((again.records, again.dead_lettered), (0, 0));

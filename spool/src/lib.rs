@@ -36,7 +36,7 @@ mod writer;
 pub use error::SpoolError;
 pub use fsync::{parse_duration, FsyncPolicy, ParseFsyncPolicyError};
 pub use lock::LOCK_FILE_NAME;
-pub use query::{find, stats, tail, SpoolStats};
+pub use query::{bytes_after, find, stats, tail, SpoolStats};
 pub use reader::{SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};
 pub use writer::{SpoolConfig, SpoolWriter, DEFAULT_SEGMENT_MAX_BYTES};
 

@@ -140,3 +140,21 @@ pub fn stats(dir: &Path) -> Result<SpoolStats, SpoolError> {
     }
     Ok(stats)
 }
+
+/// Bytes the spool holds after `position` (a reader's or a shipper's): what is still to read.
+/// Segments that vanish meanwhile count as empty.
+pub fn bytes_after(dir: &Path, position: SpoolPosition) -> Result<u64, SpoolError> {
+    let mut total = 0;
+    for seq in list_segments(dir)? {
+        if seq < position.segment {
+            continue;
+        }
+        let len = std::fs::metadata(segment_path(dir, seq)).map_or(0, |m| m.len());
+        total += if seq == position.segment {
+            len.saturating_sub(position.offset)
+        } else {
+            len
+        };
+    }
+    Ok(total)
+}
