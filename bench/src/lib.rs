@@ -10,6 +10,7 @@
 mod body;
 mod instant_backend;
 mod load;
+mod metrics;
 mod proxy_child;
 mod reconstruct;
 mod report;
@@ -62,6 +63,9 @@ pub enum BenchCmd {
   tokentap bench soak                                  # 256 sessions, 10 minutes
   tokentap bench soak --duration 3600 --json > soak.json")]
     Soak(soak::SoakBenchArgs),
+    /// What the proxy's metrics cost per call (every series a finished call updates) and per
+    /// scrape, in-process; set beside `bench proxy`'s CPU per call.
+    Metrics(metrics::MetricsBenchArgs),
 }
 
 #[derive(Args)]
@@ -166,6 +170,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Reconstruct(args) => reconstruct::run(args),
         BenchCmd::Rollout(args) => rollout::run(args),
         BenchCmd::Soak(args) => soak::run(args),
+        BenchCmd::Metrics(args) => metrics::run(args),
     }
 }
 

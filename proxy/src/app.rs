@@ -847,70 +847,9 @@ impl CaptureService {
         [self.backend.kind().as_str(), model]
     }
 
-    /// A finished call in the metrics. `harness`: as the admission gate knows it (else from
-    /// the request); `in_activity`: its session's activity counted its start.
+    /// A finished call in the metrics.
     fn count(&self, record: &CaptureRecord, harness: Option<Harness>, in_activity: bool) {
-        let api = record.wire_api.as_str();
-        let m = &self.metrics;
-        let engine = record.backend.kind.as_str();
-        // The model as sent to the engine: the configured one, or (without one) whatever the
-        // harness asked for, kept bounded.
-        let model = m.models.label(if record.backend.model.is_empty() {
-            "any"
-        } else {
-            &record.backend.model
-        });
-        let harness = harness
-            .unwrap_or_else(|| Harness::from_headers(&record.request.headers))
-            .as_str();
-        let policy = m
-            .policy_versions
-            .label(record.backend.policy_version.as_deref().unwrap_or("none"));
-        m.calls
-            .with_label_values(&[api, &record.response_status.to_string()])
-            .inc();
-        if let Some(u) = record.usage {
-            m.prompt_tokens
-                .with_label_values(&[engine, model, harness, policy])
-                .inc_by(u.prompt_tokens);
-            m.completion_tokens
-                .with_label_values(&[engine, model, harness, policy])
-                .inc_by(u.completion_tokens);
-        }
-        if let Some(e) = &record.error {
-            m.call_errors
-                .with_label_values(&[engine, model, e.kind.as_str()])
-                .inc();
-        }
-        let t = &record.timings;
-        m.engine_seconds
-            .with_label_values(&[engine, model, harness])
-            .inc_by(t.backend_ms / 1000.0);
-        m.proxy_seconds
-            .with_label_values(&[engine, model, harness])
-            .inc_by(t.proxy_overhead_ms.max(0.0) / 1000.0);
-        if in_activity {
-            m.activity.end(
-                &record.session_id,
-                [engine.into(), model.into(), harness.into()],
-                record.started_at_unix_ms,
-                record.ended_at_unix_ms,
-            );
-        }
-        m.call_seconds
-            .with_label_values(&[api])
-            .observe(t.total_ms / 1000.0);
-        m.backend_seconds
-            .with_label_values(&[api])
-            .observe(t.backend_ms / 1000.0);
-        m.proxy_overhead_seconds
-            .with_label_values(&[api])
-            .observe(t.proxy_overhead_ms / 1000.0);
-        if let Some(ttft) = t.time_to_first_token_ms {
-            m.ttft_seconds
-                .with_label_values(&[engine, model, api])
-                .observe(ttft / 1000.0);
-        }
+        self.metrics.record_call(record, harness, in_activity);
     }
 }
 
