@@ -84,10 +84,28 @@ pub async fn serve(
         .with_context(|| format!("listening on {listen}"))?;
     let local = listener.local_addr()?;
     ready(local, config.is_some());
+    let app = app.layer(axum::middleware::map_response(close_after_refusal));
     axum::serve(LimitedListener::start(listener, config), app)
         .with_graceful_shutdown(shutdown)
         .await
         .map_err(Into::into)
+}
+
+/// A request refused before its body was read (too large, or no valid token) leaves that
+/// body unread on the connection, and hyper closes it after the answer. Saying so
+/// (`Connection: close`) keeps a client from sending its next request down a connection that
+/// is about to close.
+async fn close_after_refusal(mut response: axum::response::Response) -> axum::response::Response {
+    use axum::http::{header, HeaderValue, StatusCode};
+    if matches!(
+        response.status(),
+        StatusCode::PAYLOAD_TOO_LARGE | StatusCode::UNAUTHORIZED
+    ) {
+        response
+            .headers_mut()
+            .insert(header::CONNECTION, HeaderValue::from_static("close"));
+    }
+    response
 }
 
 /// Accepts TCP connections and hands axum those admitted under the cap and, with TLS, whose

@@ -353,7 +353,10 @@ async fn bad_reviews_missing_tokens_and_huge_bodies_are_refused_clearly() {
     let one = review("u", &pod("one", json!({}), json!({})))
         .to_string()
         .into_bytes();
-    assert_eq!(w.post(one.clone(), None).await.status(), 401);
+    let refused = w.post(one.clone(), None).await;
+    assert_eq!(refused.status(), 401);
+    // Refused before its body was read: the connection is not for reuse.
+    assert_eq!(refused.headers()["connection"], "close");
     assert_eq!(w.post(one.clone(), Some("wrong-token")).await.status(), 401);
     let r = w.post(b"{not json".to_vec(), Some(TOKEN)).await;
     assert_eq!(r.status(), 400);
@@ -376,7 +379,11 @@ async fn bad_reviews_missing_tokens_and_huge_bodies_are_refused_clearly() {
     // connection close before it reads the answer).
     let huge = vec![b' '; 4 << 20];
     match w.try_post(huge, Some(TOKEN)).await {
-        Ok(r) => assert_eq!(r.status(), 413),
+        Ok(r) => {
+            assert_eq!(r.status(), 413);
+            // The body is left unread: the connection is not for reuse.
+            assert_eq!(r.headers()["connection"], "close");
+        }
         Err(e) => assert!(e.is_request(), "{e}"),
     }
     // Still serving.
