@@ -8,6 +8,7 @@
 pub mod artefacts;
 pub mod checks;
 pub mod containers;
+pub mod exporter_doubles;
 pub mod fixtures;
 pub mod harness;
 pub mod kube_apiserver;
