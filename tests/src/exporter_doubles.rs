@@ -72,7 +72,12 @@ impl ExporterDouble {
 /// time-to-first-token histogram.
 fn vllm(n: u64, model: &str) -> String {
     let l = format!("engine=\"0\",model_name=\"{model}\"");
-    let ttft = [(0.05, n), (0.1, 2 * n), (0.5, 3 * n), (f64::INFINITY, 3 * n)];
+    let ttft = [
+        (0.05, n),
+        (0.1, 2 * n),
+        (0.5, 3 * n),
+        (f64::INFINITY, 3 * n),
+    ];
     let mut s = format!(
         "# HELP vllm:num_requests_running Number of requests in model execution batches.\n\
          # TYPE vllm:num_requests_running gauge\n\
