@@ -167,11 +167,14 @@ def where_time_goes():
               "Per harness: the engine answering, the proxy, and the harness and its tools between a session's calls.")
     b.row("Sessions' time")
     b.panel("Session time by part", "Seconds per second spent in the engine, the proxy and the harness/tools, per harness (recording rule tokentap:session_seconds:rate5m).",
-            [(f'sum by (harness, part) (tokentap:session_seconds:rate5m{{{SEL}}})', "{{harness}} {{part}}")],
+            [(f'sum by (harness, part) (tokentap:session_seconds:rate5m{{{SEL_EM}}})', "{{harness}} {{part}}")],
             unit="s", stack=True)
     b.panel("Harness time share", "harness / (harness + engine + proxy): the share of a session's time its engine sits idle while its harness works.",
-            [(f'tokentap:harness_time_share:ratio_rate5m{{{SEL}}}', "{{harness}}")],
+            [(f'tokentap:harness_time_share:ratio_rate5m{{{SEL_EM}}}', "{{harness}} {{engine}} {{model}}")],
             unit="percentunit", minv=0, maxv=1)
+    b.panel("Share of session time by part", "Each part's share of a harness's session time: engine (GPUs answering), proxy, harness/tools (the engine idle for this session).",
+            [(f'sum by (harness, part) (tokentap:session_seconds:rate5m{{{SEL_EM}}}) / on (harness) group_left sum by (harness) (tokentap:session_seconds:rate5m{{{SEL_EM}}})', "{{harness}} {{part}}")],
+            unit="percentunit", minv=0, maxv=1, stack=True)
     b.panel("Engine time per harness", "tokentap_engine_seconds_total per second, per harness.",
             [(f'sum by (harness) (rate(tokentap_engine_seconds_total{{{SEL_EM}}}[{RI}]))', "{{harness}}")], unit="s")
     b.panel("Harness/tool time per harness", "tokentap_harness_seconds_total per second, per harness.",
