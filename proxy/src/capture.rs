@@ -618,9 +618,9 @@ impl RecordSink {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use std::path::{Path, PathBuf};
-    use std::process::Command;
+    use std::path::Path;
     use tokentap_e2e::privileged;
+    use tokentap_e2e::tmpfs::{self, Tmpfs};
     use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader};
 
     #[test]
@@ -651,41 +651,6 @@ mod tests {
         open.set_failing("No space left on device (os error 28)".into());
         assert!(!open.writable());
         assert_eq!(open.refusal(), None);
-    }
-
-    /// A small tmpfs, unmounted on drop.
-    struct Tmpfs(tempfile::TempDir);
-
-    impl Tmpfs {
-        fn mount() -> Result<Tmpfs, String> {
-            let dir = tempfile::tempdir().map_err(|e| e.to_string())?;
-            let out = Command::new("mount")
-                .args(["-t", "tmpfs", "-o", "size=128k", "tmpfs"])
-                .arg(dir.path())
-                .output()
-                .map_err(|e| format!("running mount: {e}"))?;
-            if !out.status.success() {
-                return Err(format!(
-                    "mounting a tmpfs needs root: {}",
-                    String::from_utf8_lossy(&out.stderr).trim()
-                ));
-            }
-            Ok(Tmpfs(dir))
-        }
-
-        fn fill(&self) -> PathBuf {
-            use std::io::Write;
-            let path = self.0.path().join("filler");
-            let mut f = std::fs::File::create(&path).unwrap();
-            while f.write(&[0u8; 4096]).is_ok_and(|n| n > 0) {}
-            path
-        }
-    }
-
-    impl Drop for Tmpfs {
-        fn drop(&mut self) {
-            let _ = Command::new("umount").arg("-l").arg(self.0.path()).status();
-        }
     }
 
     fn record(i: usize) -> CaptureRecord {
@@ -727,12 +692,11 @@ mod tests {
 
     #[tokio::test]
     async fn fail_closed_keeps_failed_records_refuses_and_writes_each_once_when_space_returns() {
-        let fs = Tmpfs::mount();
-        if !privileged::runs(fs.as_ref().map(|_| ()).map_err(Clone::clone)) {
+        if !privileged::runs(tmpfs::may_mount()) {
             return;
         }
-        let fs = fs.unwrap();
-        let dir = fs.0.path().join("spool");
+        let fs = Tmpfs::mount("128k");
+        let dir = fs.path().join("spool");
         let writer = SpoolWriter::open(
             &dir,
             SpoolConfig {
@@ -787,12 +751,11 @@ mod tests {
 
     #[tokio::test]
     async fn fail_open_drops_and_counts_failed_batches_and_resumes_when_space_returns() {
-        let fs = Tmpfs::mount();
-        if !privileged::runs(fs.as_ref().map(|_| ()).map_err(Clone::clone)) {
+        if !privileged::runs(tmpfs::may_mount()) {
             return;
         }
-        let fs = fs.unwrap();
-        let dir = fs.0.path().join("spool");
+        let fs = Tmpfs::mount("128k");
+        let dir = fs.path().join("spool");
         let writer = SpoolWriter::open(&dir, SpoolConfig::default()).unwrap();
         let metrics = Arc::new(Metrics::new());
         let (sink, handle) =

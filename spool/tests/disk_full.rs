@@ -6,9 +6,10 @@
 use std::collections::BTreeMap;
 use std::fs::{self, OpenOptions};
 use std::io::Write;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 
+use tokentap_e2e::privileged;
+use tokentap_e2e::tmpfs::{self, Tmpfs};
 use tokentap_schema::{
     BackendInfo, BackendKind, CaptureRecord, HarnessRequest, SessionSource, Timings,
     TokenProvenance, TokenSource, WireApi, CAPTURE_SCHEMA_VERSION,
@@ -66,95 +67,6 @@ fn record(i: u64, payload: usize) -> CaptureRecord {
     }
 }
 
-/// Whether the test may mount; the e2e crate's `privileged::runs` convention, in small.
-fn may_mount() -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var("TOKENTAP_REQUIRE_PRIVILEGED").is_ok_and(|v| v == "1") {
-        panic!("mounting a tmpfs needs root and TOKENTAP_REQUIRE_PRIVILEGED=1 forbids skipping");
-    }
-    eprintln!("skipped: mounting a tmpfs needs root");
-    false
-}
-
-/// A tmpfs of `size` mounted on a fresh temp dir, unmounted on drop (also when the test fails).
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn mount(size: &str) -> Tmpfs {
-        let dir = tempfile::tempdir().unwrap();
-        let st = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(dir.path())
-            .status()
-            .unwrap();
-        assert!(st.success(), "mount tmpfs: {st}");
-        Tmpfs { dir }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    fn remount(&self, mode: &str) {
-        // A remount read-only is refused (EBUSY) while a file is open for writing on it; the
-        // writer holds none after a failed append, but give a retry loop a moment anyway.
-        for _ in 0..50 {
-            let out = Command::new("mount")
-                .args(["-o", &format!("remount,{mode}")])
-                .arg(self.path())
-                .output()
-                .unwrap();
-            if out.status.success() {
-                return;
-            }
-            std::thread::sleep(std::time::Duration::from_millis(100));
-        }
-        panic!("cannot remount {} {mode}", self.path().display());
-    }
-
-    /// Fills the file system to the last byte with `filler`, leaving `keep` bytes free by
-    /// shrinking it afterwards.
-    fn fill(&self, keep: u64) -> PathBuf {
-        let path = self.path().join("filler");
-        let mut f = OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .unwrap();
-        let chunk = vec![0u8; 4096];
-        loop {
-            match f.write(&chunk) {
-                Ok(0) => break,
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
-                Err(e) => panic!("filling: {e}"),
-            }
-        }
-        if keep > 0 {
-            let len = f.metadata().unwrap().len();
-            f.set_len(len.saturating_sub(keep)).unwrap();
-        }
-        path
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        let _ = Command::new("umount").arg(self.dir.path()).status();
-    }
-}
-
 fn os_error(e: &SpoolError) -> Option<i32> {
     match e {
         SpoolError::Io { source, .. } => source.raw_os_error(),
@@ -184,7 +96,7 @@ fn last_segment_len(dir: &Path) -> u64 {
 
 #[test]
 fn a_batch_that_half_fits_leaves_nothing_and_is_written_once_when_space_returns() {
-    if !may_mount() {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     for fsync in [FsyncPolicy::Always, FsyncPolicy::Never] {
@@ -200,7 +112,7 @@ fn a_batch_that_half_fits_leaves_nothing_and_is_written_once_when_space_returns(
         let before = last_segment_len(&dir);
 
         // Room for a few of the batch's lines, not all: a write that lands partly.
-        let filler = fs.fill(10_000);
+        let filler = fs.fill_leaving(10_000);
         let batch: Vec<_> = (3..13).map(|i| record(i, 3000)).collect();
         let e = w.append_batch(&batch).unwrap_err();
         assert_eq!(os_error(&e), Some(libc::ENOSPC), "{e}");
@@ -227,14 +139,14 @@ fn a_batch_that_half_fits_leaves_nothing_and_is_written_once_when_space_returns(
 
 #[test]
 fn remains_of_a_failed_append_are_cut_before_the_next_one() {
-    if !may_mount() {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("128k");
     let dir = fs.path().join("spool");
     let mut w = SpoolWriter::open(&dir, SpoolConfig::default()).unwrap();
     w.append(&record(0, 10)).unwrap();
-    let filler = fs.fill(0);
+    let filler = fs.fill();
     assert!(w.append(&record(1, 5000)).is_err());
     fs::remove_file(filler).unwrap();
     // What a failed cut would have left: the writer let go of the file and must not trust it.
@@ -248,7 +160,7 @@ fn remains_of_a_failed_append_are_cut_before_the_next_one() {
 
 #[test]
 fn a_spool_remounted_read_only_fails_with_erofs_and_recovers_when_writable_again() {
-    if !may_mount() {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("256k");
@@ -261,7 +173,7 @@ fn a_spool_remounted_read_only_fails_with_erofs_and_recovers_when_writable_again
     w.append(&record(0, 10)).unwrap();
     // A full disk first: after the failed append the writer holds no writable file, so the
     // file system can be remounted read-only under it (the lock file is held read-only).
-    let filler = fs.fill(0);
+    let filler = fs.fill();
     assert!(w.append(&record(1, 5000)).is_err());
     fs.remount("ro");
     let e = w.append(&record(1, 10)).unwrap_err();
@@ -275,7 +187,7 @@ fn a_spool_remounted_read_only_fails_with_erofs_and_recovers_when_writable_again
 
 #[test]
 fn a_segment_roll_that_fails_is_retried_without_losing_or_repeating_lines() {
-    if !may_mount() {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("256k");
@@ -291,7 +203,7 @@ fn a_segment_roll_that_fails_is_retried_without_losing_or_repeating_lines() {
         w.append(&record(next, 200)).unwrap();
         next += 1;
     }
-    let filler = fs.fill(0);
+    let filler = fs.fill();
     let batch: Vec<_> = (next..next + 3).map(|i| record(i, 2000)).collect();
     for _ in 0..3 {
         let e = w.append_batch(&batch).unwrap_err();

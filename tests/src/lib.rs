@@ -22,6 +22,7 @@ pub mod scripted;
 pub mod sse;
 pub mod tee;
 pub mod tls_front;
+pub mod tmpfs;
 pub mod tokentap;
 pub mod traces;
 pub mod transparent;

@@ -10,8 +10,7 @@
 //! Mounting needs root: `tokentap_e2e::privileged` fails these tests in CI without it.
 
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -19,98 +18,9 @@ use serde_json::{json, Value};
 use tokentap_e2e::privileged;
 use tokentap_e2e::procs::http_client;
 use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens};
+use tokentap_e2e::tmpfs::{self, Tmpfs};
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
 use tokentap_spool::{SpoolItem, SpoolReader};
-
-fn root() -> Result<(), String> {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } != 0 {
-        return Err("mounting a tmpfs needs root".into());
-    }
-    Ok(())
-}
-
-/// A small tmpfs on a fresh temp dir; unmounted on drop, also when the test fails.
-struct Tmpfs {
-    dir: tempfile::TempDir,
-}
-
-impl Tmpfs {
-    fn mount(size: &str) -> Tmpfs {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let out = Command::new("mount")
-            .args([
-                "-t",
-                "tmpfs",
-                "-o",
-                &format!("size={size},mode=0700"),
-                "tmpfs",
-            ])
-            .arg(dir.path())
-            .output()
-            .expect("running mount");
-        assert!(
-            out.status.success(),
-            "mount -t tmpfs: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        Tmpfs { dir }
-    }
-
-    fn path(&self) -> &Path {
-        self.dir.path()
-    }
-
-    /// `mount -o remount,MODE`. Read-only is refused (EBUSY) while any file on the tmpfs is
-    /// open for writing; the proxy's writer holds none while its spool is failing, except for
-    /// an instant per retry, so this tries for a few seconds.
-    fn remount(&self, mode: &str) {
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            let out = Command::new("mount")
-                .args(["-o", &format!("remount,{mode}")])
-                .arg(self.path())
-                .output()
-                .expect("running mount");
-            if out.status.success() {
-                return;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "remount,{mode}: {}",
-                String::from_utf8_lossy(&out.stderr)
-            );
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    /// Fills the file system to the last byte with a filler file; its path.
-    fn fill(&self) -> PathBuf {
-        use std::io::Write;
-        let path = self.path().join("filler");
-        let mut f = std::fs::File::create(&path).expect("creating the filler");
-        let chunk = vec![0u8; 4096];
-        loop {
-            match f.write(&chunk) {
-                Ok(0) => break,
-                Ok(_) => {}
-                Err(e) if e.raw_os_error() == Some(libc::ENOSPC) => break,
-                Err(e) => panic!("filling the tmpfs: {e}"),
-            }
-        }
-        path
-    }
-}
-
-impl Drop for Tmpfs {
-    fn drop(&mut self) {
-        // Lazy: the proxy may still be running when a failed test unwinds.
-        let _ = Command::new("umount")
-            .arg("-l")
-            .arg(self.dir.path())
-            .status();
-    }
-}
 
 async fn engine() -> ScriptedBackend {
     ScriptedBackend::start(
@@ -285,7 +195,7 @@ const REFUSED: &str = "tokentap_calls_refused_total{reason=\"spool_unwritable\"}
 
 #[tokio::test]
 async fn heavy_fail_closed_refuses_calls_while_the_disk_is_full_and_loses_no_answered_call() {
-    if !privileged::runs(root()) {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("256k");
@@ -345,7 +255,7 @@ async fn heavy_fail_closed_refuses_calls_while_the_disk_is_full_and_loses_no_ans
 
 #[tokio::test]
 async fn heavy_fail_open_answers_while_the_disk_is_full_and_counts_records_lost() {
-    if !privileged::runs(root()) {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("256k");
@@ -409,7 +319,7 @@ async fn heavy_fail_open_answers_while_the_disk_is_full_and_counts_records_lost(
 
 #[tokio::test]
 async fn heavy_fail_closed_refuses_calls_while_the_spool_is_read_only_and_recovers_on_remount_rw() {
-    if !privileged::runs(root()) {
+    if !privileged::runs(tmpfs::may_mount()) {
         return;
     }
     let fs = Tmpfs::mount("256k");
