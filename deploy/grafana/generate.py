@@ -126,7 +126,7 @@ def gpu_throughput():
     b.panel("Generated tokens/s (tokentap)", "Completion tokens of every captured call, per engine and model.",
             [(f'sum by (engine, model) (rate(tokentap_completion_tokens_total{{{SEL_EM}}}[{RI}]))', "{{engine}} {{model}}")],
             unit="short")
-    b.panel("Generated tokens/s (the engines' own counters)", "vLLM vllm:generation_tokens_total, SGLang sglang:generation_tokens_total, llama.cpp llamacpp:tokens_predicted_total (recording rule engine:generation_tokens:rate1m).",
+    b.panel("Generated tokens/s (the engines' own counters)", "vLLM vllm:generation_tokens_total, SGLang sglang:generation_tokens_total, llama.cpp llamacpp:tokens_predicted_total (recording rule engine:generation_tokens:rate1m; llama.cpp names no model).",
             [(f'sum by (engine, model, pod) (engine:generation_tokens:rate1m{{namespace=~"$namespace", engine=~"$engine"}})', "{{engine}} {{model}} {{pod}}")])
     b.panel("Prompt tokens/s (tokentap)", "Prompt tokens of every captured call, per engine and model.",
             [(f'sum by (engine, model) (rate(tokentap_prompt_tokens_total{{{SEL_EM}}}[{RI}]))', "{{engine}} {{model}}")])
@@ -139,14 +139,14 @@ def gpu_throughput():
     b.panel("SM active", "DCGM_FI_PROF_SM_ACTIVE: the share of cycles an SM has work. Closer to real compute use than GPU_UTIL.",
             [(f'avg by (Hostname, gpu, pod) (DCGM_FI_PROF_SM_ACTIVE{{{SEL}}})', "{{Hostname}} gpu{{gpu}} {{pod}}")],
             unit="percentunit", minv=0, maxv=1)
-    b.panel("vLLM tokens/s per busy GPU", "Generation tokens/s of each vLLM pod divided by its GPUs' utilisation (joined on namespace and pod): throughput per unit of GPU time.",
-            [(f'sum by (namespace, pod) (rate(vllm:generation_tokens_total{{{SEL_VLLM}}}[{RI}])) / on (namespace, pod) group_left sum by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{{{SEL}}} / 100)', "{{pod}}")])
+    b.panel("Tokens/s per busy GPU", "Each engine pod's generation tokens/s (its own counters) divided by its GPUs' utilisation, joined on namespace and pod: throughput per unit of GPU time.",
+            [(f'sum by (namespace, pod, engine) (engine:generation_tokens:rate1m{{namespace=~"$namespace", engine=~"$engine", model=~"$model"}}) / on (namespace, pod) group_left sum by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{{{SEL}}} / 100)', "{{engine}} {{pod}}")])
     b.row("Engine queues and caches")
     b.panel("vLLM requests running / waiting", "vllm:num_requests_running and vllm:num_requests_waiting.",
             [(f'sum by (model_name) (vllm:num_requests_running{{{SEL_VLLM}}})', "running {{model_name}}"),
              (f'sum by (model_name) (vllm:num_requests_waiting{{{SEL_VLLM}}})', "waiting {{model_name}}")])
-    b.panel("KV cache usage", "vLLM vllm:kv_cache_usage_perc and SGLang sglang:token_usage (1 = full).",
-            [(f'max by (model_name) (vllm:kv_cache_usage_perc{{{SEL_VLLM}}})', "vLLM {{model_name}}"),
+    b.panel("KV cache usage", "vLLM vllm:kv_cache_usage_perc (vllm:gpu_cache_usage_perc before v0.10) and SGLang sglang:token_usage (1 = full).",
+            [(f'max by (model_name) (vllm:kv_cache_usage_perc{{{SEL_VLLM}}} or vllm:gpu_cache_usage_perc{{{SEL_VLLM}}})', "vLLM {{model_name}}"),
              (f'max by (model_name) (sglang:token_usage{{{SEL_VLLM}}})', "SGLang {{model_name}}")],
             unit="percentunit", minv=0, maxv=1)
     b.panel("Prefix cache hit rate", "vLLM: hits / queries over the interval; SGLang: sglang:cache_hit_rate. Prefix merging keeps this high.",
