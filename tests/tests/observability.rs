@@ -15,7 +15,9 @@ use tokentap_e2e::exporter_doubles::{Exporter, ExporterDouble};
 use tokentap_e2e::harness::{run_claude, HarnessDirs};
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::node_api;
-use tokentap_e2e::procs::{free_port, http_client, spawn_guarded, wait_healthy, KillScope};
+use tokentap_e2e::procs::{
+    free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
+};
 use tokentap_e2e::scripted::curl_agent;
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
 use tokentap_e2e::worker::Worker;
@@ -86,6 +88,7 @@ fn panel_exprs() -> Vec<(String, String)> {
                     .as_str()
                     .unwrap()
                     .replace("$__rate_interval", "1m")
+                    .replace("$__interval", "1m")
                     .replace("$__range", "10m")
                     .replace("$namespace", ".*")
                     .replace("$engine", ".*")
@@ -99,6 +102,37 @@ fn panel_exprs() -> Vec<(String, String)> {
                     expr,
                 ));
             }
+        }
+    }
+    out
+}
+
+/// Every dashboard's query variables (`label_values(METRIC{…}, LABEL)`), as PromQL that
+/// returns the values Grafana would offer: `count by (LABEL) (METRIC{…})`.
+fn variable_queries() -> Vec<(String, String)> {
+    let mut out = Vec::new();
+    for entry in std::fs::read_dir(deploy().join("grafana/dashboards")).unwrap() {
+        let board: Value =
+            serde_json::from_slice(&std::fs::read(entry.unwrap().path()).unwrap()).unwrap();
+        for var in board["templating"]["list"].as_array().unwrap() {
+            if var["type"] != "query" {
+                continue;
+            }
+            let def = var["definition"].as_str().unwrap();
+            let args = def
+                .strip_prefix("label_values(")
+                .and_then(|a| a.strip_suffix(')'))
+                .unwrap_or_else(|| panic!("variable {}: {def}", var["name"]));
+            let (metric, label) = args.rsplit_once(',').unwrap();
+            let metric = metric.replace("$engine", ".*").replace("$model", ".*");
+            out.push((
+                format!(
+                    "{} / variable {}",
+                    board["title"].as_str().unwrap(),
+                    var["name"]
+                ),
+                format!("count by ({}) ({metric})", label.trim()),
+            ));
         }
     }
     out
@@ -139,6 +173,124 @@ async fn empty(prometheus: &str, all: &[(String, String)]) -> Vec<String> {
         }
     }
     out
+}
+
+/// A real Prometheus on loopback with `config` (YAML), ready to answer queries.
+async fn start_prometheus(dir: &Path, port: u16, config: &str) -> (ChildGuard, String) {
+    let config_path = dir.join("prometheus.yml");
+    std::fs::write(&config_path, config).unwrap();
+    let mut cmd = Command::new("prometheus");
+    cmd.arg(format!("--config.file={}", config_path.display()))
+        .arg(format!("--web.listen-address=127.0.0.1:{port}"))
+        .arg(format!(
+            "--storage.tsdb.path={}",
+            dir.join("tsdb").display()
+        ));
+    let mut child = spawn_guarded(
+        cmd,
+        &dir.join("prometheus.log"),
+        KillScope::Process,
+        "prometheus",
+    )
+    .expect("prometheus (Debian package; scripts/setup installs it)");
+    let url = format!("http://127.0.0.1:{port}");
+    if let Err(e) = wait_healthy(
+        &format!("{url}/-/ready"),
+        &mut child,
+        Duration::from_secs(60),
+    )
+    .await
+    {
+        panic!("prometheus not ready: {e}\n{}", child.log_tail(20));
+    }
+    (child, url)
+}
+
+/// prometheus-kubernetes.yml's relabeling on a real Prometheus. Debian's build has no
+/// Kubernetes discovery, so the pods come from a file with the `__meta_kubernetes_*` labels
+/// Kubernetes discovery sets: an annotated pod is scraped on its annotated port with
+/// `namespace`, `pod`, `node` and `container`, and a pod without the annotation is not.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kubernetes_discovery_relabeling_keeps_annotated_pods_with_namespace_pod_and_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let vllm = ExporterDouble::start(Exporter::Vllm, "Qwen/Qwen3-8B", "rl", "vllm-0").await;
+    let pod = |name: &str, scrape: Option<&str>| {
+        let mut labels = json!({
+            "__meta_kubernetes_namespace": "rl",
+            "__meta_kubernetes_pod_name": name,
+            "__meta_kubernetes_pod_node_name": "gpu-node-1",
+            "__meta_kubernetes_pod_container_name": "engine",
+            "__meta_kubernetes_pod_label_app_kubernetes_io_name": "vllm",
+            "__meta_kubernetes_pod_annotation_prometheus_io_port": vllm.addr.port().to_string(),
+            "__meta_kubernetes_pod_annotation_prometheus_io_path": "/metrics",
+        });
+        if let Some(v) = scrape {
+            labels["__meta_kubernetes_pod_annotation_prometheus_io_scrape"] = json!(v);
+        }
+        // The pod's IP and container port as discovery gives them; the annotation's port wins.
+        json!({"targets": ["127.0.0.1:8000"], "labels": labels})
+    };
+    let pods = dir.path().join("pods.json");
+    std::fs::write(
+        &pods,
+        serde_json::to_vec(&json!([pod("vllm-0", Some("true")), pod("vllm-1", None)])).unwrap(),
+    )
+    .unwrap();
+    let config = std::fs::read_to_string(deploy().join("prometheus/prometheus-kubernetes.yml"))
+        .unwrap()
+        .replace("scrape_interval: 15s", "scrape_interval: 1s")
+        .replace(
+            "- rules/",
+            &format!("- {}/", deploy().join("prometheus/rules").display()),
+        );
+    let discovery = "    kubernetes_sd_configs:\n      - role: pod\n";
+    assert!(config.contains(discovery), "{config}");
+    let config = config.replace(
+        discovery,
+        &format!(
+            "    file_sd_configs:\n      - files: [{}]\n",
+            pods.display()
+        ),
+    );
+    let (mut prom, prometheus) = start_prometheus(dir.path(), free_port(), &config).await;
+
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let up = query(
+            &prometheus,
+            r#"up{job="vllm", namespace="rl", pod="vllm-0", node="gpu-node-1", container="engine"} == 1"#,
+        )
+        .await;
+        let gen = query(
+            &prometheus,
+            r#"vllm:generation_tokens_total{namespace="rl", pod="vllm-0", node="gpu-node-1"}"#,
+        )
+        .await;
+        if !up.as_array().unwrap().is_empty() && !gen.as_array().unwrap().is_empty() {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the annotated pod is not scraped with its labels: up {up}, vllm {gen}\n{}",
+            prom.log_tail(20)
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let targets: Value = http_client()
+        .get(format!("{prometheus}/api/v1/targets"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let active = targets["data"]["activeTargets"].as_array().unwrap();
+    assert_eq!(active.len(), 1, "only the annotated pod: {targets}");
+    assert_eq!(
+        active[0]["scrapeUrl"],
+        format!("http://127.0.0.1:{}/metrics", vllm.addr.port())
+    );
+    assert!(prom.try_wait().is_none(), "prometheus exited");
 }
 
 const NODE_TOKEN: &str = "observability-node-token";
@@ -184,30 +336,12 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
         ],
     });
     // Prometheus reads YAML, and JSON is YAML.
-    let config_path = dir.path().join("prometheus.yml");
-    std::fs::write(&config_path, serde_json::to_vec_pretty(&config).unwrap()).unwrap();
-    let mut cmd = Command::new("prometheus");
-    cmd.arg(format!("--config.file={}", config_path.display()))
-        .arg(format!("--web.listen-address=127.0.0.1:{prom_port}"))
-        .arg(format!(
-            "--storage.tsdb.path={}",
-            dir.path().join("tsdb").display()
-        ));
-    let mut prom_child = spawn_guarded(
-        cmd,
-        &dir.path().join("prometheus.log"),
-        KillScope::Process,
-        "prometheus",
+    let (prom_child, prometheus) = start_prometheus(
+        dir.path(),
+        prom_port,
+        &serde_json::to_string_pretty(&config).unwrap(),
     )
-    .expect("prometheus (Debian package; scripts/setup installs it)");
-    let prometheus = format!("http://127.0.0.1:{prom_port}");
-    wait_healthy(
-        &format!("{prometheus}/-/ready"),
-        &mut prom_child,
-        Duration::from_secs(60),
-    )
-    .await
-    .unwrap();
+    .await;
 
     // Traffic: Claude Code through the proxy (twice), a bad request, and a rollout of two
     // samples of two calls each (whose gaps are harness time).
@@ -225,39 +359,45 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
         .await
         .unwrap();
     assert_eq!(bad.status(), 400);
+    // Each sample: a call, a second of harness work, a call. Two rollouts one after the
+    // other, so the second moves counters Prometheus has already seen (a rate needs that).
     let task = json!({
         "task_id": "observability",
         "instruction": "chat",
         "workspace": {"dir": {"path": dir.path().join("project")}},
-        "harness": {"name": "command", "argv": ["sh", "-c", curl_agent(2, "true")]},
+        "harness": {"name": "command", "argv": ["sh", "-c", format!("{}{}", curl_agent(1, "sleep 1 && "), curl_agent(1, "true"))]},
         "evaluator": {"kind": "command", "command": "true"},
         "num_samples": 2,
     });
-    let r = http_client()
-        .post(format!("http://127.0.0.1:{node_port}/v1/rollouts"))
-        .bearer_auth(NODE_TOKEN)
-        .json(&task)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
-    let results = node_api::results_within(
-        &format!("http://127.0.0.1:{node_port}"),
-        NODE_TOKEN,
-        0,
-        2,
-        10,
-        Duration::from_secs(120),
-    )
-    .await;
-    assert_eq!(results.len(), 2);
-    for sample in &results {
-        assert_eq!(sample["outcome"]["status"], "completed", "{sample}");
+    for round in 1..=2 {
+        let r = http_client()
+            .post(format!("http://127.0.0.1:{node_port}/v1/rollouts"))
+            .bearer_auth(NODE_TOKEN)
+            .json(&task)
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(r.status(), 202, "{}", r.text().await.unwrap_or_default());
+        let results = node_api::results_within(
+            &format!("http://127.0.0.1:{node_port}"),
+            NODE_TOKEN,
+            0,
+            2 * round,
+            10,
+            Duration::from_secs(120),
+        )
+        .await;
+        assert_eq!(results.len(), 2 * round);
+        for sample in &results {
+            assert_eq!(sample["outcome"]["status"], "completed", "{sample}");
+        }
+        // Two scrapes between the rounds.
+        tokio::time::sleep(Duration::from_secs(3)).await;
     }
 
     // Every target up, then every panel and rule with data (rates need two scrapes after
     // the traffic; the worker's traces a session-idle after it).
-    let panels = panel_exprs();
+    let panels = [panel_exprs(), variable_queries()].concat();
     let records: Vec<(String, String)> = recording_rules()
         .into_iter()
         .map(|r| (format!("recording rule {r}"), r))
@@ -298,10 +438,19 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
             > 0.0,
         "{claude}"
     );
+    // The rollout's harness slept a second between its calls: its share of the session's
+    // time is a real fraction, not 0/0.
     let share = query(&prometheus, "tokentap:harness_time_share:ratio_rate5m").await;
     eprintln!("harness time share: {share}");
+    assert!(
+        share.as_array().unwrap().iter().any(|s| {
+            let v: f64 = s["value"][1].as_str().unwrap().parse().unwrap();
+            v > 0.0 && v <= 1.0
+        }),
+        "no session with a harness time share in (0, 1]: {share}"
+    );
     eprintln!(
-        "{} panel expressions and {} recording rules returned data",
+        "{} panel and variable expressions and {} recording rules returned data",
         panels.len(),
         records.len()
     );
