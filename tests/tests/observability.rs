@@ -160,16 +160,22 @@ async fn query(prometheus: &str, expr: &str) -> Value {
     r["data"]["result"].clone()
 }
 
-/// The expressions (of `all`) that return no series now.
-async fn empty(prometheus: &str, all: &[(String, String)]) -> Vec<String> {
+/// The expressions (of `all`) that return no number now: no series at all, or only NaN (a
+/// quantile of a histogram nothing was observed in lately, 0/0).
+async fn without_numbers(prometheus: &str, all: &[(String, String)]) -> Vec<String> {
     let mut out = Vec::new();
     for (what, expr) in all {
-        if query(prometheus, expr)
-            .await
-            .as_array()
-            .is_none_or(|a| a.is_empty())
-        {
-            out.push(format!("{what}: {expr}"));
+        let result = query(prometheus, expr).await;
+        let series = result.as_array().map_or(0, Vec::len);
+        let numbers = result.as_array().into_iter().flatten().any(|s| {
+            s["value"][1]
+                .as_str()
+                .is_some_and(|v| v.parse::<f64>().is_ok_and(f64::is_finite))
+        });
+        if series == 0 {
+            out.push(format!("{what} (no data): {expr}"));
+        } else if !numbers {
+            out.push(format!("{what} (only NaN): {expr}"));
         }
     }
     out
@@ -395,7 +401,23 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
         tokio::time::sleep(Duration::from_secs(3)).await;
     }
 
-    // Every target up, then every panel and rule with data (rates need two scrapes after
+    // One more call through the shipping proxy now that Prometheus knows the worker's
+    // series, so the worker's ingest lag has a rate (a first scrape after the Claude runs
+    // would see its histogram only with its final counts).
+    let late = http_client()
+        .post(proxy.chat_url())
+        .json(&json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(
+        late.status(),
+        200,
+        "{}",
+        late.text().await.unwrap_or_default()
+    );
+
+    // Every target up, then every panel and rule with a number (rates need two scrapes after
     // the traffic; the worker's traces a session-idle after it).
     let panels = [panel_exprs(), variable_queries()].concat();
     let records: Vec<(String, String)> = recording_rules()
@@ -407,8 +429,8 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
     loop {
         let down = query(&prometheus, "up == 0").await;
         let missing = [
-            empty(&prometheus, &panels).await,
-            empty(&prometheus, &records).await,
+            without_numbers(&prometheus, &panels).await,
+            without_numbers(&prometheus, &records).await,
         ]
         .concat();
         if missing.is_empty() && down.as_array().unwrap().is_empty() {
@@ -416,7 +438,7 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
         }
         assert!(
             Instant::now() < deadline,
-            "targets down: {down}\n{} expressions without data:\n{}\nprometheus log:\n{}",
+            "targets down: {down}\n{} expressions without a number:\n{}\nprometheus log:\n{}",
             missing.len(),
             missing.join("\n"),
             prom_child.log_tail(20)
@@ -450,7 +472,7 @@ async fn heavy_every_dashboard_panel_and_recording_rule_returns_data_from_a_real
         "no session with a harness time share in (0, 1]: {share}"
     );
     eprintln!(
-        "{} panel and variable expressions and {} recording rules returned data",
+        "{} panel and variable expressions and {} recording rules returned numbers",
         panels.len(),
         records.len()
     );
