@@ -193,18 +193,27 @@ async fn wait_metric(proxy: &Tokentap, name: &str, want: f64) {
 
 const REFUSED: &str = "tokentap_calls_refused_total{reason=\"spool_unwritable\"}";
 
-#[tokio::test]
-async fn heavy_fail_closed_refuses_calls_while_the_disk_is_full_and_loses_no_answered_call() {
+/// A proxy under `policy` with its spool on a fresh 256 KiB tmpfs, one call answered and
+/// recorded; `None` when mounting is not allowed (reported by `privileged::runs`).
+async fn running(policy: &str) -> Option<(Tmpfs, ScriptedBackend, Tokentap, Calls)> {
     if !privileged::runs(tmpfs::may_mount()) {
-        return;
+        return None;
     }
     let fs = Tmpfs::mount("256k");
     let engine = engine().await;
-    let mut proxy = proxy(&engine, &fs, "fail-closed").await;
+    let proxy = proxy(&engine, &fs, policy).await;
     let mut calls = Calls::default();
-    for api in [Api::Chat, Api::Messages] {
-        assert_eq!(calls.make(&proxy, api).await.0, 200);
-    }
+    assert_eq!(calls.make(&proxy, Api::Chat).await.0, 200);
+    proxy.wait_records(1).await;
+    Some((fs, engine, proxy, calls))
+}
+
+#[tokio::test]
+async fn heavy_fail_closed_refuses_calls_while_the_disk_is_full_and_loses_no_answered_call() {
+    let Some((fs, engine, mut proxy, mut calls)) = running("fail-closed").await else {
+        return;
+    };
+    assert_eq!(calls.make(&proxy, Api::Messages).await.0, 200);
     proxy.wait_records(2).await;
 
     let filler = fs.fill();
@@ -255,15 +264,9 @@ async fn heavy_fail_closed_refuses_calls_while_the_disk_is_full_and_loses_no_ans
 
 #[tokio::test]
 async fn heavy_fail_open_answers_while_the_disk_is_full_and_counts_records_lost() {
-    if !privileged::runs(tmpfs::may_mount()) {
+    let Some((fs, _engine, mut proxy, mut calls)) = running("fail-open").await else {
         return;
-    }
-    let fs = Tmpfs::mount("256k");
-    let engine = engine().await;
-    let mut proxy = proxy(&engine, &fs, "fail-open").await;
-    let mut calls = Calls::default();
-    assert_eq!(calls.make(&proxy, Api::Chat).await.0, 200);
-    proxy.wait_records(1).await;
+    };
 
     let filler = fs.fill();
     for i in 0..6 {
@@ -319,15 +322,9 @@ async fn heavy_fail_open_answers_while_the_disk_is_full_and_counts_records_lost(
 
 #[tokio::test]
 async fn heavy_fail_closed_refuses_calls_while_the_spool_is_read_only_and_recovers_on_remount_rw() {
-    if !privileged::runs(tmpfs::may_mount()) {
+    let Some((fs, _engine, mut proxy, mut calls)) = running("fail-closed").await else {
         return;
-    }
-    let fs = Tmpfs::mount("256k");
-    let engine = engine().await;
-    let mut proxy = proxy(&engine, &fs, "fail-closed").await;
-    let mut calls = Calls::default();
-    assert_eq!(calls.make(&proxy, Api::Chat).await.0, 200);
-    proxy.wait_records(1).await;
+    };
 
     // A healthy writer holds its segment open for writing, and Linux refuses to remount a
     // file system read-only under an open writable file (EBUSY); a filesystem that errors
