@@ -589,10 +589,12 @@ impl CaptureService {
             }
         };
         let seq = self.sessions.next_seq(&session);
+        // Classified once; the admission gate may know better (Pi on a rollout node).
+        let harness = Harness::from_headers(&call.request.headers);
+        call.harness = Some(harness);
         if session.source != SessionSource::Generated {
             // A generated session holds one call: it has no harness time between calls.
             let [engine, model] = self.engine_labels();
-            let harness = Harness::from_headers(&call.request.headers);
             self.metrics.activity.begin(
                 &session.id,
                 [engine.into(), model.into(), harness.as_str().into()],

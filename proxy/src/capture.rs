@@ -38,8 +38,9 @@ pub struct CallCapture {
     pub error: Option<CallError>,
     /// The record was already taken ([`CallCapture::take_record`]) and sent.
     pub committed: bool,
-    /// For the metrics, not the record: the harness as the admission gate knows it, and
-    /// whether the session's activity counts this call (`SessionActivity::begin` was called).
+    /// For the metrics, not the record: the harness (from the request's headers, or as the
+    /// admission gate knows it; `None` before the session is known), and whether the
+    /// session's activity counts this call (`SessionActivity::begin` was called).
     pub harness: Option<Harness>,
     pub in_activity: bool,
 }
@@ -498,7 +499,6 @@ impl RecordSink {
     ) -> (RecordSink, JoinHandle<()>) {
         let (tx, mut rx) = mpsc::channel::<Queued>(SINK_QUEUE);
         metrics.spool_bytes.set(writer.total_bytes() as i64);
-        metrics.spool_writable.set(1);
         let health = Arc::new(SpoolHealth::new(on_error));
         let mut thread = SpoolThread {
             writer,

@@ -76,62 +76,40 @@ pub struct Metrics {
 impl Metrics {
     pub fn new() -> Metrics {
         let registry = Registry::new();
-        let latency = |name: &str, help: &str| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                &["wire_api"],
+        let histogram = |name: &str, help: &str, labels: &[&str]| {
+            let opts = HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec());
+            registered(
+                &registry,
+                HistogramVec::new(opts, labels).expect("valid histogram"),
             )
-            .expect("valid histogram");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("unique metric");
-            h
         };
+        let latency = |name: &str, help: &str| histogram(name, help, &["wire_api"]);
         let counter_vec = |name: &str, help: &str, labels: &[&str]| {
-            let c = IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid counter"),
+            )
         };
         let counter = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("valid counter");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                IntCounter::new(name, help).expect("valid counter"),
+            )
         };
         let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("valid gauge");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
+            registered(&registry, IntGauge::new(name, help).expect("valid gauge"))
         };
         let float_counter = |name: &str, help: &str, labels: &[&str]| {
-            let c = CounterVec::new(Opts::new(name, help), labels).expect("valid counter");
-            registry
-                .register(Box::new(c.clone()))
-                .expect("unique metric");
-            c
+            registered(
+                &registry,
+                CounterVec::new(Opts::new(name, help), labels).expect("valid counter"),
+            )
         };
         let gauge_vec = |name: &str, help: &str, labels: &[&str]| {
-            let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge");
-            registry
-                .register(Box::new(g.clone()))
-                .expect("unique metric");
-            g
-        };
-        let histogram = |name: &str, help: &str, labels: &[&str]| {
-            let h = HistogramVec::new(
-                HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
-                labels,
+            registered(
+                &registry,
+                IntGaugeVec::new(Opts::new(name, help), labels).expect("valid gauge"),
             )
-            .expect("valid histogram");
-            registry
-                .register(Box::new(h.clone()))
-                .expect("unique metric");
-            h
         };
         let token_labels = &["engine", "model", "harness", "policy_version"];
         let harness_seconds = float_counter(
@@ -263,17 +241,14 @@ impl Metrics {
                 "tokentap_ship_records_total",
                 "Records the worker acked (--ship-to)",
             ),
-            ship_last_ack: {
-                let g = Gauge::new(
+            ship_last_ack: registered(
+                &registry,
+                Gauge::new(
                     "tokentap_ship_last_ack_timestamp_seconds",
                     "When the worker last acked a shipment, seconds since the epoch (--ship-to)",
                 )
-                .expect("valid gauge");
-                registry
-                    .register(Box::new(g.clone()))
-                    .expect("unique metric");
-                g
-            },
+                .expect("valid gauge"),
+            ),
             ship_errors: counter(
                 "tokentap_ship_errors_total",
                 "Shipments that failed (worker unreachable, refused, or an unreadable ack); retried",
@@ -286,11 +261,10 @@ impl Metrics {
     /// the request); `in_activity`: its session's activity counted its start.
     pub fn record_call(&self, record: &CaptureRecord, harness: Option<Harness>, in_activity: bool) {
         let api = record.wire_api.as_str();
-        let m = self;
         let engine = record.backend.kind.as_str();
         // The model as sent to the engine: the configured one, or (without one) whatever the
         // harness asked for, kept bounded.
-        let model = m.models.label(if record.backend.model.is_empty() {
+        let model = self.models.label(if record.backend.model.is_empty() {
             "any"
         } else {
             &record.backend.model
@@ -298,51 +272,51 @@ impl Metrics {
         let harness = harness
             .unwrap_or_else(|| Harness::from_headers(&record.request.headers))
             .as_str();
-        let policy = m
+        let policy = self
             .policy_versions
             .label(record.backend.policy_version.as_deref().unwrap_or("none"));
-        m.calls
+        self.calls
             .with_label_values(&[api, &record.response_status.to_string()])
             .inc();
         if let Some(u) = record.usage {
-            m.prompt_tokens
+            self.prompt_tokens
                 .with_label_values(&[engine, model, harness, policy])
                 .inc_by(u.prompt_tokens);
-            m.completion_tokens
+            self.completion_tokens
                 .with_label_values(&[engine, model, harness, policy])
                 .inc_by(u.completion_tokens);
         }
         if let Some(e) = &record.error {
-            m.call_errors
+            self.call_errors
                 .with_label_values(&[engine, model, e.kind.as_str()])
                 .inc();
         }
         let t = &record.timings;
-        m.engine_seconds
+        self.engine_seconds
             .with_label_values(&[engine, model, harness])
             .inc_by(t.backend_ms / 1000.0);
-        m.proxy_seconds
+        self.proxy_seconds
             .with_label_values(&[engine, model, harness])
             .inc_by(t.proxy_overhead_ms.max(0.0) / 1000.0);
         if in_activity {
-            m.activity.end(
+            self.activity.end(
                 &record.session_id,
                 [engine.into(), model.into(), harness.into()],
                 record.started_at_unix_ms,
                 record.ended_at_unix_ms,
             );
         }
-        m.call_seconds
+        self.call_seconds
             .with_label_values(&[api])
             .observe(t.total_ms / 1000.0);
-        m.backend_seconds
+        self.backend_seconds
             .with_label_values(&[api])
             .observe(t.backend_ms / 1000.0);
-        m.proxy_overhead_seconds
+        self.proxy_overhead_seconds
             .with_label_values(&[api])
             .observe(t.proxy_overhead_ms / 1000.0);
         if let Some(ttft) = t.time_to_first_token_ms {
-            m.ttft_seconds
+            self.ttft_seconds
                 .with_label_values(&[engine, model, api])
                 .observe(ttft / 1000.0);
         }
@@ -356,6 +330,17 @@ impl Metrics {
             .expect("encoding metrics to memory");
         buf
     }
+}
+
+/// `metric`, registered in `registry` (each name once).
+fn registered<C: prometheus::core::Collector + Clone + 'static>(
+    registry: &Registry,
+    metric: C,
+) -> C {
+    registry
+        .register(Box::new(metric.clone()))
+        .expect("unique metric");
+    metric
 }
 
 /// Distinct model names kept as label values; later ones are `other`.

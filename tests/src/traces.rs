@@ -4,7 +4,7 @@ use std::collections::HashSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
 
-use tokentap_schema::SessionReport;
+use tokentap_schema::{SessionReport, Trace};
 
 /// Waits (bounded, asserted: 30 s) until `out/sessions.jsonl` reports `sessions` distinct
 /// sessions, and returns its reports; `log` explains a timeout.
@@ -33,4 +33,15 @@ pub async fn wait_session_reports(
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
+}
+
+/// The record ids every trace covers, sorted: equal to the sorted ids of the records when each
+/// record is in exactly one trace.
+pub fn record_ids_in(traces: &[Trace]) -> Vec<&str> {
+    let mut ids: Vec<&str> = traces
+        .iter()
+        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
+        .collect();
+    ids.sort_unstable();
+    ids
 }

@@ -21,7 +21,7 @@ use tokentap_e2e::procs::{http_client, ChildGuard};
 use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
 use tokentap_e2e::sse::parse_chat_stream;
 use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
-use tokentap_e2e::traces::wait_session_reports;
+use tokentap_e2e::traces::{record_ids_in, wait_session_reports};
 use tokentap_e2e::worker::Worker;
 use tokentap_reconstruct::output::read_traces_jsonl;
 use tokentap_reconstruct::{verify, RecordDigest};
@@ -250,11 +250,7 @@ async fn heavy_chaos_a_killed_proxy_and_a_stopped_worker_lose_no_answered_call()
     wait_session_reports(&out, sessions.len(), || worker.log_tail(30)).await;
     assert!(worker.terminate().await, "the worker stops on SIGTERM");
     let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
-    let mut in_traces: Vec<&str> = traces
-        .iter()
-        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
-        .collect();
-    in_traces.sort_unstable();
+    let in_traces = record_ids_in(&traces);
     let mut with_tokens: Vec<&str> = received
         .iter()
         .filter(|r| r.prompt_token_ids.is_some())

@@ -13,7 +13,7 @@ use tokentap_e2e::harness::{
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::scripted::{tool_round_trip, Reply, Script, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::{tokentap_cli, Tokentap, TokentapConfig};
-use tokentap_e2e::traces::wait_session_reports;
+use tokentap_e2e::traces::{record_ids_in, wait_session_reports};
 use tokentap_e2e::CaptureRecord;
 use tokentap_reconstruct::output::{read_traces_jsonl, read_traces_parquet};
 use tokentap_reconstruct::{verify, RecordDigest};
@@ -93,12 +93,7 @@ fn assert_faithful(what: &str, s: &Session) {
     for r in &s.reports {
         assert_eq!(r.faithfulness.violations, 0, "{what}: {r:?}");
     }
-    let mut in_traces: Vec<&str> = s
-        .traces
-        .iter()
-        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
-        .collect();
-    in_traces.sort();
+    let in_traces = record_ids_in(&s.traces);
     let mut ids: Vec<&str> = s.records.iter().map(|r| r.record_id.as_str()).collect();
     ids.sort();
     assert_eq!(in_traces, ids, "{what}: each record in exactly one trace");

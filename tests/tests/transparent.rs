@@ -13,6 +13,7 @@ use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::procs::{spawn_guarded_split, KillScope};
 use tokentap_e2e::scripted::{always, Reply, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::read_spool;
+use tokentap_e2e::traces::record_ids_in;
 use tokentap_e2e::transparent::{
     leftover_cgroups, loaded_bpf_programs, privileged, tokentap_run, FakeNet, OwnTlsServer,
 };
@@ -363,11 +364,7 @@ async fn harness_without_base_url(
         .collect();
     let f = tokentap_reconstruct::verify(&traces, &digests);
     assert_eq!(f.violations, 0, "{exe}: {:?}", f.examples);
-    let mut in_traces: Vec<&str> = traces
-        .iter()
-        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
-        .collect();
-    in_traces.sort();
+    let in_traces = record_ids_in(&traces);
     let mut ids: Vec<&str> = records.iter().map(|r| r.record_id.as_str()).collect();
     ids.sort();
     assert_eq!(in_traces, ids, "{exe}: each record in exactly one trace");

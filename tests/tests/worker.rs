@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokentap_e2e::procs::http_client;
 use tokentap_e2e::scripted::{Reply, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::{read_spool, Tokentap, TokentapConfig};
-use tokentap_e2e::traces::wait_session_reports;
+use tokentap_e2e::traces::{record_ids_in, wait_session_reports};
 use tokentap_e2e::worker::Worker;
 use tokentap_reconstruct::output::read_traces_jsonl;
 use tokentap_reconstruct::{verify, RecordDigest};
@@ -127,11 +127,7 @@ async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
     let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
     let trace_ids: HashSet<&str> = traces.iter().map(|t| t.trace_id.as_str()).collect();
     assert_eq!(trace_ids.len(), traces.len(), "a trace was written twice");
-    let mut in_traces: Vec<&str> = traces
-        .iter()
-        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
-        .collect();
-    in_traces.sort();
+    let in_traces = record_ids_in(&traces);
     assert_eq!(in_traces, received_ids, "each record in exactly one trace");
     let digests: HashMap<String, RecordDigest> = sent
         .iter()
@@ -360,11 +356,7 @@ async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_no
     wait_session_reports(&out, 1, || worker.log_tail(30)).await;
     assert!(worker.terminate().await, "the worker stops on SIGTERM");
     let traces = read_traces_jsonl(&out.join("traces.jsonl")).unwrap();
-    let mut in_traces: Vec<&str> = traces
-        .iter()
-        .flat_map(|t| t.calls.iter().map(|c| c.record_id.as_str()))
-        .collect();
-    in_traces.sort_unstable();
+    let in_traces = record_ids_in(&traces);
     let mut want = sent_ids.clone();
     want.sort_unstable();
     assert_eq!(in_traces, want, "each record in exactly one trace");
