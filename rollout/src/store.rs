@@ -153,6 +153,22 @@ impl Store {
         }
     }
 
+    /// The `traces.jsonl` of every sample that has one (what the node's viewer shows; only
+    /// files the node wrote itself, never whatever else is in a sample's directory).
+    pub fn trajectory_files(&self) -> Result<Vec<std::path::PathBuf>, StoreError> {
+        let tx = self.db.begin_read()?;
+        let s = tx.open_table(SAMPLES)?;
+        let mut out = Vec::new();
+        for item in s.iter()? {
+            let (_, v) = item?;
+            let sample: Sample = serde_json::from_slice(v.value())?;
+            if let Some(t) = sample.trajectory {
+                out.push(std::path::PathBuf::from(t.path));
+            }
+        }
+        Ok(out)
+    }
+
     /// Moves a sample to `stage` (INIT counts an attempt).
     pub fn set_stage(
         &self,

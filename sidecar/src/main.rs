@@ -16,6 +16,7 @@ mod run_cmd;
 mod serve_cmd;
 mod ship;
 mod signals;
+mod view_cmd;
 mod webhook_cmd;
 mod worker_cmd;
 
@@ -102,6 +103,8 @@ enum Command {
     /// Inspect trajectory files.
     #[command(subcommand)]
     Trajectories(reconstruct_cmd::TrajectoriesCmd),
+    /// The trajectory viewer in the browser: sessions, timelines, traces' tokens, each call.
+    View(view_cmd::ViewArgs),
     /// Print the JSON Schema of capture records (or of trace rows with --trace).
     Schema {
         /// The schema of one row of traces.jsonl instead.
@@ -158,6 +161,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Ship(args) => ship::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),
         Command::Trajectories(cmd) => reconstruct_cmd::trajectories(cmd).map(|()| ok),
+        Command::View(args) => view_cmd::run(args).map(|()| ok),
         Command::Schema { trace } => {
             let schema = if trace {
                 tokentap_schema::trace_json_schema()

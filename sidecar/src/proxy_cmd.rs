@@ -134,6 +134,21 @@ pub struct CaptureArgs {
     pub limits: LimitArgs,
 }
 
+impl CaptureArgs {
+    /// The engine's /detokenize, for the viewer's token text, when the engine has one
+    /// (llama.cpp, vLLM): base URL, model, API key.
+    pub fn detokenizer(&self) -> Option<(String, Option<String>, Option<String>)> {
+        match self.backend_kind {
+            KindArg::Llamacpp | KindArg::Vllm => Some((
+                self.backend.clone(),
+                self.backend_model.clone(),
+                self.backend_api_key.clone(),
+            )),
+            KindArg::Sglang => None,
+        }
+    }
+}
+
 /// Limits on every listener of the capture service (plain and transparent), so that slow or
 /// hostile clients cannot starve harness calls.
 #[derive(Args, Clone)]

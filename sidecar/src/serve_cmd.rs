@@ -228,6 +228,10 @@ pub struct ServeArgs {
     token: Option<String>,
     #[command(flatten)]
     tls: crate::control_plane::TlsListenArgs,
+    /// The viewer at /view/ (behind --token) shows token text from the engine's /detokenize
+    /// (llama.cpp, vLLM) unless one of these says otherwise.
+    #[command(flatten)]
+    view_text: crate::view_cmd::TokenTextArgs,
     #[command(flatten)]
     pub node: NodeArgs,
 }
@@ -239,17 +243,30 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         "--token",
         "TOKENTAP_NODE_TOKEN",
     )?;
+    let token_text = args
+        .view_text
+        .token_text(args.node.capture.detokenizer())
+        .context("the viewer's token text")?;
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
     let rt = runtime()?;
     rt.block_on(async {
         let node = args.node.start(parts).await?;
         let service = node.capture.service.clone();
+        let pipeline = node.pipeline.clone();
+        let view = tokentap_viewer::ViewSources {
+            spool: Some(args.node.capture.spool.clone()),
+            traces: Some(tokentap_viewer::TraceFiles::Listed(Box::new(move || {
+                pipeline.store().trajectory_files().unwrap_or_default()
+            }))),
+            text: token_text,
+        };
         let app = router(ApiState {
             pipeline: node.pipeline.clone(),
             token: args.token.clone(),
             extra_metrics: Some(Arc::new(move || service.metrics().render())),
-        });
+        })
+        .merge(crate::view_cmd::routes(view, args.token.as_deref()));
         let (capture, data) = (node.capture.addr, args.node.data_dir());
         crate::control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
             tracing::info!(%listen, tls, %capture, data = %data.display(), "tokentap rollout node ready")

@@ -1,0 +1,241 @@
+//! The JSON the page reads: sessions, one session's calls and traces, one record, one trace
+//! with its tokens' text. Read-only; every id arrives as a query parameter (session ids hold
+//! `/`), is bounded in length, and is only ever looked up in the indexes, never used as a path.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::{Arc, Mutex};
+
+use axum::extract::{Query, State};
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::{Json, Router};
+use serde::{Deserialize, Serialize};
+use serde_json::json;
+
+use crate::calls::{SessionSummary, SpoolCalls};
+use crate::token_text::TokenText;
+use crate::traces::{read_trace, TraceIndex};
+
+/// Longest id accepted in a query.
+const MAX_ID: usize = 1024;
+/// Sessions listed by default, and at most.
+const DEFAULT_SESSIONS: usize = 500;
+const MAX_SESSIONS: usize = 10_000;
+
+/// What the viewer reads, shared by its handlers.
+pub struct Sources {
+    pub calls: Option<Mutex<SpoolCalls>>,
+    pub traces: Option<Mutex<TraceIndex>>,
+    pub text: TokenText,
+}
+
+type Shared = Arc<Sources>;
+
+/// `PREFIX/api/*`.
+pub fn router(prefix: &str, sources: Arc<Sources>) -> Router {
+    Router::new()
+        .route(&format!("{prefix}/api/overview"), get(overview))
+        .route(&format!("{prefix}/api/sessions"), get(sessions))
+        .route(&format!("{prefix}/api/session"), get(session))
+        .route(&format!("{prefix}/api/record"), get(record))
+        .route(&format!("{prefix}/api/trace"), get(trace))
+        .with_state(sources)
+}
+
+fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
+    (
+        status,
+        Json(json!({"error": {"type": kind, "message": message.into()}})),
+    )
+        .into_response()
+}
+
+fn internal(e: impl std::fmt::Display) -> Response {
+    error(StatusCode::INTERNAL_SERVER_ERROR, "read_error", e.to_string())
+}
+
+#[derive(Deserialize)]
+struct IdQuery {
+    id: String,
+}
+
+impl IdQuery {
+    fn checked(&self) -> Result<&str, Response> {
+        if self.id.is_empty() || self.id.len() > MAX_ID {
+            return Err(error(
+                StatusCode::BAD_REQUEST,
+                "invalid_request",
+                format!("id must be 1 to {MAX_ID} bytes"),
+            ));
+        }
+        Ok(&self.id)
+    }
+}
+
+/// Brings the indexes up to date with what was written since (blocking file reads, so off the
+/// async threads).
+async fn refresh(s: &Shared) -> Result<(), Response> {
+    let s = s.clone();
+    tokio::task::spawn_blocking(move || {
+        if let Some(t) = &s.traces {
+            t.lock().unwrap().refresh();
+        }
+        match &s.calls {
+            Some(c) => c.lock().unwrap().refresh().map_err(internal),
+            None => Ok(()),
+        }
+    })
+    .await
+    .map_err(internal)?
+}
+
+async fn overview(State(s): State<Shared>) -> Response {
+    if let Err(r) = refresh(&s).await {
+        return r;
+    }
+    let calls = s.calls.as_ref().map(|c| c.lock().unwrap().corrupt_lines);
+    let traces = s.traces.as_ref().map(|t| t.lock().unwrap().unreadable_lines);
+    Json(json!({
+        "spool": s.calls.is_some(),
+        "traces": s.traces.is_some(),
+        "token_text": s.text.describe(),
+        "corrupt_spool_lines": calls,
+        "unreadable_trace_lines": traces,
+    }))
+    .into_response()
+}
+
+#[derive(Deserialize)]
+struct ListQuery {
+    limit: Option<usize>,
+}
+
+#[derive(Serialize)]
+struct SessionRow {
+    #[serde(flatten)]
+    summary: SessionSummary,
+    traces: usize,
+}
+
+async fn sessions(State(s): State<Shared>, Query(q): Query<ListQuery>) -> Response {
+    if let Err(r) = refresh(&s).await {
+        return r;
+    }
+    let mut rows: HashMap<String, SessionRow> = HashMap::new();
+    if let Some(c) = &s.calls {
+        for summary in c.lock().unwrap().sessions() {
+            rows.insert(
+                summary.session_id.clone(),
+                SessionRow {
+                    summary,
+                    traces: 0,
+                },
+            );
+        }
+    }
+    if let Some(t) = &s.traces {
+        let t = t.lock().unwrap();
+        for id in t.sessions() {
+            rows.entry(id.to_owned())
+                .or_insert_with(|| SessionRow {
+                    summary: SessionSummary::empty(id),
+                    traces: 0,
+                })
+                .traces = t.count(id);
+        }
+    }
+    let total = rows.len();
+    let mut rows: Vec<SessionRow> = rows.into_values().collect();
+    // Most recent first.
+    rows.sort_by(|a, b| {
+        (b.summary.last_ended_at_unix_ms, &a.summary.session_id)
+            .cmp(&(a.summary.last_ended_at_unix_ms, &b.summary.session_id))
+    });
+    rows.truncate(q.limit.unwrap_or(DEFAULT_SESSIONS).min(MAX_SESSIONS));
+    Json(json!({"total": total, "sessions": rows})).into_response()
+}
+
+async fn session(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
+    let id = match q.checked() {
+        Ok(id) => id,
+        Err(r) => return r,
+    };
+    if let Err(r) = refresh(&s).await {
+        return r;
+    }
+    let (summary, calls) = match &s.calls {
+        Some(c) => match c.lock().unwrap().session(id) {
+            Some((summary, calls)) => (summary, calls.to_vec()),
+            None => (SessionSummary::empty(id), Vec::new()),
+        },
+        None => (SessionSummary::empty(id), Vec::new()),
+    };
+    let traces = s
+        .traces
+        .as_ref()
+        .map(|t| t.lock().unwrap().of_session(id).to_vec())
+        .unwrap_or_default();
+    if calls.is_empty() && traces.is_empty() {
+        return error(StatusCode::NOT_FOUND, "not_found", "no such session");
+    }
+    Json(json!({"session": summary, "calls": calls, "traces": traces})).into_response()
+}
+
+async fn record(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
+    let id = match q.checked() {
+        Ok(id) => id.to_owned(),
+        Err(r) => return r,
+    };
+    if s.calls.is_none() {
+        return error(StatusCode::NOT_FOUND, "not_found", "no spool is being viewed");
+    }
+    if let Err(r) = refresh(&s).await {
+        return r;
+    }
+    let s2 = s.clone();
+    let found = tokio::task::spawn_blocking(move || match &s2.calls {
+        Some(c) => c.lock().unwrap().record(&id),
+        None => Ok(None),
+    })
+    .await;
+    match found {
+        Ok(Ok(Some(r))) => Json(r).into_response(),
+        Ok(Ok(None)) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no such record in the spool (shipped segments are deleted once acknowledged)",
+        ),
+        Ok(Err(e)) => internal(e),
+        Err(e) => internal(e),
+    }
+}
+
+async fn trace(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
+    let id = match q.checked() {
+        Ok(id) => id.to_owned(),
+        Err(r) => return r,
+    };
+    if let Err(r) = refresh(&s).await {
+        return r;
+    }
+    let located = s.traces.as_ref().and_then(|t| t.lock().unwrap().locate(&id));
+    let Some((file, offset, len)) = located else {
+        return error(StatusCode::NOT_FOUND, "not_found", "no such trace");
+    };
+    let read = tokio::task::spawn_blocking(move || read_trace(&file, offset, len, &id)).await;
+    let trace = match read {
+        Ok(Ok(Some(t))) => t,
+        Ok(Ok(None)) => return error(StatusCode::NOT_FOUND, "not_found", "the trace's file changed; reload"),
+        Ok(Err(e)) => return internal(e),
+        Err(e) => return internal(e),
+    };
+    let ids: BTreeSet<u32> = trace
+        .prompt_ids
+        .iter()
+        .chain(&trace.response_ids)
+        .copied()
+        .collect();
+    let pieces = s.text.pieces(&ids).await;
+    Json(json!({"trace": trace, "pieces": pieces})).into_response()
+}
