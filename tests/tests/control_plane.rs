@@ -126,6 +126,13 @@ async fn every_route_of_serve_refuses_a_missing_or_wrong_token() {
     .await
     .unwrap();
     attack(&base, routes).await;
+    // The viewer's data routes, on the same listener, behind the same token.
+    let view: Vec<String> = tokentap_viewer::api::ROUTES
+        .iter()
+        .map(|r| format!("/view{r}"))
+        .collect();
+    let view: Vec<(&str, &str)> = view.iter().map(|p| ("GET", p.as_str())).collect();
+    attack(&base, &view).await;
     // Metrics with the token: the node's and its capture's.
     let text = http_client()
         .get(format!("{base}/metrics"))

@@ -106,7 +106,22 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
             "num_samples": 2
         })
     };
-    post(&format!("{base}/v1/rollouts"), &task(curl_agent(2, "true"))).await;
+    // Each agent also plants a traces file where a directory walk of the node would find it.
+    let planted = dir.path().join("planted.jsonl");
+    let fake = json!({
+        "schema_version": 1, "trace_id": "planted-by-the-agent/0",
+        "session_id": "planted-by-the-agent", "strategy": "prefix-merge", "index": 0,
+        "started_by": "session_start", "prompt_ids": [1], "response_ids": [2],
+        "loss_mask": [1], "logprobs": [-0.5], "calls": [], "spans_policy_versions": false,
+        "messages_json": "[]", "tools_json": "[]"
+    });
+    serde_json::from_value::<tokentap_schema::Trace>(fake.clone()).expect("a valid trace row");
+    std::fs::write(&planted, format!("{fake}\n")).unwrap();
+    let plant = format!(
+        "cp {p} traces.jsonl && mkdir -p deep && cp {p} deep/traces.jsonl && cp {p} ../traces.jsonl; true",
+        p = planted.display()
+    );
+    post(&format!("{base}/v1/rollouts"), &task(curl_agent(2, &plant))).await;
     let done = results(&base, 0, 2).await;
     for s in &done {
         assert_completed(dir.path(), s, 1.0);
@@ -125,6 +140,58 @@ async fn a_node_runs_tasks_under_capture_and_survives_a_kill() {
         "the node spools under --data by default"
     );
     assert!(!dir.path().join("tokentap-spool").exists());
+
+    // The node's viewer (/view/, behind the node's token) shows each sample's session: its two
+    // calls and its trace; never what an agent left in its directory.
+    let view = |path: &str| format!("{base}/view/api/{path}");
+    let unauthorized = http_client().get(view("sessions")).send().await.unwrap();
+    assert_eq!(unauthorized.status(), 401);
+    let listed = node_api::get_json(&view("sessions"), TOKEN).await;
+    for s in &done {
+        let session = s["trajectory"]["session_id"].as_str().unwrap();
+        let row = listed["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["session_id"] == session)
+            .unwrap_or_else(|| panic!("{session} not in {listed}"));
+        assert_eq!(
+            (row["calls"].as_u64(), row["traces"].as_u64()),
+            (Some(2), Some(1)),
+            "{row}"
+        );
+        let one = node_api::get_json(&view(&format!("session?id={session}")), TOKEN).await;
+        assert_eq!(
+            one["traces"][0]["trainable_tokens"].as_u64().map(|n| n > 0),
+            Some(true),
+            "{one}"
+        );
+    }
+    // The plant took: a walk of the node's directory finds it within the viewer's depth.
+    fn planted_files(dir: &std::path::Path, depth: usize) -> usize {
+        let Ok(entries) = std::fs::read_dir(dir) else {
+            return 0;
+        };
+        entries
+            .flatten()
+            .map(|e| match e.file_type() {
+                Ok(t) if t.is_dir() && depth < 4 => planted_files(&e.path(), depth + 1),
+                Ok(t) if t.is_file() && e.file_name() == "traces.jsonl" => {
+                    let text = std::fs::read_to_string(e.path()).unwrap_or_default();
+                    usize::from(text.contains("planted-by-the-agent"))
+                }
+                _ => 0,
+            })
+            .sum()
+    }
+    assert!(
+        planted_files(&dir.path().join("node"), 0) > 0,
+        "the agents planted nothing"
+    );
+    assert!(
+        !listed.to_string().contains("planted-by-the-agent"),
+        "an agent's file was taken for the node's traces: {listed}"
+    );
 
     // A slow sample, and the node dies under it.
     let slow = post(

@@ -32,6 +32,16 @@ pub struct Sources {
 
 type Shared = Arc<Sources>;
 
+/// Every data route, below the prefix: what an authentication test must try one by one (kept
+/// next to the router so a new route cannot be forgotten there).
+pub const ROUTES: &[&str] = &[
+    "/api/overview",
+    "/api/sessions",
+    "/api/session",
+    "/api/record",
+    "/api/trace",
+];
+
 /// `PREFIX/api/*`.
 pub fn router(prefix: &str, sources: Arc<Sources>) -> Router {
     Router::new()
@@ -52,7 +62,11 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
 }
 
 fn internal(e: impl std::fmt::Display) -> Response {
-    error(StatusCode::INTERNAL_SERVER_ERROR, "read_error", e.to_string())
+    error(
+        StatusCode::INTERNAL_SERVER_ERROR,
+        "read_error",
+        e.to_string(),
+    )
 }
 
 #[derive(Deserialize)]
@@ -95,7 +109,10 @@ async fn overview(State(s): State<Shared>) -> Response {
         return r;
     }
     let calls = s.calls.as_ref().map(|c| c.lock().unwrap().corrupt_lines);
-    let traces = s.traces.as_ref().map(|t| t.lock().unwrap().unreadable_lines);
+    let traces = s
+        .traces
+        .as_ref()
+        .map(|t| t.lock().unwrap().unreadable_lines);
     Json(json!({
         "spool": s.calls.is_some(),
         "traces": s.traces.is_some(),
@@ -127,10 +144,7 @@ async fn sessions(State(s): State<Shared>, Query(q): Query<ListQuery>) -> Respon
         for summary in c.lock().unwrap().sessions() {
             rows.insert(
                 summary.session_id.clone(),
-                SessionRow {
-                    summary,
-                    traces: 0,
-                },
+                SessionRow { summary, traces: 0 },
             );
         }
     }
@@ -188,7 +202,11 @@ async fn record(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
         Err(r) => return r,
     };
     if s.calls.is_none() {
-        return error(StatusCode::NOT_FOUND, "not_found", "no spool is being viewed");
+        return error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            "no spool is being viewed",
+        );
     }
     if let Err(r) = refresh(&s).await {
         return r;
@@ -219,14 +237,23 @@ async fn trace(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
     if let Err(r) = refresh(&s).await {
         return r;
     }
-    let located = s.traces.as_ref().and_then(|t| t.lock().unwrap().locate(&id));
+    let located = s
+        .traces
+        .as_ref()
+        .and_then(|t| t.lock().unwrap().locate(&id));
     let Some((file, offset, len)) = located else {
         return error(StatusCode::NOT_FOUND, "not_found", "no such trace");
     };
     let read = tokio::task::spawn_blocking(move || read_trace(&file, offset, len, &id)).await;
     let trace = match read {
         Ok(Ok(Some(t))) => t,
-        Ok(Ok(None)) => return error(StatusCode::NOT_FOUND, "not_found", "the trace's file changed; reload"),
+        Ok(Ok(None)) => {
+            return error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                "the trace's file changed; reload",
+            )
+        }
         Ok(Err(e)) => return internal(e),
         Err(e) => return internal(e),
     };

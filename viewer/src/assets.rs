@@ -22,7 +22,10 @@ pub fn router(prefix: &str) -> Router {
     let to = format!("{prefix}/");
     Router::new()
         .route(prefix, get(move || async move { Redirect::to(&to) }))
-        .route(&format!("{prefix}/"), get(|| async { file("text/html; charset=utf-8", INDEX_HTML) }))
+        .route(
+            &format!("{prefix}/"),
+            get(|| async { file("text/html; charset=utf-8", INDEX_HTML) }),
+        )
         .route(
             &format!("{prefix}/viewer.js"),
             get(|| async { file("text/javascript; charset=utf-8", VIEWER_JS) }),

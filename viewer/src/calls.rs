@@ -50,9 +50,7 @@ impl CallSummary {
             time_to_first_token_ms: r.timings.time_to_first_token_ms,
             backend_ms: r.timings.backend_ms,
             proxy_overhead_ms: r.timings.proxy_overhead_ms,
-            finish_reason: r
-                .finish_reason
-                .map(|f| f.as_openai().to_owned()),
+            finish_reason: r.finish_reason.map(|f| f.as_openai().to_owned()),
             error: r.error.as_ref().map(|e| e.kind.as_str()),
             position,
         }
@@ -147,7 +145,10 @@ impl SpoolCalls {
                     if self.records.contains_key(&e.record.record_id) {
                         continue;
                     }
-                    let calls = self.sessions.entry(e.record.session_id.clone()).or_default();
+                    let calls = self
+                        .sessions
+                        .entry(e.record.session_id.clone())
+                        .or_default();
                     let call = CallSummary::of(&e.record, e.position);
                     // Keep start order: concurrent calls of a session end (and are written)
                     // out of the order they started in.
@@ -186,7 +187,9 @@ impl SpoolCalls {
         };
         let position = self.sessions[session][*i].position;
         match SpoolReader::open_at(&self.dir, position)?.next() {
-            Some(Ok(SpoolItem::Record(e))) if e.position == position && e.record.record_id == id => {
+            Some(Ok(SpoolItem::Record(e)))
+                if e.position == position && e.record.record_id == id =>
+            {
                 Ok(Some(e.record))
             }
             _ => Ok(None),

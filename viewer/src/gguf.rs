@@ -208,7 +208,9 @@ fn skip_value(r: &mut impl Read, kind: u32) -> Result<(), GgufError> {
         if copied == n {
             Ok(())
         } else {
-            Err(GgufError::Malformed("the file ends inside its metadata".into()))
+            Err(GgufError::Malformed(
+                "the file ends inside its metadata".into(),
+            ))
         }
     };
     match kind {
@@ -286,7 +288,11 @@ mod tests {
             entry("llama.block_count", U32, 2u32.to_le_bytes().to_vec()),
             entry("tokenizer.ggml.scores", ARRAY, floats),
             entry("tokenizer.ggml.model", STRING, string("gpt2")),
-            entry("tokenizer.ggml.tokens", ARRAY, strings(&["h", "i", "<|end|>"])),
+            entry(
+                "tokenizer.ggml.tokens",
+                ARRAY,
+                strings(&["h", "i", "<|end|>"]),
+            ),
             entry("tokenizer.ggml.merges", ARRAY, strings(&["h i"])),
             entry("tokenizer.ggml.token_type", ARRAY, types),
         ]);

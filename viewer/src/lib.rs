@@ -42,7 +42,9 @@ pub fn router(prefix: &str, sources: ViewSources, guard: impl FnOnce(Router) -> 
         calls: sources
             .spool
             .map(|dir| Mutex::new(calls::SpoolCalls::new(&dir))),
-        traces: sources.traces.map(|f| Mutex::new(traces::TraceIndex::new(f))),
+        traces: sources
+            .traces
+            .map(|f| Mutex::new(traces::TraceIndex::new(f))),
         text: sources.text,
     });
     assets::router(prefix)

@@ -102,18 +102,17 @@ impl TokenText {
                     }
                     (known, missing)
                 };
-                let fetched: Vec<(u32, String)> = futures::stream::iter(
-                    missing.into_iter().take(MAX_REMOTE_IDS),
-                )
-                .map(|id| async move {
-                    remote_piece(client, url, model.as_deref(), api_key.as_deref(), id)
-                        .await
-                        .map(|p| (id, p))
-                })
-                .buffer_unordered(REMOTE_CONCURRENCY)
-                .filter_map(|p| async move { p })
-                .collect()
-                .await;
+                let fetched: Vec<(u32, String)> =
+                    futures::stream::iter(missing.into_iter().take(MAX_REMOTE_IDS))
+                        .map(|id| async move {
+                            remote_piece(client, url, model.as_deref(), api_key.as_deref(), id)
+                                .await
+                                .map(|p| (id, p))
+                        })
+                        .buffer_unordered(REMOTE_CONCURRENCY)
+                        .filter_map(|p| async move { p })
+                        .collect()
+                        .await;
                 let mut cache = cache.lock().unwrap();
                 for (id, p) in fetched {
                     if cache.len() < MAX_CACHED {

@@ -139,7 +139,9 @@ impl TraceIndex {
         let mut line = Vec::new();
         loop {
             line.clear();
-            let n = (&mut reader).take(MAX_LINE + 1).read_until(b'\n', &mut line)? as u64;
+            let n = (&mut reader)
+                .take(MAX_LINE + 1)
+                .read_until(b'\n', &mut line)? as u64;
             if n == 0 || line.last() != Some(&b'\n') {
                 if n > MAX_LINE {
                     // Skip the rest of an over-long line.
@@ -154,11 +156,14 @@ impl TraceIndex {
                 break; // an unfinished last line: indexed once it is complete
             }
             match serde_json::from_slice::<Trace>(&line) {
-                Ok(t) => self.add(t, LineRef {
-                    file: shared.clone(),
-                    offset,
-                    len: n,
-                }),
+                Ok(t) => self.add(
+                    t,
+                    LineRef {
+                        file: shared.clone(),
+                        offset,
+                        len: n,
+                    },
+                ),
                 Err(_) => self.unreadable_lines += 1,
             }
             offset += n;
@@ -190,8 +195,7 @@ impl TraceIndex {
             at,
         };
         let list = self.by_session.entry(t.session_id.clone()).or_default();
-        self.by_id
-            .insert(t.trace_id, (t.session_id, list.len()));
+        self.by_id.insert(t.trace_id, (t.session_id, list.len()));
         list.push(summary);
     }
 

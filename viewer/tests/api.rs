@@ -5,8 +5,8 @@ use std::path::Path;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
 use serde_json::Value;
-use tokentap_reconstruct::synthetic::LongSession;
 use tokentap_reconstruct::build_all;
+use tokentap_reconstruct::synthetic::LongSession;
 use tokentap_schema::{CaptureRecord, Strategy, Trace};
 use tokentap_spool::{SpoolConfig, SpoolWriter};
 use tokentap_viewer::{router, TokenText, TraceFiles, ViewSources};
@@ -124,7 +124,10 @@ async fn sessions_calls_records_and_traces_come_from_the_spool_and_traces_files(
         .iter()
         .map(|c| c["started_at_unix_ms"].as_u64().unwrap())
         .collect();
-    assert!(starts.windows(2).all(|w| w[0] <= w[1]), "start order: {starts:?}");
+    assert!(
+        starts.windows(2).all(|w| w[0] <= w[1]),
+        "start order: {starts:?}"
+    );
     assert!(calls.iter().all(|c| c["token_data"] == true));
 
     let want = &f.records[6];
@@ -138,7 +141,11 @@ async fn sessions_calls_records_and_traces_come_from_the_spool_and_traces_files(
     assert_eq!(status, StatusCode::OK);
     let got: Trace = serde_json::from_value(body["trace"].clone()).unwrap();
     assert_eq!(&got, t);
-    assert_eq!(body["pieces"], serde_json::json!({}), "no token text configured");
+    assert_eq!(
+        body["pieces"],
+        serde_json::json!({}),
+        "no token text configured"
+    );
 }
 
 #[tokio::test]
@@ -162,7 +169,11 @@ async fn what_is_written_later_shows_on_the_next_request() {
     assert_eq!(s["traces"].as_array().unwrap().len(), gamma);
     let (_, s) = json(&f.app, "/view/api/session?id=alpha").await;
     let alpha = traces.iter().filter(|t| t.session_id == "alpha").count();
-    assert_eq!(s["traces"].as_array().unwrap().len(), alpha, "nothing counted twice");
+    assert_eq!(
+        s["traces"].as_array().unwrap().len(),
+        alpha,
+        "nothing counted twice"
+    );
 }
 
 #[tokio::test]
