@@ -53,43 +53,68 @@ pub fn router(prefix: &str, sources: Arc<Sources>) -> Router {
         .with_state(sources)
 }
 
-fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response {
-    (
-        status,
-        Json(json!({"error": {"type": kind, "message": message.into()}})),
-    )
-        .into_response()
+/// A refusal or failure, answered as `{"error": {"type", "message"}}` like every control plane.
+struct ApiError {
+    status: StatusCode,
+    kind: &'static str,
+    message: String,
 }
 
-fn internal(e: impl std::fmt::Display) -> Response {
-    error(
-        StatusCode::INTERNAL_SERVER_ERROR,
-        "read_error",
-        e.to_string(),
-    )
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        (
+            self.status,
+            Json(json!({"error": {"type": self.kind, "message": self.message}})),
+        )
+            .into_response()
+    }
 }
 
+fn not_found(message: &str) -> ApiError {
+    ApiError {
+        status: StatusCode::NOT_FOUND,
+        kind: "not_found",
+        message: message.to_owned(),
+    }
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError {
+        status: StatusCode::INTERNAL_SERVER_ERROR,
+        kind: "read_error",
+        message: e.to_string(),
+    }
+}
+
+type Answer = Result<Response, ApiError>;
+
+fn invalid(message: String) -> ApiError {
+    ApiError {
+        status: StatusCode::BAD_REQUEST,
+        kind: "invalid_request",
+        message,
+    }
+}
+
+/// Parameters are taken as strings and checked here, so a bad one gets this API's JSON error
+/// rather than the framework's plain-text rejection.
 #[derive(Deserialize)]
 struct IdQuery {
-    id: String,
+    id: Option<String>,
 }
 
 impl IdQuery {
-    fn checked(&self) -> Result<&str, Response> {
-        if self.id.is_empty() || self.id.len() > MAX_ID {
-            return Err(error(
-                StatusCode::BAD_REQUEST,
-                "invalid_request",
-                format!("id must be 1 to {MAX_ID} bytes"),
-            ));
+    fn checked(&self) -> Result<&str, ApiError> {
+        match self.id.as_deref() {
+            Some(id) if !id.is_empty() && id.len() <= MAX_ID => Ok(id),
+            _ => Err(invalid(format!("?id= must be 1 to {MAX_ID} bytes"))),
         }
-        Ok(&self.id)
     }
 }
 
 /// Brings the indexes up to date with what was written since (blocking file reads, so off the
 /// async threads).
-async fn refresh(s: &Shared) -> Result<(), Response> {
+async fn refresh(s: &Shared) -> Result<(), ApiError> {
     let s = s.clone();
     tokio::task::spawn_blocking(move || {
         if let Some(t) = &s.traces {
@@ -104,28 +129,26 @@ async fn refresh(s: &Shared) -> Result<(), Response> {
     .map_err(internal)?
 }
 
-async fn overview(State(s): State<Shared>) -> Response {
-    if let Err(r) = refresh(&s).await {
-        return r;
-    }
+async fn overview(State(s): State<Shared>) -> Answer {
+    refresh(&s).await?;
     let calls = s.calls.as_ref().map(|c| c.lock().unwrap().corrupt_lines);
     let traces = s
         .traces
         .as_ref()
         .map(|t| t.lock().unwrap().unreadable_lines);
-    Json(json!({
+    Ok(Json(json!({
         "spool": s.calls.is_some(),
         "traces": s.traces.is_some(),
         "token_text": s.text.describe(),
         "corrupt_spool_lines": calls,
         "unreadable_trace_lines": traces,
     }))
-    .into_response()
+    .into_response())
 }
 
 #[derive(Deserialize)]
 struct ListQuery {
-    limit: Option<usize>,
+    limit: Option<String>,
 }
 
 #[derive(Serialize)]
@@ -135,10 +158,15 @@ struct SessionRow {
     traces: usize,
 }
 
-async fn sessions(State(s): State<Shared>, Query(q): Query<ListQuery>) -> Response {
-    if let Err(r) = refresh(&s).await {
-        return r;
-    }
+async fn sessions(State(s): State<Shared>, Query(q): Query<ListQuery>) -> Answer {
+    let limit = match q.limit.as_deref() {
+        None => DEFAULT_SESSIONS,
+        Some(n) => n
+            .parse::<usize>()
+            .map_err(|_| invalid(format!("?limit= must be a count, not {n:?}")))?
+            .min(MAX_SESSIONS),
+    };
+    refresh(&s).await?;
     let mut rows: HashMap<String, SessionRow> = HashMap::new();
     if let Some(c) = &s.calls {
         for summary in c.lock().unwrap().sessions() {
@@ -166,97 +194,68 @@ async fn sessions(State(s): State<Shared>, Query(q): Query<ListQuery>) -> Respon
         (b.summary.last_ended_at_unix_ms, &a.summary.session_id)
             .cmp(&(a.summary.last_ended_at_unix_ms, &b.summary.session_id))
     });
-    rows.truncate(q.limit.unwrap_or(DEFAULT_SESSIONS).min(MAX_SESSIONS));
-    Json(json!({"total": total, "sessions": rows})).into_response()
+    rows.truncate(limit);
+    Ok(Json(json!({"total": total, "sessions": rows})).into_response())
 }
 
-async fn session(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
-    let id = match q.checked() {
-        Ok(id) => id,
-        Err(r) => return r,
-    };
-    if let Err(r) = refresh(&s).await {
-        return r;
-    }
-    let (summary, calls) = match &s.calls {
-        Some(c) => match c.lock().unwrap().session(id) {
-            Some((summary, calls)) => (summary, calls.to_vec()),
-            None => (SessionSummary::empty(id), Vec::new()),
-        },
-        None => (SessionSummary::empty(id), Vec::new()),
-    };
+async fn session(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Answer {
+    let id = q.checked()?;
+    refresh(&s).await?;
+    let (summary, calls) = s
+        .calls
+        .as_ref()
+        .and_then(|c| {
+            let c = c.lock().unwrap();
+            c.session(id)
+                .map(|(summary, calls)| (summary, calls.to_vec()))
+        })
+        .unwrap_or_else(|| (SessionSummary::empty(id), Vec::new()));
     let traces = s
         .traces
         .as_ref()
         .map(|t| t.lock().unwrap().of_session(id).to_vec())
         .unwrap_or_default();
     if calls.is_empty() && traces.is_empty() {
-        return error(StatusCode::NOT_FOUND, "not_found", "no such session");
+        return Err(not_found("no such session"));
     }
-    Json(json!({"session": summary, "calls": calls, "traces": traces})).into_response()
+    Ok(Json(json!({"session": summary, "calls": calls, "traces": traces})).into_response())
 }
 
-async fn record(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
-    let id = match q.checked() {
-        Ok(id) => id.to_owned(),
-        Err(r) => return r,
-    };
+async fn record(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Answer {
+    let id = q.checked()?.to_owned();
     if s.calls.is_none() {
-        return error(
-            StatusCode::NOT_FOUND,
-            "not_found",
-            "no spool is being viewed",
-        );
+        return Err(not_found("no spool is being viewed"));
     }
-    if let Err(r) = refresh(&s).await {
-        return r;
-    }
-    let s2 = s.clone();
-    let found = tokio::task::spawn_blocking(move || match &s2.calls {
+    refresh(&s).await?;
+    let shared = s.clone();
+    let found = tokio::task::spawn_blocking(move || match &shared.calls {
         Some(c) => c.lock().unwrap().record(&id),
         None => Ok(None),
     })
-    .await;
+    .await
+    .map_err(internal)?
+    .map_err(internal)?;
     match found {
-        Ok(Ok(Some(r))) => Json(r).into_response(),
-        Ok(Ok(None)) => error(
-            StatusCode::NOT_FOUND,
-            "not_found",
+        Some(r) => Ok(Json(r).into_response()),
+        None => Err(not_found(
             "no such record in the spool (shipped segments are deleted once acknowledged)",
-        ),
-        Ok(Err(e)) => internal(e),
-        Err(e) => internal(e),
+        )),
     }
 }
 
-async fn trace(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
-    let id = match q.checked() {
-        Ok(id) => id.to_owned(),
-        Err(r) => return r,
-    };
-    if let Err(r) = refresh(&s).await {
-        return r;
-    }
+async fn trace(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Answer {
+    let id = q.checked()?.to_owned();
+    refresh(&s).await?;
     let located = s
         .traces
         .as_ref()
         .and_then(|t| t.lock().unwrap().locate(&id));
-    let Some((file, offset, len)) = located else {
-        return error(StatusCode::NOT_FOUND, "not_found", "no such trace");
-    };
-    let read = tokio::task::spawn_blocking(move || read_trace(&file, offset, len, &id)).await;
-    let trace = match read {
-        Ok(Ok(Some(t))) => t,
-        Ok(Ok(None)) => {
-            return error(
-                StatusCode::NOT_FOUND,
-                "not_found",
-                "the trace's file changed; reload",
-            )
-        }
-        Ok(Err(e)) => return internal(e),
-        Err(e) => return internal(e),
-    };
+    let (file, offset, len) = located.ok_or_else(|| not_found("no such trace"))?;
+    let trace = tokio::task::spawn_blocking(move || read_trace(&file, offset, len, &id))
+        .await
+        .map_err(internal)?
+        .map_err(internal)?
+        .ok_or_else(|| not_found("the trace's file changed; reload"))?;
     let ids: BTreeSet<u32> = trace
         .prompt_ids
         .iter()
@@ -264,5 +263,5 @@ async fn trace(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Response {
         .copied()
         .collect();
     let pieces = s.text.pieces(&ids).await;
-    Json(json!({"trace": trace, "pieces": pieces})).into_response()
+    Ok(Json(json!({"trace": trace, "pieces": pieces})).into_response())
 }

@@ -194,8 +194,11 @@ async fn unknown_and_oversized_ids_get_clear_errors() {
     let (status, body) = json(&f.app, &format!("/view/api/session?id={long}")).await;
     assert_eq!(status, StatusCode::BAD_REQUEST);
     assert_eq!(body["error"]["type"], "invalid_request");
-    let (status, _, _) = get(&f.app, "/view/api/session").await;
-    assert_eq!(status, StatusCode::BAD_REQUEST, "a missing id");
+    for uri in ["/view/api/session", "/view/api/sessions?limit=many"] {
+        let (status, body) = json(&f.app, uri).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST, "{uri}");
+        assert_eq!(body["error"]["type"], "invalid_request", "{uri}");
+    }
 }
 
 #[tokio::test]
