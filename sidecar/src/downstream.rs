@@ -1,4 +1,5 @@
-//! Where captured records go after the spool: shipped to a worker (`--ship-to`), or
+//! Where captured records go after the spool: shipped to a worker (`--ship-to`), published to
+//! NATS JetStream for a worker group (`--bus`), or
 //! reconstructed in-process into `--traces` (local mode), or nowhere (`--no-reconstruct`).
 //! Runs on its own thread, beside the proxy, reading the spool the proxy writes.
 
@@ -12,6 +13,7 @@ use anyhow::Context;
 use clap::Args;
 use tokentap_reconstruct::LiveReconstructor;
 
+use crate::bus_cmd::{self, BusArgs};
 use crate::ship::{self, BatchLimits, ShipAuthArgs, ShipStop, ShipTarget};
 use crate::worker_cmd::LiveArgs;
 
@@ -25,6 +27,9 @@ pub struct DownstreamArgs {
     pub ship_to: Option<String>,
     #[command(flatten)]
     pub ship_auth: ShipAuthArgs,
+    /// Or publish them to NATS JetStream, for a group of `tokentap worker --bus`.
+    #[command(flatten)]
+    pub bus: BusArgs,
     /// Local mode: where traces are written (traces.jsonl, sessions.jsonl, parquet/);
     /// default: SPOOL/traces.
     #[arg(long)]
@@ -55,7 +60,12 @@ impl DownstreamArgs {
         let stop = Arc::new(AtomicBool::new(false));
         let finish_open = Arc::new(AtomicBool::new(false));
         let spool = spool.to_path_buf();
-        let thread = if let Some(url) = self.ship_to.clone() {
+        let thread = if let Some(bus) = self.bus.connect() {
+            if self.ship_to.is_some() {
+                anyhow::bail!("--bus and --ship-to both say where records go: choose one");
+            }
+            bus_cmd::start_publisher(&spool, bus, self.bus.bus_partitions, stop.clone(), metrics)?
+        } else if let Some(url) = self.ship_to.clone() {
             let target = ShipTarget {
                 to: url,
                 token: self.ship_auth.ship_token.clone(),

@@ -1,6 +1,7 @@
 //! `tokentap`: the command line. Parses flags and composes the crates; no domain logic here.
 
 mod await_capture_cmd;
+mod bus_cmd;
 mod ca_cmd;
 mod control_plane;
 mod downstream;

@@ -68,6 +68,13 @@ pub struct WorkerArgs {
     spool: Option<PathBuf>,
     #[command(flatten)]
     live: LiveArgs,
+    /// Consume records from NATS JetStream as one member of a worker group (the group splits
+    /// the records' partitions by lease) instead of receiving shipped batches.
+    #[command(flatten)]
+    bus: crate::bus_cmd::BusArgs,
+    /// This worker's name in the group (unique; default: host name and process id).
+    #[arg(long, requires = "bus")]
+    member_id: Option<String>,
 }
 
 /// Reconstruction options shared by the worker and local mode.
@@ -219,6 +226,21 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "--token",
         "TOKENTAP_WORKER_TOKEN",
     )?;
+    if let Some(bus) = args.bus.connect() {
+        return crate::bus_cmd::run_worker(crate::bus_cmd::BusWorker {
+            bus,
+            partitions: args.bus.bus_partitions,
+            member: args
+                .member_id
+                .clone()
+                .unwrap_or_else(crate::bus_cmd::default_member_id),
+            listen: args.listen,
+            token: args.token.as_deref(),
+            tls: &args.tls,
+            out: &args.out,
+            live: args.live.options(),
+        });
+    }
     let spool = args.spool.clone().unwrap_or_else(|| args.out.join("spool"));
     std::fs::create_dir_all(&args.out)?;
     // Every id already received: a redelivery after a restart is still a duplicate.

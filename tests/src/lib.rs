@@ -14,6 +14,7 @@ pub mod harness;
 pub mod kube_apiserver;
 pub mod kube_validate;
 pub mod llama;
+pub mod nats;
 pub mod node_agent;
 pub mod node_api;
 pub mod privileged;

@@ -1,0 +1,385 @@
+//! One partition owned by this worker: its records, read in stream order from where the
+//! partition's checkpoint says, become traces the way a local worker builds them (sessions
+//! finish when idle), which are published to the traces stream (the trace id as `Nats-Msg-Id`)
+//! and written to this worker's output. The checkpoint lives in the progress bucket, so the
+//! next owner — after a kill, or a rebalance — resumes exactly here:
+//!
+//! - `resume_seq`: the stream sequence of the first record of the oldest session still open
+//!   (everything before it is in finished sessions' traces);
+//! - a mark for each session finished past `resume_seq` (its last sequence, its next trace
+//!   index), so a replay skips its records and late records continue its numbering.
+//!
+//! The checkpoint is written with the revision it was read at: an owner that lost its lease
+//! without knowing (paused, partitioned) fails its next checkpoint and stops, instead of
+//! overwriting its successor's. Traces it published meanwhile are dropped by the stream as
+//! duplicates, and a session whose traces the stream already had is not written again here.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use async_nats::jetstream::consumer::{pull, DeliverPolicy};
+use async_nats::jetstream::message::PublishMessage;
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokentap_reconstruct::{FinishedSession, LiveOptions, RecentIds, Reconstructor, TraceSink};
+use tokentap_schema::CaptureRecord;
+use tokio::sync::watch;
+
+use crate::topology::{record_subject, trace_subject, Topology};
+
+/// How often a partition checkpoints (and syncs this worker's output).
+const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
+/// Record ids remembered per partition to drop redelivered records.
+const RECENT_IDS: usize = 200_000;
+/// Finished sessions a checkpoint remembers beyond those it needs to skip a replay: a session
+/// that gets records again after it was finished continues its trace numbering (a restart
+/// from 0 would reuse trace ids the traces stream already has).
+const FINISHED_KEPT: usize = 1024;
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+struct Checkpoint {
+    resume_seq: u64,
+    finished: Vec<FinishedMark>,
+    owner: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+struct FinishedMark {
+    session_id: String,
+    upto: u64,
+    next_index: u32,
+}
+
+pub fn checkpoint_key(partition: u32) -> String {
+    format!("partition.{partition}")
+}
+
+/// What a worker counts over all its partitions.
+#[derive(Clone)]
+pub struct GroupMetrics {
+    pub records: prometheus::IntCounter,
+    pub duplicates: prometheus::IntCounter,
+    pub unreadable: prometheus::IntCounter,
+    pub sessions_finished: prometheus::IntCounter,
+    pub traces: prometheus::IntCounter,
+    pub traces_already_published: prometheus::IntCounter,
+    pub violations: prometheus::IntCounter,
+    /// Members of the group this worker sees.
+    pub members: prometheus::IntGauge,
+    /// Partitions this worker holds.
+    pub partitions_owned: prometheus::IntGauge,
+    /// Partitions taken by this worker (at start, after a member left, on a rebalance).
+    pub takeovers: prometheus::IntCounter,
+}
+
+/// This worker's trace output, shared by its partitions.
+pub type LocalOutput = Arc<Mutex<TraceSink>>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum PartitionError {
+    #[error("partition {0}: another worker checkpointed it (this worker lost its lease)")]
+    Fenced(u32),
+    #[error("partition {partition}: {source}")]
+    Bus {
+        partition: u32,
+        source: anyhow::Error,
+    },
+}
+
+/// Runs partition `partition` until `stop` turns true (then checkpoints and returns).
+pub async fn run_partition(
+    topology: Topology,
+    partition: u32,
+    owner: String,
+    options: LiveOptions,
+    out: LocalOutput,
+    metrics: GroupMetrics,
+    mut stop: watch::Receiver<bool>,
+) -> Result<(), PartitionError> {
+    let bus = |e: anyhow::Error| PartitionError::Bus {
+        partition,
+        source: e,
+    };
+    let mut p = Partition::open(topology, partition, owner, options, out, metrics)
+        .await
+        .map_err(bus)?;
+    let consumer = p
+        .topology
+        .records
+        .create_consumer(pull::OrderedConfig {
+            filter_subject: record_subject(partition),
+            deliver_policy: if p.resume_seq > 1 {
+                DeliverPolicy::ByStartSequence {
+                    start_sequence: p.resume_seq,
+                }
+            } else {
+                DeliverPolicy::All
+            },
+            ..Default::default()
+        })
+        .await
+        .map_err(|e| bus(e.into()))?;
+    let mut messages = consumer.messages().await.map_err(|e| bus(e.into()))?;
+    tracing::info!(partition, from = p.resume_seq, "partition taken");
+    let mut tick = tokio::time::interval(Duration::from_millis(250));
+    let mut last_checkpoint = Instant::now();
+    loop {
+        tokio::select! {
+            _ = stop.changed() => {
+                if *stop.borrow() {
+                    p.checkpoint().await?;
+                    tracing::info!(partition, "partition released");
+                    return Ok(());
+                }
+            }
+            m = messages.next() => match m {
+                Some(Ok(message)) => {
+                    let info = message.info().map_err(|e| bus(anyhow::anyhow!(e)))?;
+                    let (seq, pending) = (info.stream_sequence, info.pending);
+                    p.push(seq, &message.payload);
+                    p.caught_up = pending == 0;
+                }
+                Some(Err(e)) => {
+                    tracing::warn!(partition, error = %e, "reading the partition (the consumer recovers by itself)");
+                    p.caught_up = false;
+                }
+                None => return Err(bus(anyhow::anyhow!("the partition's consumer ended"))),
+            },
+            _ = tick.tick() => {
+                p.finish_idle().await?;
+                if last_checkpoint.elapsed() >= CHECKPOINT_EVERY {
+                    p.checkpoint().await?;
+                    last_checkpoint = Instant::now();
+                }
+            }
+        }
+    }
+}
+
+struct Partition {
+    topology: Topology,
+    partition: u32,
+    owner: String,
+    options: LiveOptions,
+    out: LocalOutput,
+    metrics: GroupMetrics,
+    recon: Reconstructor,
+    recent: RecentIds,
+    /// Open sessions' first record's sequence.
+    first_seq: HashMap<String, u64>,
+    /// Sessions finished past `resume_seq`: (last sequence, next trace index).
+    finished: HashMap<String, (u64, u32)>,
+    resume_seq: u64,
+    last_seq: u64,
+    newest_record_ms: u64,
+    caught_up: bool,
+    revision: Option<u64>,
+}
+
+impl Partition {
+    async fn open(
+        topology: Topology,
+        partition: u32,
+        owner: String,
+        options: LiveOptions,
+        out: LocalOutput,
+        metrics: GroupMetrics,
+    ) -> anyhow::Result<Partition> {
+        let entry = topology.progress.entry(checkpoint_key(partition)).await?;
+        let (checkpoint, revision) = match entry {
+            Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => (
+                serde_json::from_slice::<Checkpoint>(&e.value)?,
+                Some(e.revision),
+            ),
+            _ => (Checkpoint::default(), None),
+        };
+        let mut recon = Reconstructor::new(options.strategy);
+        let mut finished = HashMap::new();
+        for m in checkpoint.finished {
+            recon.continue_session(&m.session_id, m.next_index);
+            finished.insert(m.session_id, (m.upto, m.next_index));
+        }
+        Ok(Partition {
+            topology,
+            partition,
+            owner,
+            options,
+            out,
+            metrics,
+            recon,
+            recent: RecentIds::with_window(RECENT_IDS),
+            first_seq: HashMap::new(),
+            finished,
+            resume_seq: checkpoint.resume_seq,
+            last_seq: checkpoint.resume_seq.saturating_sub(1),
+            newest_record_ms: 0,
+            caught_up: false,
+            revision,
+        })
+    }
+
+    fn push(&mut self, seq: u64, payload: &[u8]) {
+        self.last_seq = self.last_seq.max(seq);
+        let record: CaptureRecord = match serde_json::from_slice(payload) {
+            Ok(r) => r,
+            Err(e) => {
+                self.metrics.unreadable.inc();
+                tracing::warn!(partition = self.partition, seq, error = %e, "a message on the records stream is not a record; skipped");
+                return;
+            }
+        };
+        // Already in a finished session's traces (a replay after a takeover).
+        if self
+            .finished
+            .get(&record.session_id)
+            .is_some_and(|(upto, _)| seq <= *upto)
+        {
+            return;
+        }
+        if !self.recent.insert(record.record_id.clone()) {
+            self.metrics.duplicates.inc();
+            return;
+        }
+        self.metrics.records.inc();
+        self.newest_record_ms = self.newest_record_ms.max(record.ended_at_unix_ms);
+        self.first_seq
+            .entry(record.session_id.clone())
+            .or_insert(seq);
+        self.recon.push(&record);
+    }
+
+    /// Finishes sessions gone idle: by the clock once caught up, by record time while a
+    /// backlog is replayed (a session is not cut because its later records are unread).
+    async fn finish_idle(&mut self) -> Result<(), PartitionError> {
+        let now = if self.caught_up {
+            unix_ms_now()
+        } else {
+            self.newest_record_ms
+        };
+        let idle = self.options.session_idle.as_millis() as u64;
+        let done = self.recon.finish_idle(now.saturating_sub(idle));
+        for s in done {
+            self.emit(s).await?;
+        }
+        Ok(())
+    }
+
+    async fn emit(&mut self, s: FinishedSession) -> Result<(), PartitionError> {
+        let session = s.report.session_id.clone();
+        let next_index = s.traces.iter().map(|t| t.index + 1).max().unwrap_or(0);
+        let mut acks = Vec::with_capacity(s.traces.len());
+        for t in &s.traces {
+            let payload = serde_json::to_vec(t).map_err(|e| self.bus(e.into()))?;
+            let message = PublishMessage::build()
+                .payload(payload.into())
+                .message_id(&t.trace_id);
+            let ack = self
+                .topology
+                .js
+                .send_publish(trace_subject(self.partition), message)
+                .await
+                .map_err(|e| self.bus(e.into()))?;
+            acks.push(ack);
+        }
+        let mut duplicates = 0;
+        for ack in acks {
+            let a = ack.await.map_err(|e| self.bus(e.into()))?;
+            duplicates += usize::from(a.duplicate);
+        }
+        let traces = s.traces.len() as u64;
+        // Every trace already on the stream: a previous owner finished this session and wrote
+        // it before it could checkpoint. Written once is enough.
+        if traces > 0 && duplicates == s.traces.len() {
+            self.metrics.traces_already_published.inc_by(traces);
+        } else {
+            self.metrics.sessions_finished.inc();
+            self.metrics.traces.inc_by(traces);
+            self.metrics
+                .violations
+                .inc_by(s.report.faithfulness.violations);
+            self.out
+                .lock()
+                .unwrap()
+                .write_session(s.traces, &s.report)
+                .map_err(|e| self.bus(e.into()))?;
+        }
+        self.first_seq.remove(&session);
+        self.finished.insert(session, (self.last_seq, next_index));
+        Ok(())
+    }
+
+    /// Syncs this worker's output, then records where the next owner resumes.
+    async fn checkpoint(&mut self) -> Result<(), PartitionError> {
+        self.out
+            .lock()
+            .unwrap()
+            .sync_jsonl()
+            .map_err(|e| self.bus(e.into()))?;
+        let resume_seq = self
+            .first_seq
+            .values()
+            .min()
+            .copied()
+            .unwrap_or(self.last_seq + 1);
+        if self.finished.len() > FINISHED_KEPT {
+            let mut uptos: Vec<u64> = self.finished.values().map(|(upto, _)| *upto).collect();
+            uptos.sort_unstable();
+            let oldest_kept = uptos[uptos.len() - FINISHED_KEPT].min(resume_seq);
+            self.finished.retain(|_, (upto, _)| *upto >= oldest_kept);
+        }
+        let checkpoint = Checkpoint {
+            resume_seq,
+            finished: self
+                .finished
+                .iter()
+                .map(|(s, &(upto, next_index))| FinishedMark {
+                    session_id: s.clone(),
+                    upto,
+                    next_index,
+                })
+                .collect(),
+            owner: self.owner.clone(),
+        };
+        let bytes = serde_json::to_vec(&checkpoint).map_err(|e| self.bus(e.into()))?;
+        let key = checkpoint_key(self.partition);
+        let written = match self.revision {
+            Some(r) => self
+                .topology
+                .progress
+                .update(&key, bytes.into(), r)
+                .await
+                .map_err(|e| e.to_string()),
+            None => self
+                .topology
+                .progress
+                .create(&key, bytes.into())
+                .await
+                .map_err(|e| e.to_string()),
+        };
+        match written {
+            Ok(revision) => {
+                self.revision = Some(revision);
+                self.resume_seq = resume_seq;
+                Ok(())
+            }
+            Err(e) => {
+                tracing::warn!(partition = self.partition, error = %e, "checkpoint refused");
+                Err(PartitionError::Fenced(self.partition))
+            }
+        }
+    }
+
+    fn bus(&self, e: anyhow::Error) -> PartitionError {
+        PartitionError::Bus {
+            partition: self.partition,
+            source: e,
+        }
+    }
+}
+
+fn unix_ms_now() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

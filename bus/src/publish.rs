@@ -1,0 +1,305 @@
+//! A spool's records → the records stream, at least once: each record goes to its session's
+//! partition subject with its record id as `Nats-Msg-Id` (the stream drops a republished one as
+//! a duplicate), up to [`MAX_IN_FLIGHT`] unacknowledged at a time, and the cursor file next to
+//! the spool moves only past records the server acknowledged. A bus that is down holds the
+//! records in the spool, where they were written anyway; they go out when it is back.
+//!
+//! What the bus will never take (a record over the server's `max_payload`, a spool line that is
+//! not a record) goes to [`DEAD_LETTER_FILE`] next to the cursor, loudly and counted, before
+//! the cursor moves past it.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use anyhow::Context;
+use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
+use async_nats::jetstream::message::PublishMessage;
+use serde::{Deserialize, Serialize};
+use tokentap_schema::ndjson::encode_line;
+use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
+
+use crate::topology::{record_subject, Topology};
+
+/// Next to the spool's segments (the spool reader ignores other files).
+pub const CURSOR_FILE: &str = "bus-cursor.json";
+/// Records the bus will never take, one JSON object a line; created 0600.
+pub const DEAD_LETTER_FILE: &str = "bus-dead-letter.ndjson";
+/// Publishes awaiting their ack at once.
+pub const MAX_IN_FLIGHT: usize = 256;
+
+#[derive(Serialize, Deserialize)]
+struct Cursor {
+    bus: String,
+    position: SpoolPosition,
+}
+
+/// What the publisher counts (the proxy's `tokentap_ship_*` series: shipping is shipping,
+/// whatever carries it).
+#[derive(Clone)]
+pub struct PublishMetrics {
+    pub records: prometheus::IntCounter,
+    pub dead_letters: prometheus::IntCounter,
+    pub backlog_bytes: prometheus::IntGauge,
+    pub last_ack: prometheus::Gauge,
+    pub errors: prometheus::IntCounter,
+}
+
+/// When the publisher stops.
+#[derive(Clone)]
+pub struct PublishStop {
+    /// Set: publish what is in the spool, then return.
+    pub drain: Arc<AtomicBool>,
+    /// After `drain` is set, give up this long after it if the bus is unreachable (the cursor
+    /// is saved: the next start resumes).
+    pub drain_deadline: Duration,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+pub struct PublishTotals {
+    pub records: u64,
+    pub duplicates: u64,
+    pub dead_lettered: u64,
+    pub retries: u64,
+}
+
+/// A spool line read and sent (or settled here), not yet past the cursor.
+struct InFlight {
+    end: SpoolPosition,
+    /// `None`: settled without the bus (dead-lettered).
+    ack: Option<PublishAckFuture>,
+}
+
+/// Publishes `spool` to the bus at `url` until the spool is drained and `stop.drain` is set.
+pub async fn publish_spool(
+    spool: &Path,
+    bus: &crate::BusConnect,
+    partitions: u32,
+    stop: &PublishStop,
+    metrics: PublishMetrics,
+) -> anyhow::Result<PublishTotals> {
+    let url = bus.url.as_str();
+    let cursor_path = spool.join(CURSOR_FILE);
+    let start = match std::fs::read(&cursor_path) {
+        Ok(b) => match serde_json::from_slice::<Cursor>(&b) {
+            Ok(c) if c.bus == url => c.position,
+            Ok(c) => {
+                tracing::warn!(previous = %c.bus, now = %url, "publishing to a different bus: starting from the beginning of the spool");
+                SpoolPosition::default()
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "unreadable bus cursor: starting from the beginning of the spool (the bus drops what it already has)");
+                SpoolPosition::default()
+            }
+        },
+        Err(_) => SpoolPosition::default(),
+    };
+    let mut totals = PublishTotals::default();
+    let mut drain_since: Option<Instant> = None;
+    let gave_up = |drain_since: &mut Option<Instant>| {
+        if stop.drain.load(Ordering::Relaxed) {
+            let since = *drain_since.get_or_insert_with(Instant::now);
+            since.elapsed() >= stop.drain_deadline
+        } else {
+            false
+        }
+    };
+    // The first connection: waited for (a bus down at start is like one down later), but not
+    // past a drain's deadline.
+    let client = crate::connect(bus, "tokentap publisher");
+    tokio::pin!(client);
+    let client = loop {
+        tokio::select! {
+            c = &mut client => break c.context("connecting to the bus")?,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if gave_up(&mut drain_since) {
+                    tracing::warn!(bus = %url, "bus unreachable while stopping: records stay in the spool for the next start");
+                    return Ok(totals);
+                }
+            }
+        }
+    };
+    let topology = loop {
+        match Topology::ensure(crate::jetstream(client.clone()), partitions).await {
+            Ok(t) => break t,
+            Err(e) => {
+                metrics.errors.inc();
+                tracing::warn!(error = %e, "the bus's streams are not reachable yet; retrying");
+                if gave_up(&mut drain_since) {
+                    return Ok(totals);
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    let dead_letters = spool.join(DEAD_LETTER_FILE);
+    let mut cursor = start;
+    let mut saved = start;
+    let mut last_save = Instant::now();
+    let mut reader = SpoolReader::open_at(spool, start)
+        .with_context(|| format!("opening the spool at {}", spool.display()))?;
+    let mut in_flight: VecDeque<InFlight> = VecDeque::new();
+    let mut backlog_measured: Option<Instant> = None;
+    let mut backoff = Duration::from_millis(200);
+    tracing::info!(spool = %spool.display(), bus = %url, partitions = topology.partitions, from = %start, "publishing records");
+    loop {
+        if backlog_measured.is_none_or(|t| t.elapsed() >= Duration::from_secs(1)) {
+            backlog_measured = Some(Instant::now());
+            if let Ok(unsent) = tokentap_spool::bytes_after(spool, cursor) {
+                metrics.backlog_bytes.set(unsent as i64);
+            }
+        }
+        let mut failed = false;
+        while in_flight.len() < MAX_IN_FLIGHT {
+            let (position, line) = match reader.next_available()? {
+                Some(SpoolItem::Record(e)) => {
+                    let mut line = Vec::new();
+                    encode_line(&e.record, &mut line)?;
+                    line.pop(); // the newline: a message is one record
+                    (
+                        e.position,
+                        Ok((e.record.record_id, e.record.session_id, line)),
+                    )
+                }
+                Some(SpoolItem::Corrupt { position, error }) => (position, Err(error)),
+                Some(SpoolItem::Torn { .. }) => continue, // never from next_available
+                None => break,
+            };
+            let end = reader.position();
+            let (id, session, line) = match line {
+                Ok(l) => l,
+                Err(error) => {
+                    let reason = format!("the spool line is not a record: {error}");
+                    dead_letter(&dead_letters, url, position, &reason, None)?;
+                    metrics.dead_letters.inc();
+                    totals.dead_lettered += 1;
+                    in_flight.push_back(InFlight { end, ack: None });
+                    continue;
+                }
+            };
+            let subject = record_subject(topology.partition_of(&session));
+            let message = PublishMessage::build()
+                .payload(line.clone().into())
+                .message_id(&id);
+            match topology.js.send_publish(subject, message).await {
+                Ok(ack) => in_flight.push_back(InFlight {
+                    end,
+                    ack: Some(ack),
+                }),
+                Err(e) if e.kind() == PublishErrorKind::MaxPayloadExceeded => {
+                    let reason = format!(
+                        "the record is {} bytes, over the bus's max_payload (raise it in nats-server's configuration)",
+                        line.len()
+                    );
+                    dead_letter(&dead_letters, url, position, &reason, Some(&line))?;
+                    metrics.dead_letters.inc();
+                    totals.dead_lettered += 1;
+                    in_flight.push_back(InFlight { end, ack: None });
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "publishing a record failed");
+                    failed = true;
+                    break;
+                }
+            }
+        }
+        // Settle the acknowledged front; the cursor moves past it.
+        while !failed {
+            let Some(front) = in_flight.front_mut() else {
+                break;
+            };
+            match front.ack.take() {
+                None => {}
+                Some(ack) => match ack.await {
+                    Ok(a) => {
+                        totals.records += 1;
+                        totals.duplicates += u64::from(a.duplicate);
+                        metrics.records.inc();
+                        metrics.last_ack.set(unix_s());
+                        backoff = Duration::from_millis(200);
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "the bus did not acknowledge a record");
+                        failed = true;
+                        break;
+                    }
+                },
+            }
+            cursor = in_flight.pop_front().expect("front exists").end;
+        }
+        if failed {
+            // Start again from the cursor: whatever was in flight is republished (and dropped
+            // by the bus as a duplicate if it had arrived).
+            metrics.errors.inc();
+            totals.retries += 1;
+            in_flight.clear();
+            save_cursor(&cursor_path, url, cursor)?;
+            saved = cursor;
+            if gave_up(&mut drain_since) {
+                tracing::warn!(bus = %url, "bus unreachable while stopping: records stay in the spool for the next start");
+                return Ok(totals);
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(Duration::from_secs(5));
+            reader = SpoolReader::open_at(spool, cursor)?;
+            continue;
+        }
+        if cursor != saved
+            && (in_flight.is_empty() || last_save.elapsed() >= Duration::from_millis(200))
+        {
+            save_cursor(&cursor_path, url, cursor)?;
+            saved = cursor;
+            last_save = Instant::now();
+        }
+        if in_flight.is_empty() {
+            if stop.drain.load(Ordering::Relaxed) {
+                if let Ok(unsent) = tokentap_spool::bytes_after(spool, cursor) {
+                    metrics.backlog_bytes.set(unsent as i64);
+                }
+                tracing::info!(?totals, "publisher drained");
+                return Ok(totals);
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    }
+}
+
+fn dead_letter(
+    path: &Path,
+    bus: &str,
+    position: SpoolPosition,
+    reason: &str,
+    record: Option<&[u8]>,
+) -> anyhow::Result<()> {
+    tracing::error!(%position, reason, "a record will never reach the bus; kept in {}", path.display());
+    let record: Option<serde_json::Value> = record.and_then(|r| serde_json::from_slice(r).ok());
+    let mut line = serde_json::to_vec(&serde_json::json!({
+        "reason": reason, "bus": bus, "position": position.to_string(), "record": record,
+    }))?;
+    line.push(b'\n');
+    let mut f = owner_only::options()
+        .append(true)
+        .create(true)
+        .open(path)
+        .with_context(|| format!("opening {}", path.display()))?;
+    f.write_all(&line)?;
+    f.sync_data()?;
+    Ok(())
+}
+
+fn save_cursor(path: &Path, bus: &str, position: SpoolPosition) -> anyhow::Result<()> {
+    let bytes = serde_json::to_vec(&Cursor {
+        bus: bus.to_owned(),
+        position,
+    })?;
+    owner_only::write(path, &bytes).with_context(|| format!("writing {}", path.display()))
+}
+
+fn unix_s() -> f64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64())
+}

@@ -1,0 +1,261 @@
+//! `--bus`: records over NATS JetStream instead of a direct ship. The publisher side (proxy,
+//! run, sidecar, node agent) runs beside the proxy on its own thread; the worker side is
+//! `tokentap worker --bus`, one member of a group that splits the partitions.
+
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::AtomicBool;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use anyhow::Context;
+use axum::extract::State;
+use axum::http::header;
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use axum::Router;
+use clap::Args;
+use prometheus::{Encoder, IntCounter, IntGauge, Registry};
+use tokentap_bus::group::Member;
+use tokentap_bus::partition::GroupMetrics;
+use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
+use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
+use tokentap_bus::BusConnect;
+use tokentap_reconstruct::{LiveOptions, TraceSink};
+use tokentap_rollout::bearer::{self, BearerToken};
+
+use crate::ship::ShipMetrics;
+
+#[derive(Args, Clone, Default)]
+pub struct BusArgs {
+    /// Publish records to (or, for `worker`, consume them from) NATS JetStream at this URL
+    /// (`nats://HOST:PORT`, or `tls://HOST:PORT`); NATS Server 2.9 or newer with JetStream
+    /// enabled (`nats-server -js`).
+    #[arg(long, value_name = "URL", env = "TOKENTAP_BUS")]
+    pub bus: Option<String>,
+    /// The NATS server's authorization token.
+    #[arg(
+        long,
+        env = "TOKENTAP_BUS_TOKEN",
+        hide_env_values = true,
+        requires = "bus"
+    )]
+    pub bus_token: Option<String>,
+    /// CA certificates (PEM) the bus's TLS certificate chains to; requires TLS.
+    #[arg(long, value_name = "PEM", requires = "bus")]
+    pub bus_ca: Option<PathBuf>,
+    /// Partitions of the records stream, used by the first process on a new bus (the bus
+    /// keeps the count; later values are ignored). More partitions than workers, always.
+    #[arg(long, default_value_t = DEFAULT_PARTITIONS, requires = "bus")]
+    pub bus_partitions: u32,
+}
+
+impl BusArgs {
+    pub fn connect(&self) -> Option<BusConnect> {
+        self.bus.as_ref().map(|url| BusConnect {
+            url: url.clone(),
+            token: self.bus_token.clone(),
+            ca: self.bus_ca.clone(),
+        })
+    }
+}
+
+/// Starts the thread publishing `spool` to the bus; it returns once `drain` is set and the
+/// spool is published (or 10 s after that if the bus is unreachable: the records wait in the
+/// spool for the next start).
+pub fn start_publisher(
+    spool: &Path,
+    bus: BusConnect,
+    partitions: u32,
+    drain: Arc<AtomicBool>,
+    metrics: ShipMetrics,
+) -> anyhow::Result<JoinHandle<()>> {
+    let spool = spool.to_path_buf();
+    let metrics = PublishMetrics {
+        records: metrics.records,
+        dead_letters: metrics.dead_letters,
+        backlog_bytes: metrics.backlog_bytes,
+        last_ack: metrics.last_ack,
+        errors: metrics.errors,
+    };
+    let stop = PublishStop {
+        drain,
+        drain_deadline: Duration::from_secs(10),
+    };
+    Ok(std::thread::Builder::new()
+        .name("bus-publish".into())
+        .spawn(move || {
+            let rt = match tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            {
+                Ok(rt) => rt,
+                Err(e) => {
+                    tracing::error!(error = %e, "publishing to the bus: no runtime");
+                    return;
+                }
+            };
+            match rt.block_on(publish_spool(&spool, &bus, partitions, &stop, metrics)) {
+                Ok(t) => tracing::info!(
+                    records = t.records,
+                    duplicates = t.duplicates,
+                    dead_lettered = t.dead_lettered,
+                    retries = t.retries,
+                    "publishing to the bus stopped"
+                ),
+                Err(e) => tracing::error!(error = %e, "publishing to the bus stopped"),
+            }
+        })?)
+}
+
+/// What `tokentap worker --bus` serves besides the group's work.
+pub struct BusWorker<'a> {
+    pub bus: BusConnect,
+    pub partitions: u32,
+    pub member: String,
+    pub listen: SocketAddr,
+    pub token: Option<&'a str>,
+    pub tls: &'a crate::control_plane::TlsListenArgs,
+    pub out: &'a Path,
+    pub live: LiveOptions,
+}
+
+/// The worker's figures, under the names the local worker uses where they mean the same.
+fn group_metrics(registry: &Registry) -> GroupMetrics {
+    let counter = |name: &str, help: &str| {
+        let c = IntCounter::new(name, help).expect("valid counter");
+        registry.register(Box::new(c.clone())).expect("unique");
+        c
+    };
+    let gauge = |name: &str, help: &str| {
+        let g = IntGauge::new(name, help).expect("valid gauge");
+        registry.register(Box::new(g.clone())).expect("unique");
+        g
+    };
+    GroupMetrics {
+        records: counter(
+            "tokentap_worker_records_reconstructed_total",
+            "Records fed to reconstruction",
+        ),
+        duplicates: counter(
+            "tokentap_worker_duplicates_dropped_total",
+            "Records whose id the worker already had",
+        ),
+        unreadable: counter(
+            "tokentap_worker_rejected_lines_total",
+            "Messages on the records stream that were not valid records",
+        ),
+        sessions_finished: counter(
+            "tokentap_worker_sessions_finished_total",
+            "Sessions whose traces were written",
+        ),
+        traces: counter("tokentap_worker_traces_emitted_total", "Traces written"),
+        traces_already_published: counter(
+            "tokentap_worker_bus_traces_already_published_total",
+            "Traces a previous owner of their partition had published (not written again)",
+        ),
+        violations: counter(
+            "tokentap_worker_faithfulness_violations_total",
+            "Faithfulness violations found in written traces (should stay 0)",
+        ),
+        members: gauge(
+            "tokentap_worker_bus_members",
+            "Workers in the group, as this one sees it",
+        ),
+        partitions_owned: gauge(
+            "tokentap_worker_bus_partitions_owned",
+            "Record partitions this worker holds",
+        ),
+        takeovers: counter(
+            "tokentap_worker_bus_partitions_taken_total",
+            "Partitions taken by this worker (at start, from a member that left, on a rebalance)",
+        ),
+    }
+}
+
+/// Runs one member of the worker group until SIGTERM/SIGINT, then hands its partitions back
+/// (checkpointed) and writes its last Parquet part.
+pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
+    std::fs::create_dir_all(w.out)?;
+    let sink = TraceSink::open(w.out)
+        .with_context(|| format!("opening the output at {}", w.out.display()))?;
+    let out = Arc::new(Mutex::new(sink));
+    let registry = Registry::new();
+    let metrics = group_metrics(&registry);
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let group = {
+        let (bus, out, live, member) =
+            (w.bus.clone(), out.clone(), w.live.clone(), w.member.clone());
+        let partitions = w.partitions;
+        let mut stopping = stopped.clone();
+        rt.spawn(async move {
+            // A bus that is down at start is waited for (the HTTP side answers meanwhile).
+            let joined = async {
+                let client = tokentap_bus::connect(&bus, "tokentap worker").await?;
+                let js = tokentap_bus::jetstream(client);
+                loop {
+                    match Topology::ensure(js.clone(), partitions).await {
+                        Ok(t) => break anyhow::Ok(t),
+                        Err(e) => {
+                            tracing::warn!(error = %e, "the bus's streams are not reachable yet; retrying");
+                            tokio::time::sleep(Duration::from_secs(1)).await;
+                        }
+                    }
+                }
+            };
+            let topology = tokio::select! {
+                t = joined => t?,
+                _ = stopping.wait_for(|&s| s) => return Ok(()),
+            };
+            tracing::info!(member = %member, partitions = topology.partitions, bus = %bus.url, "joined the worker group");
+            Member::new(topology, member, live, out, metrics)
+                .run(stopped)
+                .await
+        })
+    };
+    let app = Router::new()
+        .route("/metrics", get(render_metrics))
+        .route_layer(axum::middleware::from_fn_with_state(
+            BearerToken::new(w.token),
+            bearer::require,
+        ))
+        .route("/health", get(|| async { "ok" }))
+        .with_state(Arc::new(registry));
+    rt.block_on(crate::control_plane::serve(
+        w.listen,
+        w.tls,
+        app,
+        crate::signals::shutdown_signal(),
+        |listen, tls| tracing::info!(%listen, tls, out = %w.out.display(), "tokentap worker ready (bus)"),
+    ))?;
+    tracing::info!("shutting down: handing partitions back");
+    let _ = stop.send(true);
+    let result = rt.block_on(group);
+    let mut sink = out
+        .lock()
+        .map_err(|_| anyhow::anyhow!("the trace output's lock is poisoned"))?;
+    sink.flush()?;
+    match result {
+        Ok(r) => r,
+        Err(e) => Err(anyhow::anyhow!("the worker group task failed: {e}")),
+    }
+}
+
+async fn render_metrics(State(registry): State<Arc<Registry>>) -> Response {
+    let mut out = Vec::new();
+    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
+    ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response()
+}
+
+/// A member id unique in the group: this host's name and process id.
+pub fn default_member_id() -> String {
+    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_owned())
+        .unwrap_or_else(|_| "host".into());
+    format!("{host}-{}", std::process::id())
+}
