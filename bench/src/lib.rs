@@ -8,6 +8,7 @@
 //! a harness, the proxy and an engine client shared a small box.
 
 mod body;
+mod bus;
 mod instant_backend;
 mod load;
 mod metrics;
@@ -47,6 +48,13 @@ pub enum BenchCmd {
     /// Translation cost per call of each wire API on the real harness requests: parse, and
     /// render an answer whole and streamed (in-process, single thread).
     Translate(translate::TranslateBenchArgs),
+    /// Records through NATS JetStream at saturation (`--bus`): a spool of 40 KB-request
+    /// records published to a real nats-server on loopback, then consumed and reconstructed
+    /// by one worker-group member.
+    #[command(after_help = "Examples:
+  tokentap bench bus
+  tokentap bench bus --sessions 200 --json > bus.json")]
+    Bus(bus::BusBenchArgs),
     /// Trace reconstruction: merge ratio, tokens/s per core (linearity over session length),
     /// memory per open session, on synthetic long sessions and optionally a recorded spool.
     Reconstruct(reconstruct::ReconstructBenchArgs),
@@ -165,6 +173,7 @@ enum Mode {
 pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
     match cmd {
         BenchCmd::Proxy(args) => bench_proxy(args),
+        BenchCmd::Bus(args) => bus::run(args),
         BenchCmd::Transparent(args) => transparent::run(args),
         BenchCmd::Translate(args) => translate::run(args),
         BenchCmd::Reconstruct(args) => reconstruct::run(args),

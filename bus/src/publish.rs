@@ -153,6 +153,8 @@ pub async fn publish_spool(
             }
         }
         let mut failed = false;
+        // Whether the spool had nothing more to read this time round: a drain ends only then.
+        let mut read_all = false;
         while in_flight.len() < MAX_IN_FLIGHT {
             let (position, line) = match reader.next_available()? {
                 Some(SpoolItem::Record(e)) => {
@@ -166,7 +168,10 @@ pub async fn publish_spool(
                 }
                 Some(SpoolItem::Corrupt { position, error }) => (position, Err(error)),
                 Some(SpoolItem::Torn { .. }) => continue, // never from next_available
-                None => break,
+                None => {
+                    read_all = true;
+                    break;
+                }
             };
             let end = reader.position();
             let (id, session, line) = match line {
@@ -254,7 +259,7 @@ pub async fn publish_spool(
             saved = cursor;
             last_save = Instant::now();
         }
-        if in_flight.is_empty() {
+        if in_flight.is_empty() && read_all {
             if stop.drain.load(Ordering::Relaxed) {
                 if let Ok(unsent) = tokentap_spool::bytes_after(spool, cursor) {
                     metrics.backlog_bytes.set(unsent as i64);

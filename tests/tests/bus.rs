@@ -419,3 +419,79 @@ async fn heavy_the_bus_refuses_clients_without_its_token() {
         assert!(refused.is_err(), "connected with {token:?}");
     }
 }
+
+/// A spool with a backlog larger than the publisher's window (256 unacknowledged) is published
+/// whole when the publisher is told to drain (a proxy stopping with a backlog), and a second
+/// publish of the same spool from scratch stores nothing twice (record id as message id).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_stores_nothing_twice() {
+    use std::sync::atomic::AtomicBool;
+    use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop, CURSOR_FILE};
+    use tokentap_reconstruct::synthetic::LongSession;
+    use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start(&dir.path().join("nats"), TOKEN).await;
+    let spool = dir.path().join("spool");
+    let mut w = SpoolWriter::open(&spool, SpoolConfig::default()).unwrap();
+    let shape = LongSession {
+        calls: 100,
+        first_prompt: 20,
+        last_prompt: 40,
+        sampled: 4,
+        subagent_every: 0,
+        subagent_calls: 0,
+        subagent_prompt: 0,
+    };
+    let mut written = 0;
+    for s in 0..7 {
+        let records = shape.records(&format!("backlog-{s}"), s + 1);
+        written += records.len() as u64;
+        w.append_batch(&records).unwrap();
+    }
+    w.sync().unwrap();
+    drop(w);
+    let bus = BusConnect {
+        url: nats.url(),
+        token: Some(nats.token.clone()),
+        ca: None,
+    };
+    let stop = PublishStop {
+        drain: Arc::new(AtomicBool::new(true)),
+        drain_deadline: Duration::from_secs(30),
+    };
+    let metrics = || {
+        let c = |n: &str| prometheus_counter(n);
+        PublishMetrics {
+            records: c("r"),
+            dead_letters: c("d"),
+            backlog_bytes: prometheus::IntGauge::new("b", "b").unwrap(),
+            last_ack: prometheus::Gauge::new("l", "l").unwrap(),
+            errors: c("e"),
+        }
+    };
+    let first = publish_spool(&spool, &bus, 16, &stop, metrics())
+        .await
+        .unwrap();
+    assert_eq!((first.records, first.duplicates), (written, 0), "{first:?}");
+    let t = topology(&nats).await;
+    let mut records = t.records.clone();
+    assert_eq!(records.info().await.unwrap().state.messages, written);
+
+    // The cursor gone (a new disk, a restored backup): everything is sent again, and the
+    // stream keeps one copy of each.
+    std::fs::remove_file(spool.join(CURSOR_FILE)).unwrap();
+    let again = publish_spool(&spool, &bus, 16, &stop, metrics())
+        .await
+        .unwrap();
+    assert_eq!(
+        (again.records, again.duplicates),
+        (written, written),
+        "{again:?}"
+    );
+    assert_eq!(records.info().await.unwrap().state.messages, written);
+}
+
+fn prometheus_counter(name: &str) -> prometheus::IntCounter {
+    prometheus::IntCounter::new(name, name).unwrap()
+}
