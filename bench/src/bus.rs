@@ -15,7 +15,7 @@ use anyhow::{bail, Context};
 use clap::Args;
 use serde::Serialize;
 use tokentap_bus::group::Member;
-use tokentap_bus::partition::GroupMetrics;
+use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
 use tokentap_bus::topology::Topology;
 use tokentap_bus::BusConnect;
@@ -234,13 +234,13 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
     let member = rt.block_on(async {
         let client = tokentap_bus::connect(&bus, "bench").await?;
         let topology = Topology::ensure(tokentap_bus::jetstream(client), 16).await?;
-        anyhow::Ok(Member::new(
+        anyhow::Ok(Member::new(WorkerContext {
             topology,
-            "bench".into(),
-            live,
+            member: "bench".into(),
+            options: live,
             out,
-            group_metrics,
-        ))
+            metrics: group_metrics,
+        }))
     })?;
     let task = rt.spawn(member.run(stop_rx));
     let deadline = Instant::now() + Duration::from_secs(600);

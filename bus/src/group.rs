@@ -13,12 +13,10 @@ use std::collections::{BTreeSet, HashMap};
 use std::time::Duration;
 
 use futures::StreamExt;
-use tokentap_reconstruct::LiveOptions;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::partition::{run_partition, GroupMetrics, LocalOutput, PartitionError};
-use crate::topology::Topology;
+use crate::partition::{run_partition, PartitionError, WorkerContext};
 
 /// How often a member renews its leases and rebalances.
 pub const ROUND: Duration = Duration::from_secs(2);
@@ -46,30 +44,16 @@ struct Owned {
 
 /// One member of the group.
 pub struct Member {
-    topology: Topology,
-    id: String,
-    options: LiveOptions,
-    out: LocalOutput,
-    metrics: GroupMetrics,
+    w: WorkerContext,
     owned: HashMap<u32, Owned>,
     cooling: HashMap<u32, tokio::time::Instant>,
 }
 
 impl Member {
-    /// `id` must be unique in the group (a host name and process id, say).
-    pub fn new(
-        topology: Topology,
-        id: String,
-        options: LiveOptions,
-        out: LocalOutput,
-        metrics: GroupMetrics,
-    ) -> Member {
+    /// `w.member` must be unique in the group (a host name and process id, say).
+    pub fn new(w: WorkerContext) -> Member {
         Member {
-            topology,
-            id,
-            options,
-            out,
-            metrics,
+            w,
             owned: HashMap::new(),
             cooling: HashMap::new(),
         }
@@ -87,7 +71,7 @@ impl Member {
                         // The bus is unreachable: the partitions' tasks keep what they have
                         // until their own bus calls fail; leases that expire meanwhile are
                         // noticed on the next successful round.
-                        tracing::warn!(member = %self.id, error = %e, "a group round failed");
+                        tracing::warn!(member = %self.w.member, error = %e, "a group round failed");
                     }
                 }
                 changed = stop.changed() => {
@@ -101,38 +85,44 @@ impl Member {
         for p in partitions {
             self.release(p).await;
         }
-        let _ = self.topology.leases.delete(member_key(&self.id)).await;
-        tracing::info!(member = %self.id, "left the group");
+        let _ = self
+            .w
+            .topology
+            .leases
+            .delete(member_key(&self.w.member))
+            .await;
+        tracing::info!(member = %self.w.member, "left the group");
         Ok(())
     }
 
     async fn round(&mut self) -> anyhow::Result<()> {
-        self.topology
+        self.w
+            .topology
             .leases
-            .put(member_key(&self.id), self.id.clone().into())
+            .put(member_key(&self.w.member), self.w.member.clone().into())
             .await?;
         self.reap_finished_tasks().await;
         self.renew().await;
 
         let keys = self.keys().await?;
         let members = keys.iter().filter(|k| k.starts_with("member.")).count();
-        let target = fair_share(self.topology.partitions, members);
-        self.metrics.members.set(members as i64);
+        let target = fair_share(self.w.topology.partitions, members);
+        self.w.metrics.members.set(members as i64);
 
         // Hand back the surplus first: a joining member is waiting for it.
         while self.owned.len() > target {
             let Some(&p) = self.owned.keys().max() else {
                 break;
             };
-            tracing::info!(member = %self.id, partition = p, members, target, "handing a partition back");
+            tracing::info!(member = %self.w.member, partition = p, members, target, "handing a partition back");
             self.release(p).await;
         }
         // Then take free partitions, starting at a place of our own so members that start
         // together do not all race for partition 0.
         let now = tokio::time::Instant::now();
         self.cooling.retain(|_, until| *until > now);
-        let n = self.topology.partitions;
-        let start = crate::topology::partition_of(&self.id, n);
+        let n = self.w.topology.partitions;
+        let start = crate::topology::partition_of(&self.w.member, n);
         for i in 0..n {
             if self.owned.len() >= target {
                 break;
@@ -145,9 +135,10 @@ impl Member {
                 continue;
             }
             match self
+                .w
                 .topology
                 .leases
-                .create(lease_key(p), self.id.clone().into())
+                .create(lease_key(p), self.w.member.clone().into())
                 .await
             {
                 Ok(revision) => self.take(p, revision),
@@ -155,14 +146,14 @@ impl Member {
                 Err(e) => tracing::debug!(partition = p, error = %e, "lease not taken"),
             }
         }
-        self.metrics.partitions_owned.set(self.owned.len() as i64);
+        self.w.metrics.partitions_owned.set(self.owned.len() as i64);
         Ok(())
     }
 
     /// The leases bucket's live keys (expired and deleted ones are not listed).
     async fn keys(&self) -> anyhow::Result<BTreeSet<String>> {
         let mut keys = BTreeSet::new();
-        let mut listing = self.topology.leases.keys().await?;
+        let mut listing = self.w.topology.leases.keys().await?;
         while let Some(k) = listing.next().await {
             keys.insert(k?);
         }
@@ -171,17 +162,9 @@ impl Member {
 
     fn take(&mut self, partition: u32, revision: u64) {
         let (stop, stopped) = watch::channel(false);
-        let task = tokio::spawn(run_partition(
-            self.topology.clone(),
-            partition,
-            self.id.clone(),
-            self.options.clone(),
-            self.out.clone(),
-            self.metrics.clone(),
-            stopped,
-        ));
-        self.metrics.takeovers.inc();
-        tracing::info!(member = %self.id, partition, "lease taken");
+        let task = tokio::spawn(run_partition(self.w.clone(), partition, stopped));
+        self.w.metrics.takeovers.inc();
+        tracing::info!(member = %self.w.member, partition, "lease taken");
         self.owned.insert(
             partition,
             Owned {
@@ -198,14 +181,15 @@ impl Member {
         let mut lost = Vec::new();
         for (&p, owned) in self.owned.iter_mut() {
             match self
+                .w
                 .topology
                 .leases
-                .update(lease_key(p), self.id.clone().into(), owned.revision)
+                .update(lease_key(p), self.w.member.clone().into(), owned.revision)
                 .await
             {
                 Ok(revision) => owned.revision = revision,
                 Err(e) => {
-                    tracing::warn!(member = %self.id, partition = p, error = %e, "lease lost");
+                    tracing::warn!(member = %self.w.member, partition = p, error = %e, "lease lost");
                     lost.push(p);
                 }
             }
@@ -233,14 +217,17 @@ impl Member {
             let owned = self.owned.remove(&p).expect("listed");
             match owned.task.await {
                 Ok(Ok(())) => {}
-                Ok(Err(e)) => tracing::warn!(member = %self.id, error = %e, "partition stopped"),
+                Ok(Err(e)) => {
+                    tracing::warn!(member = %self.w.member, error = %e, "partition stopped")
+                }
                 Err(e) => {
-                    tracing::error!(member = %self.id, partition = p, error = %e, "partition task panicked")
+                    tracing::error!(member = %self.w.member, partition = p, error = %e, "partition task panicked")
                 }
             }
             self.cooling
                 .insert(p, tokio::time::Instant::now() + COOL_OFF);
             let _ = self
+                .w
                 .topology
                 .leases
                 .delete_expect_revision(lease_key(p), Some(owned.revision))
@@ -257,21 +244,22 @@ impl Member {
         match owned.task.await {
             Ok(Ok(())) => {}
             Ok(Err(e)) => {
-                tracing::warn!(member = %self.id, error = %e, "partition stopped with an error")
+                tracing::warn!(member = %self.w.member, error = %e, "partition stopped with an error")
             }
             Err(e) => {
-                tracing::error!(member = %self.id, partition, error = %e, "partition task panicked")
+                tracing::error!(member = %self.w.member, partition, error = %e, "partition task panicked")
             }
         }
         if let Err(e) = self
+            .w
             .topology
             .leases
             .delete_expect_revision(lease_key(partition), Some(owned.revision))
             .await
         {
-            tracing::warn!(member = %self.id, partition, error = %e, "could not free a lease (it expires by itself)");
+            tracing::warn!(member = %self.w.member, partition, error = %e, "could not free a lease (it expires by itself)");
         }
-        self.metrics.partitions_owned.set(self.owned.len() as i64);
+        self.w.metrics.partitions_owned.set(self.owned.len() as i64);
     }
 }
 

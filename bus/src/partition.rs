@@ -87,39 +87,44 @@ pub enum PartitionError {
     },
 }
 
+/// What all of a worker's partitions share.
+#[derive(Clone)]
+pub struct WorkerContext {
+    pub topology: Topology,
+    /// This worker's member id (written into its checkpoints).
+    pub member: String,
+    pub options: LiveOptions,
+    pub out: LocalOutput,
+    pub metrics: GroupMetrics,
+}
+
 /// Runs partition `partition` until `stop` turns true (then checkpoints and returns).
 pub async fn run_partition(
-    topology: Topology,
+    worker: WorkerContext,
     partition: u32,
-    owner: String,
-    options: LiveOptions,
-    out: LocalOutput,
-    metrics: GroupMetrics,
     mut stop: watch::Receiver<bool>,
 ) -> Result<(), PartitionError> {
     let bus = |e: anyhow::Error| PartitionError::Bus {
         partition,
         source: e,
     };
-    let mut p = Partition::open(topology, partition, owner, options, out, metrics)
-        .await
-        .map_err(bus)?;
-    let consumer = p
-        .topology
-        .records
-        .create_consumer(pull::OrderedConfig {
-            filter_subject: record_subject(partition),
-            deliver_policy: if p.resume_seq > 1 {
-                DeliverPolicy::ByStartSequence {
-                    start_sequence: p.resume_seq,
-                }
-            } else {
-                DeliverPolicy::All
-            },
-            ..Default::default()
-        })
-        .await
-        .map_err(|e| bus(e.into()))?;
+    let mut p = Partition::open(worker, partition).await.map_err(bus)?;
+    let consumer =
+        p.w.topology
+            .records
+            .create_consumer(pull::OrderedConfig {
+                filter_subject: record_subject(partition),
+                deliver_policy: if p.resume_seq > 1 {
+                    DeliverPolicy::ByStartSequence {
+                        start_sequence: p.resume_seq,
+                    }
+                } else {
+                    DeliverPolicy::All
+                },
+                ..Default::default()
+            })
+            .await
+            .map_err(|e| bus(e.into()))?;
     let mut messages = consumer.messages().await.map_err(|e| bus(e.into()))?;
     tracing::info!(partition, from = p.resume_seq, "partition taken");
     let mut tick = tokio::time::interval(Duration::from_millis(250));
@@ -158,12 +163,8 @@ pub async fn run_partition(
 }
 
 struct Partition {
-    topology: Topology,
+    w: WorkerContext,
     partition: u32,
-    owner: String,
-    options: LiveOptions,
-    out: LocalOutput,
-    metrics: GroupMetrics,
     recon: Reconstructor,
     recent: RecentIds,
     /// Open sessions' first record's sequence.
@@ -178,15 +179,8 @@ struct Partition {
 }
 
 impl Partition {
-    async fn open(
-        topology: Topology,
-        partition: u32,
-        owner: String,
-        options: LiveOptions,
-        out: LocalOutput,
-        metrics: GroupMetrics,
-    ) -> anyhow::Result<Partition> {
-        let entry = topology.progress.entry(checkpoint_key(partition)).await?;
+    async fn open(w: WorkerContext, partition: u32) -> anyhow::Result<Partition> {
+        let entry = w.topology.progress.entry(checkpoint_key(partition)).await?;
         let (checkpoint, revision) = match entry {
             Some(e) if e.operation == async_nats::jetstream::kv::Operation::Put => (
                 serde_json::from_slice::<Checkpoint>(&e.value)?,
@@ -194,19 +188,15 @@ impl Partition {
             ),
             _ => (Checkpoint::default(), None),
         };
-        let mut recon = Reconstructor::new(options.strategy);
+        let mut recon = Reconstructor::new(w.options.strategy);
         let mut finished = HashMap::new();
         for m in checkpoint.finished {
             recon.continue_session(&m.session_id, m.next_index);
             finished.insert(m.session_id, (m.upto, m.next_index));
         }
         Ok(Partition {
-            topology,
+            w,
             partition,
-            owner,
-            options,
-            out,
-            metrics,
             recon,
             recent: RecentIds::with_window(RECENT_IDS),
             first_seq: HashMap::new(),
@@ -224,7 +214,7 @@ impl Partition {
         let record: CaptureRecord = match serde_json::from_slice(payload) {
             Ok(r) => r,
             Err(e) => {
-                self.metrics.unreadable.inc();
+                self.w.metrics.unreadable.inc();
                 tracing::warn!(partition = self.partition, seq, error = %e, "a message on the records stream is not a record; skipped");
                 return;
             }
@@ -238,10 +228,10 @@ impl Partition {
             return;
         }
         if !self.recent.insert(record.record_id.clone()) {
-            self.metrics.duplicates.inc();
+            self.w.metrics.duplicates.inc();
             return;
         }
-        self.metrics.records.inc();
+        self.w.metrics.records.inc();
         self.newest_record_ms = self.newest_record_ms.max(record.ended_at_unix_ms);
         self.first_seq
             .entry(record.session_id.clone())
@@ -257,7 +247,7 @@ impl Partition {
         } else {
             self.newest_record_ms
         };
-        let idle = self.options.session_idle.as_millis() as u64;
+        let idle = self.w.options.session_idle.as_millis() as u64;
         let done = self.recon.finish_idle(now.saturating_sub(idle));
         for s in done {
             self.emit(s).await?;
@@ -275,6 +265,7 @@ impl Partition {
                 .payload(payload.into())
                 .message_id(&t.trace_id);
             let ack = self
+                .w
                 .topology
                 .js
                 .send_publish(trace_subject(self.partition), message)
@@ -291,14 +282,16 @@ impl Partition {
         // Every trace already on the stream: a previous owner finished this session and wrote
         // it before it could checkpoint. Written once is enough.
         if traces > 0 && duplicates == s.traces.len() {
-            self.metrics.traces_already_published.inc_by(traces);
+            self.w.metrics.traces_already_published.inc_by(traces);
         } else {
-            self.metrics.sessions_finished.inc();
-            self.metrics.traces.inc_by(traces);
-            self.metrics
+            self.w.metrics.sessions_finished.inc();
+            self.w.metrics.traces.inc_by(traces);
+            self.w
+                .metrics
                 .violations
                 .inc_by(s.report.faithfulness.violations);
-            self.out
+            self.w
+                .out
                 .lock()
                 .unwrap()
                 .write_session(s.traces, &s.report)
@@ -311,7 +304,8 @@ impl Partition {
 
     /// Syncs this worker's output, then records where the next owner resumes.
     async fn checkpoint(&mut self) -> Result<(), PartitionError> {
-        self.out
+        self.w
+            .out
             .lock()
             .unwrap()
             .sync_jsonl()
@@ -339,18 +333,20 @@ impl Partition {
                     next_index,
                 })
                 .collect(),
-            owner: self.owner.clone(),
+            owner: self.w.member.clone(),
         };
         let bytes = serde_json::to_vec(&checkpoint).map_err(|e| self.bus(e.into()))?;
         let key = checkpoint_key(self.partition);
         let written = match self.revision {
             Some(r) => self
+                .w
                 .topology
                 .progress
                 .update(&key, bytes.into(), r)
                 .await
                 .map_err(|e| e.to_string()),
             None => self
+                .w
                 .topology
                 .progress
                 .create(&key, bytes.into())

@@ -332,8 +332,25 @@ impl Metrics {
     }
 }
 
+/// A counter `name` registered in `registry` (each name once; the other binaries' registries
+/// use it too).
+pub fn counter_in(registry: &Registry, name: &str, help: &str) -> prometheus::IntCounter {
+    registered(
+        registry,
+        prometheus::IntCounter::new(name, help).expect("valid counter"),
+    )
+}
+
+/// A gauge `name` registered in `registry` (each name once).
+pub fn gauge_in(registry: &Registry, name: &str, help: &str) -> prometheus::IntGauge {
+    registered(
+        registry,
+        prometheus::IntGauge::new(name, help).expect("valid gauge"),
+    )
+}
+
 /// `metric`, registered in `registry` (each name once).
-fn registered<C: prometheus::core::Collector + Clone + 'static>(
+pub fn registered<C: prometheus::core::Collector + Clone + 'static>(
     registry: &Registry,
     metric: C,
 ) -> C {

@@ -16,12 +16,13 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use axum::Router;
 use clap::Args;
-use prometheus::{Encoder, IntCounter, IntGauge, Registry};
+use prometheus::{Encoder, Registry};
 use tokentap_bus::group::Member;
-use tokentap_bus::partition::GroupMetrics;
+use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
 use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
 use tokentap_bus::BusConnect;
+use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
 use tokentap_rollout::bearer::{self, BearerToken};
 
@@ -123,16 +124,8 @@ pub struct BusWorker<'a> {
 
 /// The worker's figures, under the names the local worker uses where they mean the same.
 fn group_metrics(registry: &Registry) -> GroupMetrics {
-    let counter = |name: &str, help: &str| {
-        let c = IntCounter::new(name, help).expect("valid counter");
-        registry.register(Box::new(c.clone())).expect("unique");
-        c
-    };
-    let gauge = |name: &str, help: &str| {
-        let g = IntGauge::new(name, help).expect("valid gauge");
-        registry.register(Box::new(g.clone())).expect("unique");
-        g
-    };
+    let counter = |name: &str, help: &str| counter_in(registry, name, help);
+    let gauge = |name: &str, help: &str| gauge_in(registry, name, help);
     GroupMetrics {
         records: counter(
             "tokentap_worker_records_reconstructed_total",
@@ -213,9 +206,15 @@ pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
                 _ = stopping.wait_for(|&s| s) => return Ok(()),
             };
             tracing::info!(member = %member, partitions = topology.partitions, bus = %bus.url, "joined the worker group");
-            Member::new(topology, member, live, out, metrics)
-                .run(stopped)
-                .await
+            Member::new(WorkerContext {
+                topology,
+                member,
+                options: live,
+                out,
+                metrics,
+            })
+            .run(stopped)
+            .await
         })
     };
     let app = Router::new()

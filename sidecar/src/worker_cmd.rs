@@ -23,6 +23,7 @@ use axum::{Json, Router};
 use clap::Args;
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 use serde_json::json;
+use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
 use tokentap_rollout::bearer::{self, BearerToken};
 use tokentap_schema::ship::{
@@ -117,16 +118,8 @@ struct WorkerMetrics {
 impl WorkerMetrics {
     fn new() -> WorkerMetrics {
         let registry = Registry::new();
-        let counter = |name: &str, help: &str| {
-            let c = IntCounter::new(name, help).expect("valid counter");
-            registry.register(Box::new(c.clone())).expect("unique");
-            c
-        };
-        let gauge = |name: &str, help: &str| {
-            let g = IntGauge::new(name, help).expect("valid gauge");
-            registry.register(Box::new(g.clone())).expect("unique");
-            g
-        };
+        let counter = |name: &str, help: &str| counter_in(&registry, name, help);
+        let gauge = |name: &str, help: &str| gauge_in(&registry, name, help);
         let merge_ratio = Gauge::new(
             "tokentap_worker_merge_ratio",
             "Request-level traces per emitted trace, over finished sessions",

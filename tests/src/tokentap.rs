@@ -111,6 +111,28 @@ impl Tokentap {
         format!("{}/v1/chat/completions", self.url)
     }
 
+    /// One Chat Completions call of `session` (asserted to succeed); the answer's text.
+    pub async fn chat(
+        &self,
+        client: &reqwest::Client,
+        session: &str,
+        messages: &[serde_json::Value],
+    ) -> String {
+        let r = client
+            .post(self.chat_url())
+            .header("x-tokentap-session", session)
+            .json(&serde_json::json!({"model": "m", "messages": messages, "max_tokens": 64}))
+            .send()
+            .await
+            .expect("calling the proxy");
+        assert!(r.status().is_success(), "{}", r.status());
+        let v: serde_json::Value = r.json().await.expect("a JSON answer");
+        v["choices"][0]["message"]["content"]
+            .as_str()
+            .expect("an answer's text")
+            .to_owned()
+    }
+
     /// A scratch directory that lives as long as this proxy.
     pub fn scratch(&self) -> &Path {
         self.dir.path()

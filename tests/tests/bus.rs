@@ -28,27 +28,6 @@ use tokentap_schema::{CaptureRecord, Trace};
 
 const TOKEN: &str = "bus-test-token-7f3a";
 
-async fn chat(
-    client: &reqwest::Client,
-    proxy: &Tokentap,
-    session: &str,
-    messages: &[Value],
-) -> String {
-    let r = client
-        .post(proxy.chat_url())
-        .header("x-tokentap-session", session)
-        .json(&json!({"model": "m", "messages": messages, "max_tokens": 64}))
-        .send()
-        .await
-        .expect("calling the proxy");
-    assert!(r.status().is_success(), "{}", r.status());
-    let v: Value = r.json().await.unwrap();
-    v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_owned()
-}
-
 /// Conversations that grow by one turn per call (append-only: one merged trace each).
 struct Conversations {
     sessions: Vec<(usize, String, Vec<Value>)>,
@@ -72,7 +51,7 @@ impl Conversations {
 
     async fn turn(&mut self, client: &reqwest::Client, proxies: &[Tokentap], turn: usize) {
         for (p, id, messages) in self.sessions.iter_mut() {
-            let answer = chat(client, &proxies[*p], id, messages).await;
+            let answer = proxies[*p].chat(client, id, messages).await;
             messages.push(json!({"role": "assistant", "content": answer}));
             messages.push(json!({"role": "user", "content": format!("go on ({turn})")}));
         }

@@ -21,27 +21,6 @@ use tokentap_schema::SplitCause;
 const SESSIONS: usize = 4;
 const TURNS: usize = 8;
 
-async fn chat(
-    client: &reqwest::Client,
-    proxy: &Tokentap,
-    session: &str,
-    messages: &[Value],
-) -> String {
-    let r = client
-        .post(proxy.chat_url())
-        .header("x-tokentap-session", session)
-        .json(&json!({"model": "m", "messages": messages, "max_tokens": 64}))
-        .send()
-        .await
-        .expect("calling the proxy");
-    assert!(r.status().is_success(), "{}", r.status());
-    let v: Value = r.json().await.unwrap();
-    v["choices"][0]["message"]["content"]
-        .as_str()
-        .unwrap()
-        .to_owned()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
     let backend = ScriptedBackend::start(
@@ -63,7 +42,7 @@ async fn a_worker_and_a_proxy_killed_mid_stream_lose_and_repeat_nothing() {
         .collect();
     for turn in 0..TURNS {
         for (s, messages) in conversations.iter_mut().enumerate() {
-            let answer = chat(&client, &proxy, &format!("conv-{s}"), messages).await;
+            let answer = proxy.chat(&client, &format!("conv-{s}"), messages).await;
             messages.push(json!({"role": "assistant", "content": answer}));
             messages.push(json!({"role": "user", "content": format!("go on ({turn})")}));
         }
@@ -279,7 +258,7 @@ async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_no
     // One append-only conversation: each turn is the last prompt, its answer and a new ask.
     let mut messages = vec![json!({"role": "user", "content": "task"})];
     async fn turn(client: &reqwest::Client, proxy: &Tokentap, messages: &mut Vec<Value>) {
-        let answer = chat(client, proxy, "redelivered", messages).await;
+        let answer = proxy.chat(client, "redelivered", messages).await;
         messages.push(json!({"role": "assistant", "content": answer}));
         messages.push(json!({"role": "user", "content": "go on"}));
     }
