@@ -52,7 +52,7 @@ fn is_cert_manager(o: &Value) -> bool {
 
 #[test]
 fn every_rendered_object_passes_kubernetes_schemas_strict() {
-    for name in ["default", "cert-manager"] {
+    for name in ["default", "cert-manager", "bus"] {
         let objs = render(name);
         assert!(objs.len() >= 10, "{name}: {} objects", objs.len());
         let core: Vec<Value> = objs
@@ -132,6 +132,70 @@ fn the_node_agent_and_the_webhook_get_the_least_they_need() {
         assert!(w["namespaceSelector"].is_object());
         assert_eq!(w["clientConfig"]["service"]["path"], "/mutate");
         assert!(!w["clientConfig"]["caBundle"].as_str().unwrap().is_empty());
+    }
+}
+
+/// The bus install: node agents publish to the JetStream server with its token, workers join
+/// the group with theirs, every secret comes from a Secret (never a literal), and nothing of the
+/// bus runs as root or writable.
+#[test]
+fn the_bus_variant_wires_agents_and_workers_to_one_authenticated_jetstream() {
+    let objs = render("bus");
+    let env_secret = |c: &Value, name: &str| -> String {
+        let e = c["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == name))
+            .unwrap_or_else(|| panic!("{} has no {name}", c["name"]));
+        assert!(e.get("value").is_none(), "{name} is a literal");
+        e["valueFrom"]["secretKeyRef"]["name"]
+            .as_str()
+            .unwrap_or_else(|| panic!("{name} not from a Secret"))
+            .to_owned()
+    };
+    let args = |c: &Value| -> Vec<String> {
+        c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_owned())
+            .collect()
+    };
+    let bus_url = "--bus=nats://tokentap-bus.tokentap.svc:4222".to_owned();
+    let agent = &find(&objs, "DaemonSet", "tokentap-node-agent")["spec"]["template"]["spec"]
+        ["containers"][0];
+    assert!(args(agent).contains(&bus_url), "{:?}", args(agent));
+    assert_eq!(
+        env_secret(agent, "TOKENTAP_BUS_TOKEN"),
+        "tokentap-bus-token"
+    );
+
+    let worker = &find(&objs, "StatefulSet", "tokentap-worker")["spec"]["template"]["spec"];
+    let w = &worker["containers"][0];
+    assert_eq!(args(w)[0], "worker");
+    assert!(args(w).contains(&bus_url), "{:?}", args(w));
+    assert_eq!(env_secret(w, "TOKENTAP_BUS_TOKEN"), "tokentap-bus-token");
+    // Listening beyond loopback: the worker refuses to start without its token.
+    assert!(args(w).contains(&"--listen=0.0.0.0:8900".to_owned()));
+    assert_eq!(
+        env_secret(w, "TOKENTAP_WORKER_TOKEN"),
+        "tokentap-worker-token"
+    );
+
+    let nats = &find(&objs, "StatefulSet", "tokentap-bus")["spec"]["template"]["spec"];
+    let n = &nats["containers"][0];
+    assert_eq!(env_secret(n, "TOKENTAP_BUS_TOKEN"), "tokentap-bus-token");
+    let conf = find(&objs, "ConfigMap", "tokentap-bus")["data"]["nats.conf"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(conf.contains("token: $TOKENTAP_BUS_TOKEN"), "{conf}");
+    assert!(conf.contains("jetstream"), "{conf}");
+    for spec in [worker, nats] {
+        assert_eq!(spec["securityContext"]["runAsNonRoot"], true);
+        let sc = &spec["containers"][0]["securityContext"];
+        assert_eq!(sc["allowPrivilegeEscalation"], false);
+        assert_eq!(sc["readOnlyRootFilesystem"], true);
+        assert_eq!(sc["capabilities"]["drop"], serde_json::json!(["ALL"]));
     }
 }
 
