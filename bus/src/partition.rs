@@ -302,14 +302,23 @@ impl Partition {
         Ok(())
     }
 
-    /// Syncs this worker's output, then records where the next owner resumes.
+    /// Syncs this worker's output (with a Parquet part when one is due), then records where the
+    /// next owner resumes.
     async fn checkpoint(&mut self) -> Result<(), PartitionError> {
-        self.w
-            .out
-            .lock()
-            .unwrap()
-            .sync_jsonl()
-            .map_err(|e| self.bus(e.into()))?;
+        {
+            // The Parquet part, when due, is written by whichever partition checkpoints first:
+            // pending rows are held in memory until then.
+            let mut out = self.w.out.lock().unwrap();
+            let (rows, max_age) = (self.w.options.part_rows, self.w.options.part_max_age);
+            let synced = out.sync_jsonl().and_then(|_| {
+                if out.part_due(rows, max_age) {
+                    out.write_part()
+                } else {
+                    Ok(())
+                }
+            });
+            synced.map_err(|e| self.bus(e.into()))?;
+        }
         let resume_seq = self
             .first_seq
             .values()

@@ -117,7 +117,6 @@ pub struct LiveReconstructor {
     /// Open sessions: position of their first record (the replay point if we crash).
     first_position: HashMap<String, SpoolPosition>,
     last_checkpoint: Instant,
-    oldest_pending: Option<Instant>,
     stats: LiveStats,
 }
 
@@ -154,7 +153,6 @@ impl LiveReconstructor {
         }
         drop(finished_log);
         let reader = SpoolReader::open_at(spool, checkpoint.resume_from)?;
-        let pending = sink.pending();
         Ok(LiveReconstructor {
             out: out.to_path_buf(),
             options,
@@ -166,7 +164,6 @@ impl LiveReconstructor {
             finished_bytes: checkpoint.finished_bytes,
             first_position: HashMap::new(),
             last_checkpoint: Instant::now(),
-            oldest_pending: (pending > 0).then(Instant::now),
             stats: LiveStats::default(),
         })
     }
@@ -267,21 +264,18 @@ impl LiveReconstructor {
             self.first_position.remove(&id);
             self.finished.insert(id, upto);
         }
-        self.oldest_pending.get_or_insert_with(Instant::now);
         Ok(())
     }
 
     /// Makes everything emitted so far durable and records where to resume. With
     /// `final_part`, pending traces go to a Parquet part whatever their number.
     pub fn checkpoint(&mut self, final_part: bool) -> Result<(), Error> {
-        let part_due = self.sink.pending() >= self.options.part_rows
-            || self
-                .oldest_pending
-                .is_some_and(|t| t.elapsed() >= self.options.part_max_age);
+        let part_due = self
+            .sink
+            .part_due(self.options.part_rows, self.options.part_max_age);
         let mark = self.sink.sync_jsonl()?;
         let mark = if (final_part || part_due) && self.sink.pending() > 0 {
             self.sink.write_part()?;
-            self.oldest_pending = None;
             self.sink.sync_jsonl()?
         } else {
             mark

@@ -10,6 +10,7 @@ use std::fs::File;
 use std::io::{BufWriter, Read, Seek, SeekFrom, Write};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use arrow_schema::FieldRef;
 use parquet::arrow::ArrowWriter;
@@ -36,6 +37,8 @@ pub struct TraceSink {
     sessions_bytes: u64,
     /// Traces not yet in a Parquet part.
     pending: Vec<Trace>,
+    /// When the oldest of them was written (or reloaded).
+    oldest_pending: Option<Instant>,
     /// `traces.jsonl` bytes whose traces are all in Parquet parts.
     parquet_covers: u64,
     fields: Vec<FieldRef>,
@@ -88,6 +91,7 @@ impl TraceSink {
             traces_bytes,
             sessions_bytes: len(SESSIONS_JSONL),
             pending: Vec::new(),
+            oldest_pending: None,
             parquet_covers: traces_bytes,
             fields: trace_fields()?,
             next_part,
@@ -133,6 +137,7 @@ impl TraceSink {
         for line in rest.lines().filter(|l| !l.trim().is_empty()) {
             sink.pending.push(serde_json::from_str(line)?);
         }
+        sink.oldest_pending = (!sink.pending.is_empty()).then(Instant::now);
         Ok(sink)
     }
 
@@ -152,6 +157,9 @@ impl TraceSink {
         line.push(b'\n');
         self.sessions.write_all(&line)?;
         self.sessions_bytes += line.len() as u64;
+        if !traces.is_empty() {
+            self.oldest_pending.get_or_insert_with(Instant::now);
+        }
         self.pending.extend(traces);
         Ok(())
     }
@@ -159,6 +167,12 @@ impl TraceSink {
     /// Traces written since the last Parquet part.
     pub fn pending(&self) -> usize {
         self.pending.len()
+    }
+
+    /// Whether the pending traces make a Parquet part now: `rows` of them, or the oldest
+    /// written `max_age` ago.
+    pub fn part_due(&self, rows: usize, max_age: Duration) -> bool {
+        self.pending.len() >= rows || self.oldest_pending.is_some_and(|t| t.elapsed() >= max_age)
     }
 
     /// Flushes the JSONL files and writes the pending traces as a new Parquet part.
@@ -189,6 +203,7 @@ impl TraceSink {
         write_parquet(&path, &self.fields, &self.pending)?;
         self.next_part += 1;
         self.pending.clear();
+        self.oldest_pending = None;
         self.parquet_covers = self.traces_bytes;
         Ok(())
     }
@@ -252,4 +267,46 @@ pub fn read_traces_parquet(path: &Path) -> Result<Vec<Trace>, Error> {
         out.extend(rows);
     }
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::synthetic::LongSession;
+    use crate::Reconstructor;
+    use tokentap_schema::Strategy;
+
+    #[test]
+    fn a_part_is_due_by_rows_or_by_the_age_of_the_oldest_pending_trace() {
+        let dir = tempfile::tempdir().unwrap();
+        let mut sink = TraceSink::open(dir.path()).unwrap();
+        let day = Duration::from_secs(86_400);
+        assert!(!sink.part_due(1, Duration::ZERO), "nothing pending");
+        let shape = LongSession {
+            calls: 2,
+            first_prompt: 10,
+            last_prompt: 20,
+            sampled: 2,
+            subagent_every: 0,
+            subagent_calls: 0,
+            subagent_prompt: 0,
+        };
+        let mut recon = Reconstructor::new(Strategy::PrefixMerge);
+        for r in shape.records("s", 1) {
+            recon.push(&r);
+        }
+        for s in recon.finish_all() {
+            sink.write_session(s.traces, &s.report).unwrap();
+        }
+        let pending = sink.pending();
+        assert!(pending > 0);
+        assert!(sink.part_due(pending, day), "by rows");
+        assert!(!sink.part_due(pending + 1, day));
+        assert!(sink.part_due(pending + 1, Duration::ZERO), "by age");
+        sink.write_part().unwrap();
+        assert!(
+            !sink.part_due(1, Duration::ZERO),
+            "written: nothing pending"
+        );
+    }
 }
