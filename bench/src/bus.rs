@@ -19,6 +19,7 @@ use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
 use tokentap_bus::topology::Topology;
 use tokentap_bus::BusConnect;
+use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::synthetic::LongSession;
 use tokentap_reconstruct::{LiveOptions, TraceSink};
 use tokentap_spool::{SpoolConfig, SpoolWriter};
@@ -122,32 +123,6 @@ fn cpu_seconds(pid: Option<u32>) -> f64 {
     (f.get(11).unwrap_or(&0.0) + f.get(12).unwrap_or(&0.0)) / ticks.max(1.0)
 }
 
-fn metrics() -> (PublishMetrics, GroupMetrics) {
-    let c = |n: &str| prometheus::IntCounter::new(n, n).expect("valid");
-    let g = |n: &str| prometheus::IntGauge::new(n, n).expect("valid");
-    (
-        PublishMetrics {
-            records: c("r"),
-            dead_letters: c("d"),
-            backlog_bytes: g("b"),
-            last_ack: prometheus::Gauge::new("l", "l").expect("valid"),
-            errors: c("e"),
-        },
-        GroupMetrics {
-            records: c("records"),
-            duplicates: c("dup"),
-            unreadable: c("u"),
-            sessions_finished: c("s"),
-            traces: c("t"),
-            traces_already_published: c("a"),
-            violations: c("v"),
-            members: g("m"),
-            partitions_owned: g("p"),
-            takeovers: c("k"),
-        },
-    )
-}
-
 pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
     let dir = tempfile::tempdir()?;
     let spool = dir.path().join("spool");
@@ -192,7 +167,11 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    let (publish_metrics, group_metrics) = metrics();
+    let registry = prometheus::Registry::new();
+    let group_metrics = GroupMetrics::new(
+        |name, help| counter_in(&registry, name, help),
+        |name, help| gauge_in(&registry, name, help),
+    );
     let mb = bytes as f64 / 1e6;
 
     // Publish: the spool, drained.
@@ -205,7 +184,13 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
         cpu_seconds(Some(nats_pid)),
         Instant::now(),
     );
-    let totals = rt.block_on(publish_spool(&spool, &bus, 16, &stop, publish_metrics))?;
+    let totals = rt.block_on(publish_spool(
+        &spool,
+        &bus,
+        16,
+        &stop,
+        PublishMetrics::unregistered(),
+    ))?;
     let seconds = t0.elapsed().as_secs_f64();
     let publish = Phase {
         records: totals.records,

@@ -73,6 +73,55 @@ pub struct GroupMetrics {
     pub takeovers: prometheus::IntCounter,
 }
 
+impl GroupMetrics {
+    /// The group's series, made by `counter` and `gauge` (which register them where the caller
+    /// serves them). Under the local worker's names where they mean the same.
+    pub fn new(
+        counter: impl Fn(&str, &str) -> prometheus::IntCounter,
+        gauge: impl Fn(&str, &str) -> prometheus::IntGauge,
+    ) -> GroupMetrics {
+        GroupMetrics {
+            records: counter(
+                "tokentap_worker_records_reconstructed_total",
+                "Records fed to reconstruction",
+            ),
+            duplicates: counter(
+                "tokentap_worker_duplicates_dropped_total",
+                "Records whose id the worker already had",
+            ),
+            unreadable: counter(
+                "tokentap_worker_rejected_lines_total",
+                "Messages on the records stream that were not valid records",
+            ),
+            sessions_finished: counter(
+                "tokentap_worker_sessions_finished_total",
+                "Sessions whose traces were written",
+            ),
+            traces: counter("tokentap_worker_traces_emitted_total", "Traces written"),
+            traces_already_published: counter(
+                "tokentap_worker_bus_traces_already_published_total",
+                "Traces a previous owner of their partition had published (not written again)",
+            ),
+            violations: counter(
+                "tokentap_worker_faithfulness_violations_total",
+                "Faithfulness violations found in written traces (should stay 0)",
+            ),
+            members: gauge(
+                "tokentap_worker_bus_members",
+                "Workers in the group, as this one sees it",
+            ),
+            partitions_owned: gauge(
+                "tokentap_worker_bus_partitions_owned",
+                "Record partitions this worker holds",
+            ),
+            takeovers: counter(
+                "tokentap_worker_bus_partitions_taken_total",
+                "Partitions taken by this worker (at start, from a member that left, on a rebalance)",
+            ),
+        }
+    }
+}
+
 /// This worker's trace output, shared by its partitions.
 pub type LocalOutput = Arc<Mutex<TraceSink>>;
 

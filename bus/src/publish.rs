@@ -9,7 +9,6 @@
 //! the cursor moves past it.
 
 use std::collections::VecDeque;
-use std::io::Write;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -18,9 +17,9 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 use anyhow::Context;
 use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
-use serde::{Deserialize, Serialize};
+use bytes::Bytes;
 use tokentap_schema::ndjson::encode_line;
-use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
 
 use crate::topology::{record_subject, Topology};
 
@@ -31,12 +30,6 @@ pub const DEAD_LETTER_FILE: &str = "bus-dead-letter.ndjson";
 /// Publishes awaiting their ack at once.
 pub const MAX_IN_FLIGHT: usize = 256;
 
-#[derive(Serialize, Deserialize)]
-struct Cursor {
-    bus: String,
-    position: SpoolPosition,
-}
-
 /// What the publisher counts (the proxy's `tokentap_ship_*` series: shipping is shipping,
 /// whatever carries it).
 #[derive(Clone)]
@@ -46,6 +39,23 @@ pub struct PublishMetrics {
     pub backlog_bytes: prometheus::IntGauge,
     pub last_ack: prometheus::Gauge,
     pub errors: prometheus::IntCounter,
+}
+
+impl PublishMetrics {
+    /// The series under their `tokentap_ship_*` names, registered nowhere: for a caller that
+    /// reads them itself (a benchmark, a test).
+    pub fn unregistered() -> PublishMetrics {
+        let counter = |name: &str| prometheus::IntCounter::new(name, name).expect("valid counter");
+        PublishMetrics {
+            records: counter("tokentap_ship_records_total"),
+            dead_letters: counter("tokentap_ship_dead_letter_total"),
+            backlog_bytes: prometheus::IntGauge::new("tokentap_ship_backlog_bytes", "backlog")
+                .expect("valid gauge"),
+            last_ack: prometheus::Gauge::new("tokentap_ship_last_ack_timestamp_seconds", "ack")
+                .expect("valid gauge"),
+            errors: counter("tokentap_ship_errors_total"),
+        }
+    }
 }
 
 /// When the publisher stops.
@@ -83,20 +93,7 @@ pub async fn publish_spool(
 ) -> anyhow::Result<PublishTotals> {
     let url = bus.url.as_str();
     let cursor_path = spool.join(CURSOR_FILE);
-    let start = match std::fs::read(&cursor_path) {
-        Ok(b) => match serde_json::from_slice::<Cursor>(&b) {
-            Ok(c) if c.bus == url => c.position,
-            Ok(c) => {
-                tracing::warn!(previous = %c.bus, now = %url, "publishing to a different bus: starting from the beginning of the spool");
-                SpoolPosition::default()
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "unreadable bus cursor: starting from the beginning of the spool (the bus drops what it already has)");
-                SpoolPosition::default()
-            }
-        },
-        Err(_) => SpoolPosition::default(),
-    };
+    let start = downstream::load_cursor(&cursor_path, url);
     let mut totals = PublishTotals::default();
     let mut drain_since: Option<Instant> = None;
     let gave_up = |drain_since: &mut Option<Instant>| {
@@ -178,16 +175,24 @@ pub async fn publish_spool(
                 Ok(l) => l,
                 Err(error) => {
                     let reason = format!("the spool line is not a record: {error}");
-                    dead_letter(&dead_letters, url, position, &reason, None)?;
-                    metrics.dead_letters.inc();
-                    totals.dead_lettered += 1;
+                    dead_letter(
+                        &dead_letters,
+                        url,
+                        position,
+                        &reason,
+                        None,
+                        &metrics,
+                        &mut totals,
+                    )?;
                     in_flight.push_back(InFlight { end, ack: None });
                     continue;
                 }
             };
             let subject = record_subject(topology.partition_of(&session));
+            // Shared, not copied: kept for the dead-letter file should the bus refuse it.
+            let line = Bytes::from(line);
             let message = PublishMessage::build()
-                .payload(line.clone().into())
+                .payload(line.clone())
                 .message_id(&id);
             match topology.js.send_publish(subject, message).await {
                 Ok(ack) => in_flight.push_back(InFlight {
@@ -199,9 +204,15 @@ pub async fn publish_spool(
                         "the record is {} bytes, over the bus's max_payload (raise it in nats-server's configuration)",
                         line.len()
                     );
-                    dead_letter(&dead_letters, url, position, &reason, Some(&line))?;
-                    metrics.dead_letters.inc();
-                    totals.dead_lettered += 1;
+                    dead_letter(
+                        &dead_letters,
+                        url,
+                        position,
+                        &reason,
+                        Some(&line),
+                        &metrics,
+                        &mut totals,
+                    )?;
                     in_flight.push_back(InFlight { end, ack: None });
                 }
                 Err(e) => {
@@ -241,7 +252,7 @@ pub async fn publish_spool(
             metrics.errors.inc();
             totals.retries += 1;
             in_flight.clear();
-            save_cursor(&cursor_path, url, cursor)?;
+            downstream::save_cursor(&cursor_path, url, cursor)?;
             saved = cursor;
             if gave_up(&mut drain_since) {
                 tracing::warn!(bus = %url, "bus unreachable while stopping: records stay in the spool for the next start");
@@ -255,7 +266,7 @@ pub async fn publish_spool(
         if cursor != saved
             && (in_flight.is_empty() || last_save.elapsed() >= Duration::from_millis(200))
         {
-            save_cursor(&cursor_path, url, cursor)?;
+            downstream::save_cursor(&cursor_path, url, cursor)?;
             saved = cursor;
             last_save = Instant::now();
         }
@@ -272,35 +283,23 @@ pub async fn publish_spool(
     }
 }
 
+/// Keeps a record the bus will never take: said in the log, written to the dead-letter file,
+/// counted.
 fn dead_letter(
     path: &Path,
     bus: &str,
     position: SpoolPosition,
     reason: &str,
-    record: Option<&[u8]>,
+    record_line: Option<&[u8]>,
+    metrics: &PublishMetrics,
+    totals: &mut PublishTotals,
 ) -> anyhow::Result<()> {
-    tracing::error!(%position, reason, "a record will never reach the bus; kept in {}", path.display());
-    let record: Option<serde_json::Value> = record.and_then(|r| serde_json::from_slice(r).ok());
-    let mut line = serde_json::to_vec(&serde_json::json!({
-        "reason": reason, "bus": bus, "position": position.to_string(), "record": record,
-    }))?;
-    line.push(b'\n');
-    let mut f = owner_only::options()
-        .append(true)
-        .create(true)
-        .open(path)
-        .with_context(|| format!("opening {}", path.display()))?;
-    f.write_all(&line)?;
-    f.sync_data()?;
+    tracing::error!(%position, reason, file = %path.display(), "a record will never reach the bus: kept in the dead-letter file");
+    downstream::append_dead_letter(path, ("bus", bus), position, reason, record_line)
+        .with_context(|| format!("writing the dead-letter file {}", path.display()))?;
+    metrics.dead_letters.inc();
+    totals.dead_lettered += 1;
     Ok(())
-}
-
-fn save_cursor(path: &Path, bus: &str, position: SpoolPosition) -> anyhow::Result<()> {
-    let bytes = serde_json::to_vec(&Cursor {
-        bus: bus.to_owned(),
-        position,
-    })?;
-    owner_only::write(path, &bytes).with_context(|| format!("writing {}", path.display()))
 }
 
 fn unix_s() -> f64 {

@@ -122,51 +122,6 @@ pub struct BusWorker<'a> {
     pub live: LiveOptions,
 }
 
-/// The worker's figures, under the names the local worker uses where they mean the same.
-fn group_metrics(registry: &Registry) -> GroupMetrics {
-    let counter = |name: &str, help: &str| counter_in(registry, name, help);
-    let gauge = |name: &str, help: &str| gauge_in(registry, name, help);
-    GroupMetrics {
-        records: counter(
-            "tokentap_worker_records_reconstructed_total",
-            "Records fed to reconstruction",
-        ),
-        duplicates: counter(
-            "tokentap_worker_duplicates_dropped_total",
-            "Records whose id the worker already had",
-        ),
-        unreadable: counter(
-            "tokentap_worker_rejected_lines_total",
-            "Messages on the records stream that were not valid records",
-        ),
-        sessions_finished: counter(
-            "tokentap_worker_sessions_finished_total",
-            "Sessions whose traces were written",
-        ),
-        traces: counter("tokentap_worker_traces_emitted_total", "Traces written"),
-        traces_already_published: counter(
-            "tokentap_worker_bus_traces_already_published_total",
-            "Traces a previous owner of their partition had published (not written again)",
-        ),
-        violations: counter(
-            "tokentap_worker_faithfulness_violations_total",
-            "Faithfulness violations found in written traces (should stay 0)",
-        ),
-        members: gauge(
-            "tokentap_worker_bus_members",
-            "Workers in the group, as this one sees it",
-        ),
-        partitions_owned: gauge(
-            "tokentap_worker_bus_partitions_owned",
-            "Record partitions this worker holds",
-        ),
-        takeovers: counter(
-            "tokentap_worker_bus_partitions_taken_total",
-            "Partitions taken by this worker (at start, from a member that left, on a rebalance)",
-        ),
-    }
-}
-
 /// Runs one member of the worker group until SIGTERM/SIGINT, then hands its partitions back
 /// (checkpointed) and writes its last Parquet part.
 pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
@@ -175,7 +130,10 @@ pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
         .with_context(|| format!("opening the output at {}", w.out.display()))?;
     let out = Arc::new(Mutex::new(sink));
     let registry = Registry::new();
-    let metrics = group_metrics(&registry);
+    let metrics = GroupMetrics::new(
+        |name, help| counter_in(&registry, name, help),
+        |name, help| gauge_in(&registry, name, help),
+    );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()

@@ -9,7 +9,6 @@
 //! that is retried until it comes back.
 
 use std::collections::VecDeque;
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -19,24 +18,15 @@ use tokentap_proxy::backend::error_chain;
 use anyhow::Context;
 use clap::Args;
 use prometheus::IntCounter;
-use serde::{Deserialize, Serialize};
-use serde_json::json;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
-use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
 
 /// Next to the spool's segments; the spool reader ignores other files.
 pub const CURSOR_FILE: &str = "ship-cursor.json";
 /// Records that will never be delivered, one JSON object a line (`reason`, `worker`,
 /// `position`, `record`), next to the cursor; created 0600.
 pub const DEAD_LETTER_FILE: &str = "dead-letter.ndjson";
-
-#[derive(Debug, Serialize, Deserialize)]
-struct Cursor {
-    /// The worker the position refers to: shipping to another worker starts over.
-    to: String,
-    position: SpoolPosition,
-}
 
 #[derive(Args)]
 #[command(after_help = "Examples:
@@ -161,35 +151,17 @@ impl DeadLetters {
             %reason,
             "a record cannot be delivered to the worker: kept in the dead-letter file"
         );
-        let mut line = serde_json::to_vec(&json!({
-            "dead_lettered_at_unix_ms": unix_ms(),
-            "worker": self.worker,
-            "position": p.position.to_string(),
-            "reason": reason,
-        }))?;
-        line.pop(); // the closing brace: the record's own line follows as it was shipped
-        line.extend_from_slice(b",\"record\":");
-        match &p.line {
-            Ok(record) => line.extend_from_slice(record.strip_suffix(b"\n").unwrap_or(record)),
-            Err(_) => line.extend_from_slice(b"null"),
-        }
-        line.extend_from_slice(b"}\n");
-        let mut f = open_private_append(&self.path)
-            .with_context(|| format!("opening the dead-letter file {}", self.path.display()))?;
-        f.write_all(&line)?;
-        f.sync_data()?;
+        downstream::append_dead_letter(
+            &self.path,
+            ("worker", &self.worker),
+            p.position,
+            reason,
+            p.line.as_deref().ok(),
+        )
+        .with_context(|| format!("writing the dead-letter file {}", self.path.display()))?;
         self.counter.inc();
         Ok(())
     }
-}
-
-fn open_private_append(path: &Path) -> std::io::Result<std::fs::File> {
-    use std::os::unix::fs::OpenOptionsExt;
-    std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .mode(0o600)
-        .open(path)
 }
 
 /// Ships `spool` to `target` until the spool is drained and `stop.drain` is set. Records it
@@ -203,20 +175,7 @@ pub fn ship(
 ) -> anyhow::Result<ShipTotals> {
     let cursor_path = spool.join(CURSOR_FILE);
     let to = target.to.trim_end_matches('/').to_owned();
-    let start = match std::fs::read(&cursor_path) {
-        Ok(b) => match serde_json::from_slice::<Cursor>(&b) {
-            Ok(c) if c.to == to => c.position,
-            Ok(c) => {
-                tracing::warn!(previous = %c.to, now = %to, "shipping to a different worker: starting from the beginning of the spool");
-                SpoolPosition::default()
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "unreadable ship cursor: starting from the beginning of the spool (the worker drops what it already has)");
-                SpoolPosition::default()
-            }
-        },
-        Err(_) => SpoolPosition::default(),
-    };
+    let start = downstream::load_cursor(&cursor_path, &to);
     let mut reader = SpoolReader::open_at(spool, start)
         .with_context(|| format!("opening the spool at {}", spool.display()))?;
     let mut builder = reqwest::blocking::Client::builder()
@@ -241,13 +200,8 @@ pub fn ship(
     // The backlog is measured at most this often (it lists and stats the segments).
     let mut backlog_measured: Option<Instant> = None;
     let save = |position: SpoolPosition| {
-        save_cursor(
-            &cursor_path,
-            &Cursor {
-                to: to.clone(),
-                position,
-            },
-        )
+        downstream::save_cursor(&cursor_path, &to, position)
+            .with_context(|| format!("saving the cursor {}", cursor_path.display()))
     };
     let mut totals = ShipTotals::default();
     let mut drain_since: Option<Instant> = None;
@@ -561,20 +515,6 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-fn save_cursor(path: &Path, cursor: &Cursor) -> anyhow::Result<()> {
-    let tmp = path.with_extension("json.tmp");
-    // Owner-only like the spool it points into.
-    let _ = std::fs::remove_file(&tmp);
-    let f = tokentap_spool::owner_only::options()
-        .write(true)
-        .create_new(true)
-        .open(&tmp)?;
-    serde_json::to_writer(&f, cursor)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, path)?;
-    Ok(())
-}
-
 /// `tokentap ship`.
 pub fn run(args: ShipArgs) -> anyhow::Result<()> {
     let drain = Arc::new(AtomicBool::new(!args.follow));
@@ -652,6 +592,7 @@ pub fn signal_sets(signal: libc::c_int, flag: Arc<AtomicBool>) {
 mod tests {
     use super::*;
     use axum::extract::DefaultBodyLimit;
+    use serde_json::json;
     use std::sync::Mutex;
     use tokentap_reconstruct::synthetic::LongSession;
     use tokentap_spool::{SpoolConfig, SpoolWriter};

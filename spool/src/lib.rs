@@ -23,6 +23,7 @@
 //! [`SpoolWriter::open`] fails with [`SpoolError::Locked`]); readers never lock.
 
 mod cursor;
+pub mod downstream;
 mod error;
 mod fsync;
 mod lock;

@@ -439,17 +439,7 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
         drain: Arc::new(AtomicBool::new(true)),
         drain_deadline: Duration::from_secs(30),
     };
-    let metrics = || {
-        let c = |n: &str| prometheus_counter(n);
-        PublishMetrics {
-            records: c("r"),
-            dead_letters: c("d"),
-            backlog_bytes: prometheus::IntGauge::new("b", "b").unwrap(),
-            last_ack: prometheus::Gauge::new("l", "l").unwrap(),
-            errors: c("e"),
-        }
-    };
-    let first = publish_spool(&spool, &bus, 16, &stop, metrics())
+    let first = publish_spool(&spool, &bus, 16, &stop, PublishMetrics::unregistered())
         .await
         .unwrap();
     assert_eq!((first.records, first.duplicates), (written, 0), "{first:?}");
@@ -460,7 +450,7 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
     // The cursor gone (a new disk, a restored backup): everything is sent again, and the
     // stream keeps one copy of each.
     std::fs::remove_file(spool.join(CURSOR_FILE)).unwrap();
-    let again = publish_spool(&spool, &bus, 16, &stop, metrics())
+    let again = publish_spool(&spool, &bus, 16, &stop, PublishMetrics::unregistered())
         .await
         .unwrap();
     assert_eq!(
@@ -469,8 +459,4 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
         "{again:?}"
     );
     assert_eq!(records.info().await.unwrap().state.messages, written);
-}
-
-fn prometheus_counter(name: &str) -> prometheus::IntCounter {
-    prometheus::IntCounter::new(name, name).unwrap()
 }
