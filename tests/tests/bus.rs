@@ -187,8 +187,11 @@ async fn heavy_three_proxies_and_a_worker_group_over_jetstream_match_an_offline_
         a.extend([
             "--member-id".into(),
             member.into(),
+            // Well above the longest gap between two turns of a session here (the 3 s pause
+            // before the kill, and the takeover itself), so that only the end of the
+            // conversations ends a session, as in the offline reconstruction.
             "--session-idle".into(),
-            "4".into(),
+            "10".into(),
         ]);
         a
     };
@@ -384,7 +387,8 @@ async fn heavy_a_bus_down_for_30_seconds_costs_the_harnesses_nothing_and_the_bac
 }
 
 /// The bus requires its token: a client without it (an agent that found the bus's address)
-/// can neither publish records nor join the worker group.
+/// can neither publish records nor join the worker group. And a group member's /metrics
+/// requires the member's own token.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_the_bus_refuses_clients_without_its_token() {
     let dir = tempfile::tempdir().unwrap();
@@ -397,6 +401,23 @@ async fn heavy_the_bus_refuses_clients_without_its_token() {
         let refused = options.connect(nats.url()).await;
         assert!(refused.is_err(), "connected with {token:?}");
     }
+    // A group member's own listener names the group's progress in /metrics: its token first.
+    let mut args = bus_args(&nats);
+    args.extend(["--token".into(), "worker-metrics-token".into()]);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let worker = Worker::start(&dir.path().join("out"), &args).await;
+    let client = http_client();
+    for token in [None, Some("guess")] {
+        let mut get = client.get(format!("{}/metrics", worker.url));
+        if let Some(t) = token {
+            get = get.bearer_auth(t);
+        }
+        assert_eq!(get.send().await.unwrap().status(), 401, "{token:?}");
+    }
+    assert!(worker
+        .metric("tokentap_worker_bus_partitions_owned")
+        .await
+        .is_some());
 }
 
 /// A spool with a backlog larger than the publisher's window (256 unacknowledged) is published
