@@ -67,9 +67,9 @@ struct BusReport {
     consume: Phase,
 }
 
-struct Nats {
-    child: Child,
-    url: String,
+pub(crate) struct Nats {
+    pub child: Child,
+    pub url: String,
 }
 
 impl Drop for Nats {
@@ -85,7 +85,7 @@ fn free_port() -> anyhow::Result<u16> {
         .port())
 }
 
-fn start_nats(bin: &Path, dir: &Path) -> anyhow::Result<Nats> {
+pub(crate) fn start_nats(bin: &Path, dir: &Path) -> anyhow::Result<Nats> {
     let port = free_port()?;
     let child = Command::new(bin)
         .args(["-js", "-a", "127.0.0.1", "-p", &port.to_string()])
@@ -109,7 +109,7 @@ fn start_nats(bin: &Path, dir: &Path) -> anyhow::Result<Nats> {
 }
 
 /// User + system CPU seconds of process `pid` (this process with `None`).
-fn cpu_seconds(pid: Option<u32>) -> f64 {
+pub(crate) fn cpu_seconds(pid: Option<u32>) -> f64 {
     let path = pid.map_or("/proc/self/stat".to_owned(), |p| format!("/proc/{p}/stat"));
     let stat = std::fs::read_to_string(path).unwrap_or_default();
     // Fields after the parenthesised command: utime and stime are the 12th and 13th.

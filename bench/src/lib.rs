@@ -9,6 +9,7 @@
 
 mod body;
 mod bus;
+mod cluster;
 mod instant_backend;
 mod load;
 mod metrics;
@@ -64,6 +65,12 @@ pub enum BenchCmd {
   tokentap bench rollout
   tokentap bench rollout --samples 48 --run-workers 8 --think-ms 1000")]
     Rollout(rollout::RolloutBenchArgs),
+    /// Rollout nodes sharing a bus at saturation: samples per hour with one node alone, one
+    /// on a real nats-server and several on it, and each one's CPU per sample.
+    #[command(after_help = "Examples:
+  tokentap bench cluster
+  tokentap bench cluster --samples 48 --nodes 3 --run-workers 2")]
+    Cluster(cluster::ClusterBenchArgs),
     /// Many streaming multi-turn sessions through a capturing proxy for a long time: memory
     /// growth after warm-up, latency from the first window to the last, and every call's
     /// record and trace accounted for.
@@ -178,6 +185,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Translate(args) => translate::run(args),
         BenchCmd::Reconstruct(args) => reconstruct::run(args),
         BenchCmd::Rollout(args) => rollout::run(args),
+        BenchCmd::Cluster(args) => cluster::run(args),
         BenchCmd::Soak(args) => soak::run(args),
         BenchCmd::Metrics(args) => metrics::run(args),
     }

@@ -45,8 +45,8 @@ pub struct RolloutBenchArgs {
     json: bool,
 }
 
-/// The node under test; killed when dropped, on success, error or panic alike.
-struct NodeChild(Child);
+/// A node under test; killed when dropped, on success, error or panic alike.
+pub(crate) struct NodeChild(pub Child);
 
 impl Drop for NodeChild {
     fn drop(&mut self) {
@@ -55,18 +55,18 @@ impl Drop for NodeChild {
     }
 }
 
-struct Figures {
-    prewarm: usize,
-    wall_s: f64,
-    completed: usize,
-    samples_per_hour: f64,
-    mean_running: f64,
-    max_running: usize,
-    slot_utilization: f64,
+pub(crate) struct Figures {
+    pub prewarm: usize,
+    pub wall_s: f64,
+    pub completed: usize,
+    pub samples_per_hour: f64,
+    pub mean_running: f64,
+    pub max_running: usize,
+    pub slot_utilization: f64,
     /// p50 and p95, seconds: queued, INIT, RUN, POST_RUN.
-    stages: [(f64, f64); 4],
+    pub stages: [(f64, f64); 4],
     /// How long a free agent slot waited for its next sample to start, p50 and mean (s).
-    slot_gap: (f64, f64),
+    pub slot_gap: (f64, f64),
 }
 
 pub fn run(args: RolloutBenchArgs) -> anyhow::Result<()> {
@@ -164,7 +164,7 @@ pub fn run(args: RolloutBenchArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn project(dir: &Path, files: usize) -> anyhow::Result<()> {
+pub(crate) fn project(dir: &Path, files: usize) -> anyhow::Result<()> {
     std::fs::create_dir_all(dir)?;
     for i in 0..files {
         let body: String = (0..60)
@@ -180,82 +180,134 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
     let engine = InstantBackend::start(64)?;
     let proj = tmp.path().join("project");
     project(&proj, args.files)?;
-    let data = tmp.path().join("node");
-    let addr = free_port()?;
     let token = format!("bench-{}", std::process::id());
-    let log = tmp.path().join("node.log");
-    let exe = std::env::current_exe().context("finding this executable")?;
-    let mut node = NodeChild(
-        Command::new(exe)
-            .arg("serve")
-            .args(["--listen", &addr.to_string()])
-            .arg("--data")
-            .arg(&data)
-            .arg("--spool")
-            .arg(tmp.path().join("spool"))
-            .args(["--backend", &format!("http://{}", engine.addr())])
-            .args(["--backend-kind", "vllm"])
-            .args(["--run-workers", &args.run_workers.to_string()])
-            .args(["--prewarm", &prewarm.to_string()])
-            .args(["--init-workers", "2", "--post-workers", "2"])
-            .env("TOKENTAP_NODE_TOKEN", &token)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&log)?)
-            .spawn()
-            .context("starting tokentap serve")?,
-    );
-    let log_tail = || {
-        let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let node = NodeSetup {
+        engine: format!("http://{}", engine.addr()),
+        run_workers: args.run_workers,
+        prewarm,
+        token: token.clone(),
+        extra: Vec::new(),
+    }
+    .spawn(tmp.path(), "node")?;
+    let spec = command_task(&proj, args.samples, args.turns, args.think_ms);
+    let samples = run_group(&node, &spec)?;
+    drop(node);
+    check_completed(&samples)?;
+    figures(&samples, prewarm, args.run_workers).context("computing the figures")
+}
+
+/// How a node under test is started.
+pub(crate) struct NodeSetup {
+    pub engine: String,
+    pub run_workers: usize,
+    pub prewarm: usize,
+    pub token: String,
+    /// More arguments (`--bus …` for a cluster).
+    pub extra: Vec<String>,
+}
+
+/// A started node, with where it answers and logs.
+pub(crate) struct StartedNode {
+    pub child: NodeChild,
+    pub base: String,
+    pub token: String,
+    pub log: std::path::PathBuf,
+}
+
+impl StartedNode {
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
         lines[lines.len().saturating_sub(20)..].join("\n")
-    };
-    let mut turns = String::new();
-    for t in 0..args.turns {
-        if t > 0 {
-            turns.push_str(&format!("sleep {:.3} && ", args.think_ms as f64 / 1000.0));
-        }
-        turns.push_str(&format!(
-            "curl -sS -m 30 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -d '{}' > /dev/null && ",
-            json!({"model": "m", "messages": [{"role": "user", "content": format!("turn {t}")}]})
-        ));
     }
-    turns.push_str("touch ok");
-    let spec = json!({
-        "task_id": "bench",
-        "instruction": "bench",
-        "workspace": {"dir": {"path": proj, "setup": "python3 -m compileall -q ."}},
-        "harness": {"name": "command", "argv": ["sh", "-c", turns]},
-        "evaluator": {"kind": "command", "command": "test -f ok"},
-        "num_samples": args.samples,
-    });
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()?;
-    let base = format!("http://{addr}");
-    let samples = rt.block_on(async {
-        let http = reqwest::Client::builder().no_proxy().build()?;
+}
+
+impl NodeSetup {
+    /// Starts this executable's `tokentap serve` with its data under `dir/name`; returns
+    /// once it answers `/health`.
+    pub fn spawn(&self, dir: &Path, name: &str) -> anyhow::Result<StartedNode> {
+        let addr = free_port()?;
+        let log = dir.join(format!("{name}.log"));
+        let exe = std::env::current_exe().context("finding this executable")?;
+        let child = NodeChild(
+            Command::new(exe)
+                .arg("serve")
+                .args(["--listen", &addr.to_string()])
+                .arg("--data")
+                .arg(dir.join(name))
+                .arg("--spool")
+                .arg(dir.join(format!("{name}-spool")))
+                .args(["--backend", &self.engine])
+                .args(["--backend-kind", "vllm"])
+                .args(["--run-workers", &self.run_workers.to_string()])
+                .args(["--prewarm", &self.prewarm.to_string()])
+                .args(["--init-workers", "2", "--post-workers", "2"])
+                .args(&self.extra)
+                .env("TOKENTAP_NODE_TOKEN", &self.token)
+                .stdin(Stdio::null())
+                .stdout(Stdio::null())
+                .stderr(std::fs::File::create(&log)?)
+                .spawn()
+                .context("starting tokentap serve")?,
+        );
+        let mut node = StartedNode {
+            child,
+            base: format!("http://{addr}"),
+            token: self.token.clone(),
+            log,
+        };
         let deadline = Instant::now() + Duration::from_secs(30);
-        while !http
-            .get(format!("{base}/health"))
-            .send()
-            .await
-            .is_ok_and(|r| r.status().is_success())
-        {
-            if let Some(status) = node.0.try_wait()? {
-                bail!("the node exited ({status}) at start-up:\n{}", log_tail());
+        while std::net::TcpStream::connect(addr).is_err() {
+            if let Some(status) = node.child.0.try_wait()? {
+                bail!("the node exited ({status}) at start-up:\n{}", node.log_tail());
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
                 "the node was not ready within 30 s:\n{}",
-                log_tail()
+                node.log_tail()
             );
-            tokio::time::sleep(Duration::from_millis(50)).await;
+            std::thread::sleep(Duration::from_millis(50));
         }
+        Ok(node)
+    }
+}
+
+/// A group of `samples` samples of the `command` preset: `turns` model calls with curl,
+/// `think_ms` apart, then a test that passes.
+pub(crate) fn command_task(project: &Path, samples: u32, turns: usize, think_ms: u64) -> Value {
+    let mut script = String::new();
+    for t in 0..turns {
+        if t > 0 {
+            script.push_str(&format!("sleep {:.3} && ", think_ms as f64 / 1000.0));
+        }
+        script.push_str(&format!(
+            "curl -sS -m 30 \"$OPENAI_BASE_URL/chat/completions\" -H 'content-type: application/json' -d '{}' > /dev/null && ",
+            json!({"model": "m", "messages": [{"role": "user", "content": format!("turn {t}")}]})
+        ));
+    }
+    script.push_str("touch ok");
+    json!({
+        "task_id": "bench",
+        "instruction": "bench",
+        "workspace": {"dir": {"path": project, "setup": "python3 -m compileall -q ."}},
+        "harness": {"name": "command", "argv": ["sh", "-c", script]},
+        "evaluator": {"kind": "command", "command": "test -f ok"},
+        "num_samples": samples,
+    })
+}
+
+/// Submits `spec` to `node` and waits for every sample to end (as `node` reports them).
+pub(crate) fn run_group(node: &StartedNode, spec: &Value) -> anyhow::Result<Vec<Sample>> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let (base, token) = (&node.base, &node.token);
+    rt.block_on(async {
+        let http = reqwest::Client::builder().no_proxy().build()?;
         let submitted: Value = http
             .post(format!("{base}/v1/rollouts"))
-            .bearer_auth(&token)
-            .json(&spec)
+            .bearer_auth(token)
+            .json(spec)
             .send()
             .await?
             .error_for_status()?
@@ -268,7 +320,7 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
         loop {
             let mut page: Value = http
                 .get(format!("{base}/v1/rollouts/{id}"))
-                .bearer_auth(&token)
+                .bearer_auth(token)
                 .send()
                 .await?
                 .error_for_status()?
@@ -280,12 +332,16 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
             }
             anyhow::ensure!(
                 Instant::now() < deadline,
-                "the run did not finish in 30 min"
+                "the run did not finish in 30 min:\n{}",
+                node.log_tail()
             );
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-    })?;
-    drop(node);
+    })
+}
+
+/// Every sample completed with reward 1 (the bench's agents always pass).
+pub(crate) fn check_completed(samples: &[Sample]) -> anyhow::Result<()> {
     let completed = samples
         .iter()
         .filter(|s| matches!(s.outcome, Some(Outcome::Completed { reward }) if reward == 1.0))
@@ -299,7 +355,7 @@ fn measure(args: &RolloutBenchArgs, prewarm: usize) -> anyhow::Result<Figures> {
             .iter()
             .find(|s| s.outcome != Some(Outcome::Completed { reward: 1.0 }))
     );
-    figures(&samples, prewarm, args.run_workers).context("computing the figures")
+    Ok(())
 }
 
 fn average(a: &Figures, b: &Figures) -> Figures {
@@ -329,7 +385,7 @@ fn pct(mut v: Vec<f64>, p: f64) -> f64 {
         .unwrap_or(0.0)
 }
 
-fn figures(samples: &[Sample], prewarm: usize, slots: usize) -> Option<Figures> {
+pub(crate) fn figures(samples: &[Sample], prewarm: usize, slots: usize) -> Option<Figures> {
     let s = |ms: u64| ms as f64 / 1000.0;
     let start = samples.iter().map(|x| x.stage_started_ms[0]).min()?;
     let end = samples.iter().map(|x| x.stage_started_ms[3]).max()?;

@@ -39,9 +39,25 @@ pub async fn connect(
     bus: &BusConnect,
     name: &str,
 ) -> Result<async_nats::Client, async_nats::ConnectError> {
+    options(bus, name)
+        .retry_on_initial_connect()
+        .connect(bus.url.as_str())
+        .await
+}
+
+/// Connects to the NATS server once, now: an unreachable bus or a refused token is an error
+/// at once (for processes that cannot do anything without the bus, such as a cluster's
+/// rollout node; it reconnects by itself after that first connection).
+pub async fn connect_now(
+    bus: &BusConnect,
+    name: &str,
+) -> Result<async_nats::Client, async_nats::ConnectError> {
+    options(bus, name).connect(bus.url.as_str()).await
+}
+
+fn options(bus: &BusConnect, name: &str) -> async_nats::ConnectOptions {
     let mut options = async_nats::ConnectOptions::new()
         .name(name)
-        .retry_on_initial_connect()
         .connection_timeout(Duration::from_secs(5));
     if let Some(token) = &bus.token {
         options = options.token(token.clone());
@@ -49,7 +65,7 @@ pub async fn connect(
     if let Some(ca) = &bus.ca {
         options = options.add_root_certificates(ca.clone()).require_tls(true);
     }
-    options.connect(bus.url.as_str()).await
+    options
 }
 
 /// JetStream on `client`, with a publish-ack timeout that tolerates a busy 2-core host.

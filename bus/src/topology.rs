@@ -76,8 +76,8 @@ impl Topology {
         let traces = js
             .get_or_create_stream(stream_config(TRACES_STREAM, "tokentap.traces.*"))
             .await?;
-        let leases = bucket(&js, LEASES_BUCKET, LEASE_TTL).await?;
-        let progress = bucket(&js, PROGRESS_BUCKET, Duration::ZERO).await?;
+        let leases = open_bucket(&js, LEASES_BUCKET, LEASE_TTL).await?;
+        let progress = open_bucket(&js, PROGRESS_BUCKET, Duration::ZERO).await?;
         let wanted = wanted.max(1);
         let _ = progress
             .create(PARTITIONS_KEY, wanted.to_string().into())
@@ -113,7 +113,7 @@ impl Topology {
 /// Opens (creating) a KV bucket of one value per key. The bucket's stream is created here, the
 /// way `async_nats`'s `create_key_value` shapes it, because that call first reads the account
 /// info, whose 2.9 form the 0.51 client cannot parse.
-async fn bucket(
+pub async fn open_bucket(
     js: &jetstream::Context,
     name: &str,
     max_age: Duration,

@@ -16,9 +16,10 @@ use serde::Deserialize;
 use serde_json::json;
 
 use crate::bearer::{self, BearerToken};
+use crate::cluster::{Cluster, ClusterError};
 use crate::pipeline::{now_ms, Pipeline};
 use crate::store::StoreError;
-use crate::task::TaskSpec;
+use crate::task::{Rollout, Sample, TaskSpec};
 
 #[derive(Clone)]
 pub struct ApiState {
@@ -26,6 +27,9 @@ pub struct ApiState {
     pub token: Option<String>,
     /// More Prometheus text for `/metrics` (the node's capture metrics).
     pub extra_metrics: Option<Arc<dyn Fn() -> Vec<u8> + Send + Sync>>,
+    /// The cluster this node is part of (`serve --bus`): rollouts, samples, results, events
+    /// and the gate are then the cluster's, whichever node runs them.
+    pub cluster: Option<Arc<Cluster>>,
 }
 
 pub fn router(state: ApiState) -> Router {
@@ -77,6 +81,29 @@ fn error(status: StatusCode, kind: &str, message: impl Into<String>) -> Response
         .into_response()
 }
 
+fn cluster_error(e: ClusterError) -> Response {
+    match e {
+        ClusterError::NotFound(what) => error(
+            StatusCode::NOT_FOUND,
+            "not_found",
+            format!("no such {what}"),
+        ),
+        ClusterError::Bus(e) => error(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "bus_unavailable",
+            format!("the cluster's bus: {e:#}"),
+        ),
+    }
+}
+
+/// A rollout and its samples, from the cluster when there is one.
+async fn rollout_of(state: &ApiState, id: &str) -> Result<(Rollout, Vec<Sample>), Response> {
+    match &state.cluster {
+        Some(c) => c.rollout(id).await.map_err(cluster_error),
+        None => state.pipeline.store().rollout(id).map_err(store_error),
+    }
+}
+
 fn store_error(e: StoreError) -> Response {
     match e {
         StoreError::NotFound(what) => error(
@@ -100,21 +127,31 @@ async fn submit(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
     if let Some(why) = state.pipeline.refusal(&spec) {
         return error(StatusCode::BAD_REQUEST, "invalid_task", why);
     }
+    let accepted = |rollout: &Rollout, samples: &[Sample]| {
+        let body = json!({
+            "rollout_id": rollout.rollout_id,
+            "samples": samples.iter().map(|s| &s.sample_id).collect::<Vec<_>>(),
+        });
+        (StatusCode::ACCEPTED, Json(body)).into_response()
+    };
+    if let Some(c) = &state.cluster {
+        return match c.submit(spec).await {
+            Ok((rollout, samples)) => accepted(&rollout, &samples),
+            Err(e) => cluster_error(e),
+        };
+    }
     match state.pipeline.store().submit(spec, now_ms()) {
         Ok((rollout, samples)) => {
-            let body = json!({
-                "rollout_id": rollout.rollout_id,
-                "samples": samples.iter().map(|s| &s.sample_id).collect::<Vec<_>>(),
-            });
+            let response = accepted(&rollout, &samples);
             state.pipeline.submit(rollout, samples);
-            (StatusCode::ACCEPTED, Json(body)).into_response()
+            response
         }
         Err(e) => store_error(e),
     }
 }
 
 async fn show(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    match state.pipeline.store().rollout(&id) {
+    match rollout_of(&state, &id).await {
         Ok((rollout, samples)) => {
             let done = samples.iter().filter(|s| s.outcome.is_some()).count();
             Json(json!({
@@ -124,14 +161,18 @@ async fn show(State(state): State<ApiState>, Path(id): Path<String>) -> Response
             }))
             .into_response()
         }
-        Err(e) => store_error(e),
+        Err(response) => response,
     }
 }
 
 async fn cancel(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
-    match state.pipeline.cancel(&id) {
+    let cancelled = match &state.cluster {
+        Some(c) => c.cancel(&id).await.map_err(cluster_error),
+        None => state.pipeline.cancel(&id).map_err(store_error),
+    };
+    match cancelled {
         Ok(running) => Json(json!({"rollout_id": id, "stopping": running})).into_response(),
-        Err(e) => store_error(e),
+        Err(response) => response,
     }
 }
 
@@ -151,6 +192,13 @@ fn default_limit() -> usize {
 }
 
 async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -> Response {
+    if let Some(c) = &state.cluster {
+        let wait = Duration::from_secs(q.wait.min(60));
+        return match c.results_after(q.after, q.limit.clamp(1, 1000), wait).await {
+            Ok(page) => results_page(q.after, page),
+            Err(e) => cluster_error(e),
+        };
+    }
     let deadline = tokio::time::Instant::now() + Duration::from_secs(q.wait.min(60));
     loop {
         // Registered before reading, so a result landing in between still wakes us.
@@ -163,12 +211,7 @@ async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -
             .results_after(q.after, q.limit.clamp(1, 1000))
         {
             Ok(page) if !page.is_empty() || tokio::time::Instant::now() >= deadline => {
-                let next = page.last().map_or(q.after, |(c, _)| *c);
-                let items: Vec<_> = page
-                    .into_iter()
-                    .map(|(cursor, sample)| json!({"cursor": cursor, "sample": sample}))
-                    .collect();
-                return Json(json!({"results": items, "next": next})).into_response();
+                return results_page(q.after, page);
             }
             Ok(_) => {
                 let _ = tokio::time::timeout_at(deadline, notified).await;
@@ -176,6 +219,15 @@ async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -
             Err(e) => return store_error(e),
         }
     }
+}
+
+fn results_page(after: u64, page: Vec<(u64, Sample)>) -> Response {
+    let next = page.last().map_or(after, |(c, _)| *c);
+    let items: Vec<_> = page
+        .into_iter()
+        .map(|(cursor, sample)| json!({"cursor": cursor, "sample": sample}))
+        .collect();
+    Json(json!({"results": items, "next": next})).into_response()
 }
 
 async fn metrics(State(state): State<ApiState>) -> Response {
@@ -188,6 +240,18 @@ async fn metrics(State(state): State<ApiState>) -> Response {
 
 /// A sample's trace rows (JSON Lines), once it has ended.
 async fn sample_traces(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
+    if let Some(c) = &state.cluster {
+        // From the bus, wherever it ran (this node's own copy may be of an older attempt).
+        return match c.sample_traces(&id).await {
+            Ok(Some(body)) => ([(header::CONTENT_TYPE, "application/jsonl")], body).into_response(),
+            Ok(None) => error(
+                StatusCode::NOT_FOUND,
+                "not_found",
+                format!("sample {id} has no trajectory (yet)"),
+            ),
+            Err(e) => cluster_error(e),
+        };
+    }
     let sample = match state.pipeline.store().sample(&id) {
         Ok(s) => s,
         Err(e) => return store_error(e),
@@ -215,10 +279,13 @@ async fn sample_traces(State(state): State<ApiState>, Path(id): Path<String>) ->
 async fn events(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
     use axum::response::sse::{Event as Sse, KeepAlive};
     // Subscribed before the snapshot, so nothing between the two is missed.
-    let rx = state.pipeline.events();
-    let pending = match snapshot(&state, &id) {
+    let rx = match &state.cluster {
+        Some(c) => c.events(),
+        None => state.pipeline.events(),
+    };
+    let pending = match snapshot(&state, &id).await {
         Ok(p) => p,
-        Err(e) => return store_error(e),
+        Err(response) => return response,
     };
     struct St {
         state: ApiState,
@@ -270,7 +337,7 @@ async fn events(State(state): State<ApiState>, Path(id): Path<String>) -> Respon
                     return Some((Ok(Sse::default().event(name).data(data)), st));
                 }
                 Ok(_) => continue,
-                Err(RecvError::Lagged(_)) => match snapshot(&st.state, &st.id) {
+                Err(RecvError::Lagged(_)) => match snapshot(&st.state, &st.id).await {
                     Ok((body, pending)) => {
                         st.pending = Some(pending);
                         let ev = Sse::default().event("snapshot").data(body.to_string());
@@ -288,11 +355,11 @@ async fn events(State(state): State<ApiState>, Path(id): Path<String>) -> Respon
 }
 
 /// The rollout with its samples, and the ids of those not ended yet.
-fn snapshot(
+async fn snapshot(
     state: &ApiState,
     id: &str,
-) -> Result<(serde_json::Value, std::collections::HashSet<String>), StoreError> {
-    let (rollout, samples) = state.pipeline.store().rollout(id)?;
+) -> Result<(serde_json::Value, std::collections::HashSet<String>), Response> {
+    let (rollout, samples) = rollout_of(state, id).await?;
     let pending = samples
         .iter()
         .filter(|s| s.outcome.is_none())
@@ -326,8 +393,14 @@ async fn pause(State(state): State<ApiState>, Query(q): Query<PauseQuery>) -> Re
     let Some(gate) = state.pipeline.gate() else {
         return no_gate();
     };
-    let status = gate.pause(Duration::from_secs(q.wait.min(600))).await;
-    Json(status).into_response()
+    let wait = Duration::from_secs(q.wait.min(600));
+    if let Some(c) = &state.cluster {
+        return match c.pause(wait).await {
+            Ok(status) => Json(status).into_response(),
+            Err(e) => cluster_error(e),
+        };
+    }
+    Json(gate.pause(wait).await).into_response()
 }
 
 #[derive(Deserialize, Default)]
@@ -350,12 +423,24 @@ async fn resume(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
             Err(e) => return error(StatusCode::BAD_REQUEST, "invalid_request", e.to_string()),
         }
     };
+    if let Some(c) = &state.cluster {
+        return match c.resume(body.policy_version).await {
+            Ok(status) => Json(status).into_response(),
+            Err(e) => cluster_error(e),
+        };
+    }
     Json(gate.resume(body.policy_version)).into_response()
 }
 
 async fn admin_status(State(state): State<ApiState>) -> Response {
-    match state.pipeline.gate() {
-        Some(gate) => Json(gate.status()).into_response(),
-        None => no_gate(),
+    let Some(gate) = state.pipeline.gate() else {
+        return no_gate();
+    };
+    if let Some(c) = &state.cluster {
+        return match c.gate_status().await {
+            Ok(status) => Json(status).into_response(),
+            Err(e) => cluster_error(e),
+        };
     }
+    Json(gate.status()).into_response()
 }

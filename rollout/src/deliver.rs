@@ -43,7 +43,7 @@ impl Default for DeliveryPolicy {
 
 /// What one attempt came to.
 #[derive(Debug, PartialEq)]
-enum Attempt {
+pub(crate) enum Attempt {
     Delivered,
     /// Worth trying again (after at least this long, when the receiver said).
     Transient(String, Option<Duration>),
@@ -52,12 +52,7 @@ enum Attempt {
 
 /// Runs deliveries until the process ends; `wake` is notified whenever a sample finishes.
 pub async fn run(store: Arc<Store>, wake: Arc<Notify>, policy: DeliveryPolicy) {
-    // rustls with ring; the system's and Mozilla's roots, plus `--ca-file`.
-    let mut builder = reqwest::Client::builder().timeout(policy.timeout);
-    for ca in &policy.ca_roots {
-        builder = builder.add_root_certificate(ca.clone());
-    }
-    let client = builder.build().expect("an HTTP client");
+    let client = http_client(&policy);
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);
@@ -81,6 +76,16 @@ pub async fn run(store: Arc<Store>, wake: Arc<Notify>, policy: DeliveryPolicy) {
         });
         let _ = tokio::time::timeout(wait, notified).await;
     }
+}
+
+/// The client deliveries go out with: rustls with ring; the system's and Mozilla's roots, plus
+/// `--ca-file`.
+pub(crate) fn http_client(policy: &DeliveryPolicy) -> reqwest::Client {
+    let mut builder = reqwest::Client::builder().timeout(policy.timeout);
+    for ca in &policy.ca_roots {
+        builder = builder.add_root_certificate(ca.clone());
+    }
+    builder.build().expect("an HTTP client")
 }
 
 async fn deliver(
@@ -123,7 +128,7 @@ async fn deliver(
 
 /// Exponential backoff with ±25% jitter, so a receiver coming back is not hit by every
 /// node at once.
-fn backoff(policy: &DeliveryPolicy, attempts: u32) -> Duration {
+pub(crate) fn backoff(policy: &DeliveryPolicy, attempts: u32) -> Duration {
     let base = policy
         .first_backoff
         .saturating_mul(1 << attempts.saturating_sub(1).min(16))
@@ -138,21 +143,27 @@ fn backoff(policy: &DeliveryPolicy, attempts: u32) -> Duration {
 /// The delivered body: the sample as stored, with its trace rows.
 pub async fn payload(store: &Store, sample_id: &str) -> anyhow::Result<Value> {
     let sample = store.sample(sample_id)?;
-    let traces: Vec<Value> = match &sample.trajectory {
+    let text = match &sample.trajectory {
         Some(t) => match tokio::fs::read_to_string(&t.path).await {
-            Ok(text) => text
-                .lines()
-                .map(serde_json::from_str)
-                .collect::<Result<_, _>>()?,
-            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Vec::new(),
+            Ok(text) => text,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => String::new(),
             Err(e) => return Err(e.into()),
         },
-        None => Vec::new(),
+        None => String::new(),
     };
+    payload_of(&sample, &text)
+}
+
+/// The delivered body of `sample` with its `traces.jsonl` text.
+pub(crate) fn payload_of(sample: &crate::task::Sample, traces_jsonl: &str) -> anyhow::Result<Value> {
+    let traces: Vec<Value> = traces_jsonl
+        .lines()
+        .map(serde_json::from_str)
+        .collect::<Result<_, _>>()?;
     Ok(json!({"sample": sample, "traces": traces}))
 }
 
-async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value) -> Attempt {
+pub(crate) async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value) -> Attempt {
     let sent = client
         .post(url)
         .header("idempotency-key", sample_id)

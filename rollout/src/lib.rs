@@ -8,6 +8,8 @@
 //! - [`bearer`]: the token check of the control planes (`serve`, `worker`).
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
+//! - [`cluster`]: nodes sharing one bus (`serve --bus`): the sample queue, state, results,
+//!   events, callbacks and the gate on NATS JetStream.
 //! - [`openapi`]: the control plane's OpenAPI document.
 //! - [`metrics`]: per-stage Prometheus metrics.
 //! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
@@ -21,6 +23,7 @@ pub mod api;
 pub mod bearer;
 pub mod capture;
 pub mod clock;
+pub mod cluster;
 pub mod deliver;
 pub mod evaluate;
 pub mod gate;

@@ -7,6 +7,7 @@ use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
 
 use crate::evaluate::Evaluation;
+use crate::cluster::ClusterGateStatus;
 use crate::gate::GateStatus;
 use crate::pipeline::Event;
 use crate::task::{Rollout, Sample, TaskSpec};
@@ -56,6 +57,7 @@ pub fn document() -> Value {
     add::<Sample>(&mut gen);
     add::<Evaluation>(&mut gen);
     add::<GateStatus>(&mut gen);
+    add::<ClusterGateStatus>(&mut gen);
     add::<Event>(&mut gen);
     let mut schemas: Map<String, Value> = gen
         .take_definitions()
@@ -73,6 +75,8 @@ pub fn document() -> Value {
     );
     let err = |what: &str| json!({"description": what, "content": {"application/json": {"schema": of("Error")}}});
     let ok = |what: &str, body: Value| json!({"description": what, "content": {"application/json": {"schema": body}}});
+    // A node of a cluster (`serve --bus`) answers for the cluster: every live node's part too.
+    let gate = || json!({"oneOf": [of("GateStatus"), of("ClusterGateStatus")]});
     let id = json!([{"name": "id", "in": "path", "required": true, "schema": {"type": "string"}}]);
     let paths = json!({
         "/v1/rollouts": {"post": {
@@ -146,19 +150,19 @@ pub fn document() -> Value {
             "summary": "Hold new generations for a weight update; answers when none is in flight (or the wait ran out)",
             "operationId": "pause",
             "parameters": [{"name": "wait", "in": "query", "schema": {"type": "integer", "default": 300, "maximum": 600}}],
-            "responses": {"200": ok("Paused", of("GateStatus")), "409": err("The node runs without capture")}
+            "responses": {"200": ok("Paused", gate()), "409": err("The node runs without capture")}
         }},
         "/v1/admin/resume": {"post": {
             "summary": "Let generations go on, under a new policy version when given",
             "operationId": "resume",
             "requestBody": {"required": false, "content": {"application/json": {"schema": {"type": "object", "properties": {
                 "policy_version": {"type": "string"}}}}}},
-            "responses": {"200": ok("Resumed", of("GateStatus")), "400": err("Invalid body"), "409": err("The node runs without capture")}
+            "responses": {"200": ok("Resumed", gate()), "400": err("Invalid body"), "409": err("The node runs without capture")}
         }},
         "/v1/admin/status": {"get": {
             "summary": "Whether generations are paused, how many are in flight, the policy version",
             "operationId": "gateStatus",
-            "responses": {"200": ok("The gate", of("GateStatus")), "409": err("The node runs without capture")}
+            "responses": {"200": ok("The gate", gate()), "409": err("The node runs without capture")}
         }}
     });
     let mut doc = json!({

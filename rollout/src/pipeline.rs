@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{broadcast, mpsc, Mutex, Notify};
 
@@ -68,6 +68,11 @@ pub struct PipelineConfig {
     /// Transparent capture for agents with hard-coded endpoints (None: this node cannot;
     /// tasks asking for it fail).
     pub transparent: Option<Arc<TransparentConfig>>,
+    /// Samples come from a cluster's queue on the bus (`serve --bus`): what the store holds
+    /// unfinished from an earlier run is not re-run here (the bus redelivers it, to whichever
+    /// node is free), and callbacks are not delivered from this node's outbox (the bus's
+    /// callback queue delivers them, once across nodes).
+    pub clustered: bool,
 }
 
 impl PipelineConfig {
@@ -91,6 +96,7 @@ impl PipelineConfig {
             ceilings: NodeCeilings::default(),
             sandbox: None,
             transparent: None,
+            clustered: false,
         }
     }
 }
@@ -115,7 +121,7 @@ struct RunResult {
 }
 
 /// Progress of a rollout's samples, as `GET /v1/rollouts/{id}/events` streams it.
-#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
 #[serde(tag = "event", rename_all = "snake_case")]
 pub enum Event {
     Stage {
@@ -357,18 +363,22 @@ impl Pipeline {
                 }
             });
         }
-        tokio::spawn(deliver::run(
-            store.clone(),
-            finished.clone(),
-            config.delivery.clone(),
-        ));
+        if !config.clustered {
+            tokio::spawn(deliver::run(
+                store.clone(),
+                finished.clone(),
+                config.delivery.clone(),
+            ));
+        }
         let pipeline = Pipeline {
             shared,
             init_queue,
             finished,
         };
-        for (rollout, sample) in store.recover(config.max_attempts, now_ms())? {
-            pipeline.enqueue(Arc::new(rollout), sample);
+        if !config.clustered {
+            for (rollout, sample) in store.recover(config.max_attempts, now_ms())? {
+                pipeline.enqueue(Arc::new(rollout), sample);
+            }
         }
         Ok(pipeline)
     }
@@ -378,6 +388,41 @@ impl Pipeline {
         let rollout = Arc::new(rollout);
         for s in samples {
             self.enqueue(rollout.clone(), s);
+        }
+    }
+
+    /// Queues one sample this node claimed from a cluster's queue (stored here already with
+    /// [`Store::adopt`]).
+    pub fn run_claimed(&self, rollout: Rollout, sample: Sample) {
+        self.enqueue(Arc::new(rollout), sample);
+    }
+
+    /// How many samples this node holds at once: its RUN slots and the prewarmed ahead of
+    /// them (a cluster node claims no more than this from the queue).
+    pub fn capacity(&self) -> usize {
+        self.shared.cfg.run_workers.max(1) + self.shared.cfg.prewarm
+    }
+
+    /// The most times a sample is started before it is failed.
+    pub fn max_attempts(&self) -> u32 {
+        self.shared.cfg.max_attempts
+    }
+
+    /// How results are POSTed to callback URLs.
+    pub fn delivery(&self) -> &DeliveryPolicy {
+        &self.shared.cfg.delivery
+    }
+
+    /// Kills one sample's agent, if it runs here (a cluster node that lost its claim on it).
+    pub fn kill_agent(&self, sample_id: &str) {
+        let pgids = self
+            .shared
+            .running
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        if let Some(pgid) = pgids.get(sample_id) {
+            // SAFETY: kill(2) on a process group one of our agents leads.
+            unsafe { libc::kill(-pgid, libc::SIGKILL) };
         }
     }
 

@@ -58,6 +58,35 @@ from_redb!(
     redb::CommitError
 );
 
+/// A new rollout of `spec` and its queued samples (ids: the rollout's, then `-INDEX`).
+pub fn new_rollout(spec: TaskSpec, now_ms: u64) -> (Rollout, Vec<Sample>) {
+    let rollout = Rollout {
+        rollout_id: format!("ro-{}", uuid::Uuid::now_v7().simple()),
+        submitted_ms: now_ms,
+        spec,
+        cancelled: false,
+    };
+    let samples = (0..rollout.spec.num_samples)
+        .map(|index| Sample {
+            sample_id: format!("{}-{index}", rollout.rollout_id),
+            rollout_id: rollout.rollout_id.clone(),
+            task_id: rollout.spec.task_id.clone(),
+            index,
+            stage: Stage::Queued,
+            stage_started_ms: [0; 4],
+            stage_ended_ms: [0; 2],
+            attempt: 0,
+            outcome: None,
+            trajectory: None,
+            evaluation: None,
+            callback: None,
+            agent: None,
+            node: None,
+        })
+        .collect();
+    (rollout, samples)
+}
+
 pub struct Store {
     db: Database,
 }
@@ -80,29 +109,7 @@ impl Store {
         spec: TaskSpec,
         now_ms: u64,
     ) -> Result<(Rollout, Vec<Sample>), StoreError> {
-        let rollout = Rollout {
-            rollout_id: format!("ro-{}", uuid::Uuid::now_v7().simple()),
-            submitted_ms: now_ms,
-            spec,
-            cancelled: false,
-        };
-        let samples: Vec<Sample> = (0..rollout.spec.num_samples)
-            .map(|index| Sample {
-                sample_id: format!("{}-{index}", rollout.rollout_id),
-                rollout_id: rollout.rollout_id.clone(),
-                task_id: rollout.spec.task_id.clone(),
-                index,
-                stage: Stage::Queued,
-                stage_started_ms: [0; 4],
-                stage_ended_ms: [0; 2],
-                attempt: 0,
-                outcome: None,
-                trajectory: None,
-                evaluation: None,
-                callback: None,
-                agent: None,
-            })
-            .collect();
+        let (rollout, samples) = new_rollout(spec, now_ms);
         let tx = self.db.begin_write()?;
         {
             let mut r = tx.open_table(ROLLOUTS)?;
@@ -120,6 +127,24 @@ impl Store {
         }
         tx.commit()?;
         Ok((rollout, samples))
+    }
+
+    /// Takes in one sample claimed from a cluster's queue, with its rollout, replacing what an
+    /// earlier attempt here left (the claim decides the attempt, not this store).
+    pub fn adopt(&self, rollout: &Rollout, sample: &Sample) -> Result<(), StoreError> {
+        let tx = self.db.begin_write()?;
+        {
+            tx.open_table(ROLLOUTS)?.insert(
+                rollout.rollout_id.as_str(),
+                serde_json::to_vec(rollout)?.as_slice(),
+            )?;
+            tx.open_table(SAMPLES)?.insert(
+                sample.sample_id.as_str(),
+                serde_json::to_vec(sample)?.as_slice(),
+            )?;
+        }
+        tx.commit()?;
+        Ok(())
     }
 
     /// A rollout and its samples.

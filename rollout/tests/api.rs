@@ -27,6 +27,7 @@ async fn node(dir: &std::path::Path) -> String {
     let app = router(ApiState {
         pipeline,
         extra_metrics: None,
+        cluster: None,
         token: Some(TOKEN.into()),
     });
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();

@@ -32,6 +32,7 @@ async fn node(dir: &std::path::Path) -> String {
     let app = router(ApiState {
         pipeline,
         extra_metrics: None,
+        cluster: None,
         token: None,
     });
     serve(app).await

@@ -84,6 +84,9 @@ pub struct NodeArgs {
     interception: InterceptArgs,
     #[command(flatten)]
     pub capture: CaptureArgs,
+    /// Samples come from a cluster's queue (`serve --bus`), not from this node's store.
+    #[arg(skip)]
+    pub clustered: bool,
 }
 
 /// A started node (inside a tokio runtime).
@@ -99,6 +102,13 @@ pub struct NodeParts {
     gate: Arc<NodeGate>,
     store: Arc<Store>,
     pub spool_thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl NodeParts {
+    /// The capture's metrics (what a downstream of the node's spool counts on).
+    pub fn metrics(&self) -> &tokentap_proxy::metrics::Metrics {
+        self.service.metrics()
+    }
 }
 
 impl NodeArgs {
@@ -198,6 +208,7 @@ impl NodeArgs {
         if let Some(extra) = &self.harness_path {
             config.harness_path = format!("{extra}:{}", config.harness_path);
         }
+        config.clustered = self.clustered;
         let pipeline = Arc::new(Pipeline::start(parts.store, config).await?);
         Ok(Node { pipeline, capture })
     }
@@ -232,6 +243,18 @@ pub struct ServeArgs {
     /// (llama.cpp, vLLM) unless one of these says otherwise.
     #[command(flatten)]
     view_text: crate::view_cmd::TokenTextArgs,
+    /// Share the work with the other nodes on this bus (NATS JetStream): samples from one
+    /// queue, state, results, events, callbacks and pause/resume shared, any node's API
+    /// answering for all; the node's records are published to the bus too.
+    #[command(flatten)]
+    bus: crate::bus_cmd::BusArgs,
+    /// This node's name in the cluster [default: HOSTNAME-PID].
+    #[arg(long, requires = "bus")]
+    node_id: Option<String>,
+    /// A claimed sample whose node stops confirming progress for this long is given to
+    /// another node (a new attempt). Set by the first node on a new bus.
+    #[arg(long, value_name = "SECONDS", default_value_t = 30, requires = "bus")]
+    sample_ack_wait: u64,
     #[command(flatten)]
     pub node: NodeArgs,
 }
@@ -247,11 +270,53 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         .view_text
         .token_text(args.node.capture.detokenizer())
         .context("the viewer's token text")?;
+    let bus = args.bus.connect();
+    args.node.clustered = bus.is_some();
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
+    // The node's records go to the bus's records stream too, for its worker group.
+    let drain = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let publisher = match &bus {
+        Some(bus) => Some(crate::bus_cmd::start_publisher(
+            &args.node.capture.spool,
+            bus.clone(),
+            args.bus.bus_partitions,
+            drain.clone(),
+            crate::ship::ShipMetrics::of(parts.metrics()),
+        )?),
+        None => None,
+    };
     let rt = runtime()?;
     rt.block_on(async {
         let node = args.node.start(parts).await?;
+        let cluster = match &bus {
+            Some(bus) => {
+                // A cluster node can do nothing without its bus: no bus, no node.
+                let client = tokentap_bus::connect_now(bus, "tokentap serve")
+                    .await
+                    .with_context(|| format!("connecting to the bus at {}", bus.url))?;
+                let node_id = args
+                    .node_id
+                    .clone()
+                    .unwrap_or_else(crate::bus_cmd::default_member_id);
+                let options = tokentap_rollout::cluster::QueueOptions {
+                    ack_wait: std::time::Duration::from_secs(args.sample_ack_wait.max(1)),
+                    max_attempts: node.pipeline.max_attempts(),
+                    callback_timeout: node.pipeline.delivery().timeout,
+                };
+                Some(
+                    tokentap_rollout::cluster::Cluster::start(
+                        client,
+                        node_id,
+                        node.pipeline.clone(),
+                        options,
+                    )
+                    .await
+                    .context("joining the cluster on the bus")?,
+                )
+            }
+            None => None,
+        };
         let service = node.capture.service.clone();
         let pipeline = node.pipeline.clone();
         let view = tokentap_viewer::ViewSources {
@@ -265,6 +330,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             pipeline: node.pipeline.clone(),
             token: args.token.clone(),
             extra_metrics: Some(Arc::new(move || service.metrics().render())),
+            cluster,
         })
         .merge(crate::view_cmd::routes(view, args.token.as_deref()));
         let (capture, data) = (node.capture.addr, args.node.data_dir());
@@ -273,10 +339,15 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         })
         .await
     })?;
-    // Running samples are re-run after the next start (the store says where they were).
+    // Running samples are re-run after the next start (the store says where they were), or,
+    // on a cluster, by whichever node the bus gives them to.
     drop(rt);
     if let Some(t) = spool_thread {
         let _ = t.join();
+    }
+    drain.store(true, std::sync::atomic::Ordering::Relaxed);
+    if let Some(p) = publisher {
+        let _ = p.join();
     }
     Ok(())
 }

@@ -19,6 +19,7 @@ pub mod node_agent;
 pub mod node_api;
 pub mod privileged;
 pub mod procs;
+pub mod repo_tasks;
 pub mod scripted;
 pub mod sse;
 pub mod tee;

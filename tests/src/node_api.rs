@@ -110,3 +110,30 @@ pub async fn start_serve(
     .unwrap();
     child
 }
+
+/// A trainer's callback endpoint: every delivery, in arrival order, as (Idempotency-Key, body).
+pub async fn callback_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>) {
+    let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let sink = got.clone();
+    let app = axum::Router::new().route(
+        "/results",
+        axum::routing::post(
+            move |headers: axum::http::HeaderMap, axum::Json(body): axum::Json<Value>| {
+                let sink = sink.clone();
+                async move {
+                    let key = headers
+                        .get("idempotency-key")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or_default()
+                        .to_owned();
+                    sink.lock().unwrap().push((key, body));
+                    axum::http::StatusCode::OK
+                }
+            },
+        ),
+    );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/results", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, got)
+}

@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use serde_json::{json, Value};
 use tokentap_e2e::artefacts::tokentap_bin;
+use tokentap_e2e::nats::NatsServer;
 use tokentap_e2e::node_api;
 use tokentap_e2e::procs::{
     free_port, http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope,
@@ -18,6 +19,7 @@ use tokentap_e2e::procs::{
 use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
 
 const TOKEN: &str = "attack-node-token-4f1e";
+const BUS_TOKEN: &str = "attack-bus-token-9c2d";
 const ENGINE_KEY: &str = "attack-engine-key-9c2d";
 
 /// Root and bubblewrap: what the sandboxed attacks need.
@@ -46,6 +48,11 @@ struct Node {
 
 impl Node {
     async fn start(extra: &[&str], path: Option<&str>) -> Node {
+        Node::start_with(extra, path, &[]).await
+    }
+
+    /// With more environment (a bus token).
+    async fn start_with(extra: &[&str], path: Option<&str>, env: &[(&str, &str)]) -> Node {
         let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
         let dir = tempfile::tempdir().unwrap();
         std::fs::create_dir_all(dir.path().join("project")).unwrap();
@@ -59,7 +66,8 @@ impl Node {
             .args(["--backend", &engine.url, "--backend-kind", "vllm"])
             .env("TOKENTAP_NODE_TOKEN", TOKEN)
             .env("TOKENTAP_BACKEND_API_KEY", ENGINE_KEY)
-            .env("TOKENTAP_LOG", "info");
+            .env("TOKENTAP_LOG", "info")
+            .envs(env.iter().copied());
         if let Some(p) = path {
             cmd.env("PATH", p);
         }
@@ -182,7 +190,7 @@ impl Drop for DummyInterface {
 
 /// Probes run by task code (the agent, then the evaluator; `sh probe.sh VICTIM_SAMPLE_ID`):
 /// one line per probe, `NAME: blocked` or `NAME: LEAK ...`.
-fn probe_script(data: &Path, host_addr: &str) -> String {
+fn probe_script(data: &Path, host_addr: &str, bus_port: u16) -> String {
     let d = data.display();
     format!(
         r#"probe() {{ name=$1; shift; if out=$(sh -c "$*" 2>/dev/null) && [ -n "$out" ]; then echo "$name: LEAK $(echo "$out" | head -c 200 | tr '\n' ' ')"; else echo "$name: blocked"; fi; }}
@@ -192,8 +200,8 @@ probe spool "ls {d}/spool"
 probe store "ls {d}/node.redb"
 probe other-sample "cat {d}/samples/$1/work/victim.txt"
 probe other-samples "ls -A {d}/samples/$1"
-probe env-token "env | grep -e {TOKEN} -e {ENGINE_KEY}"
-probe proc-environ "cat /proc/*/environ | tr '\0' '\n' | grep -e {TOKEN} -e {ENGINE_KEY}"
+probe env-token "env | grep -e {TOKEN} -e {ENGINE_KEY} -e {BUS_TOKEN}"
+probe proc-environ "cat /proc/*/environ | tr '\0' '\n' | grep -e {TOKEN} -e {ENGINE_KEY} -e {BUS_TOKEN}"
 probe proc-1-environ "cat /proc/1/environ | tr '\0' '\n'"
 probe root-files "cat /root/.profile /root/.bashrc /root/.gitconfig /root/.npmrc"
 probe shadow "cat /etc/shadow"
@@ -201,6 +209,7 @@ probe remount "mount -o remount,rw / && echo remounted"
 probe write-usr "touch /usr/tokentap-probe && echo wrote"
 probe interfaces "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | grep -v '^lo$'"
 probe host-address "curl -s -m 3 http://{host_addr}/ && echo reached"
+probe bus "curl -s -m 3 telnet://127.0.0.1:{bus_port} </dev/null | head -c 100"
 echo "uid: $(id -u)"
 "#
     )
@@ -240,7 +249,18 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         "the host reaches its own address"
     );
 
-    let mut node = Node::start(&["--sandbox"], None).await;
+    // The node is one of a cluster: its bus (on the host's loopback) and the bus's token (in
+    // its environment) are two more things task code must not reach.
+    let nats_dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start(&nats_dir.path().join("nats"), BUS_TOKEN).await;
+    let bus_url = nats.url();
+    let bus_port: u16 = bus_url.rsplit(':').next().unwrap().parse().unwrap();
+    let mut node = Node::start_with(
+        &["--sandbox", "--bus", &bus_url],
+        None,
+        &[("TOKENTAP_BUS_TOKEN", BUS_TOKEN)],
+    )
+    .await;
     let data = node.data();
     // What the node holds that task code must not see: a CA key (0600) and a world-readable
     // file (hidden by the mounts alone).
@@ -262,7 +282,7 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     std::fs::create_dir_all(&outside).unwrap();
     std::fs::write(outside.join("test_x.py"), "untouched").unwrap();
     let project = node.project();
-    std::fs::write(project.join("probe.sh"), probe_script(&data, &host_addr)).unwrap();
+    std::fs::write(project.join("probe.sh"), probe_script(&data, &host_addr, bus_port)).unwrap();
     std::fs::create_dir_all(project.join("tests")).unwrap();
     std::fs::write(project.join("tests/test_x.py"), "the real test").unwrap();
 
@@ -352,7 +372,7 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     let a = &done[&attacker];
     let probes = node.read(&attacker, "work/probes.txt");
     assert!(
-        probes.contains("host-address:"),
+        probes.contains("host-address:") && probes.contains("bus:"),
         "the probes ran: {probes}\n{}",
         node.read(&attacker, "agent.log")
     );

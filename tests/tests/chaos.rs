@@ -16,7 +16,7 @@ use std::sync::{Arc, RwLock};
 use std::time::{Duration, Instant};
 
 use serde_json::{json, Value};
-use tokentap_e2e::node_api;
+use tokentap_e2e::node_api::{self, callback_receiver};
 use tokentap_e2e::procs::{http_client, ChildGuard};
 use tokentap_e2e::scripted::{counting_replies, curl_agent, ScriptedBackend, Tokens};
 use tokentap_e2e::sse::parse_chat_stream;
@@ -331,33 +331,6 @@ async fn start_node(dir: &std::path::Path, port: u16, engine: &str) -> ChildGuar
     // the default of 3, a sample whose every attempt a restart cut short fails, so a sample
     // that crashes its node cannot crash it forever).
     node_api::start_serve(dir, port, engine, NODE_TOKEN, &["--max-attempts", "4"]).await
-}
-
-/// A trainer's callback endpoint: every delivery, in arrival order, as (Idempotency-Key, body).
-async fn callback_receiver() -> (String, Arc<std::sync::Mutex<Vec<(String, Value)>>>) {
-    let got = Arc::new(std::sync::Mutex::new(Vec::new()));
-    let sink = got.clone();
-    let app = axum::Router::new().route(
-        "/results",
-        axum::routing::post(
-            move |headers: axum::http::HeaderMap, axum::Json(body): axum::Json<Value>| {
-                let sink = sink.clone();
-                async move {
-                    let key = headers
-                        .get("idempotency-key")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or_default()
-                        .to_owned();
-                    sink.lock().unwrap().push((key, body));
-                    axum::http::StatusCode::OK
-                }
-            },
-        ),
-    );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/results", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, got)
 }
 
 /// The stages of a rollout's samples now.

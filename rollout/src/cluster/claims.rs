@@ -1,0 +1,350 @@
+//! Samples this node runs for the cluster: pulled from the queue only when there is room,
+//! claimed by a conditional write of their state, kept alive while they run, their state
+//! written through to the bus at every stage, acknowledged once their result is there.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_nats::jetstream::{self, AckKind};
+use async_nats::jetstream::kv::UpdateErrorKind;
+use futures::StreamExt;
+use tokentap_bus::async_nats;
+use tokio::sync::{broadcast, OwnedSemaphorePermit, Semaphore};
+
+use super::bus::{next_message, CANCEL_SUBJECT};
+use super::ledger::{json_bytes, QueueItem};
+use super::{Cluster, ClusterError};
+use crate::pipeline::Event;
+use crate::store::StoreError;
+use crate::task::{Outcome, Sample, Stage};
+
+/// A sample claimed here: its queue message (acknowledged when its result is on the bus),
+/// the revision of its state this node wrote last, and its room on this node.
+struct Ticket {
+    message: jetstream::Message,
+    revision: u64,
+    _room: OwnedSemaphorePermit,
+}
+
+/// The samples this node holds claims on.
+#[derive(Default)]
+pub struct Claims {
+    tickets: Mutex<HashMap<String, Ticket>>,
+    /// One state write at a time (the event stream and the keep-alive both write).
+    writing: tokio::sync::Mutex<()>,
+}
+
+impl Claims {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Ticket>> {
+        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn revision(&self, sample_id: &str) -> Option<u64> {
+        self.lock().get(sample_id).map(|t| t.revision)
+    }
+
+    fn set_revision(&self, sample_id: &str, revision: u64) {
+        if let Some(t) = self.lock().get_mut(sample_id) {
+            t.revision = revision;
+        }
+    }
+
+    fn messages(&self) -> Vec<(String, jetstream::Message)> {
+        self.lock()
+            .iter()
+            .map(|(id, t)| (id.clone(), t.message.clone()))
+            .collect()
+    }
+}
+
+/// Pulls samples while this node has room for them (its RUN slots and prewarm).
+pub(crate) async fn pull(c: Arc<Cluster>) {
+    let room = Arc::new(Semaphore::new(c.pipeline.capacity()));
+    loop {
+        let Ok(permit) = room.clone().acquire_owned().await else {
+            return;
+        };
+        let Some(message) = next_message(&c.bus.queue).await else {
+            continue;
+        };
+        if let Err(e) = claim(&c, message, permit).await {
+            tracing::warn!(error = %e, "claiming a sample");
+        }
+    }
+}
+
+async fn claim(
+    c: &Arc<Cluster>,
+    message: jetstream::Message,
+    room: OwnedSemaphorePermit,
+) -> anyhow::Result<()> {
+    let item: QueueItem = match serde_json::from_slice(&message.payload) {
+        Ok(i) => i,
+        Err(e) => {
+            let _ = message.ack_with(AckKind::Term).await;
+            anyhow::bail!("not a queued sample: {e}");
+        }
+    };
+    let delivered = message
+        .info()
+        .map_err(|e| anyhow::anyhow!("{e}"))?
+        .delivered
+        .max(1) as u32;
+    let again_soon = AckKind::Nak(Some(Duration::from_millis(500)));
+    let (mut sample, revision) = match c.sample(item.sample_id.clone()).await {
+        Ok(s) => s,
+        Err(ClusterError::NotFound(what)) => {
+            let _ = message.ack_with(AckKind::Term).await;
+            anyhow::bail!("queued, but there is no {what}");
+        }
+        Err(e) => {
+            let _ = message.ack_with(again_soon).await;
+            return Err(e.into());
+        }
+    };
+    if sample.outcome.is_some() {
+        // Ended already (a node died between its result and its acknowledgement, or a
+        // cancel ended it unclaimed): make sure the result is out, and let it go.
+        c.publish_end(&sample).await?;
+        message.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        return Ok(());
+    }
+    let (rollout, _) = c.rollout_entry(&item.rollout_id).await?;
+    let max = c.options.max_attempts;
+    let end = if rollout.cancelled {
+        Some(Outcome::Cancelled)
+    } else if delivered > max {
+        Some(Outcome::Error {
+            reason: format!("started {max} times; each time its node stopped before it ended"),
+        })
+    } else {
+        None
+    };
+    if let Some(outcome) = end {
+        if c.end_unclaimed(sample, revision, outcome).await? {
+            message.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        } else {
+            let _ = message.ack_with(again_soon).await;
+        }
+        return Ok(());
+    }
+    // A fresh attempt: what an earlier one found is not this one's.
+    sample.attempt = delivered - 1;
+    sample.stage = Stage::Queued;
+    sample.stage_ended_ms = [0; 2];
+    sample.trajectory = None;
+    sample.evaluation = None;
+    sample.agent = None;
+    sample.node = Some(c.node_id.clone());
+    let revision = match c
+        .bus
+        .samples
+        .update(&sample.sample_id, json_bytes(&sample), revision)
+        .await
+    {
+        Ok(r) => r,
+        Err(_) => {
+            // Someone wrote it since we read it (a cancel): look again shortly.
+            let _ = message.ack_with(again_soon).await;
+            return Ok(());
+        }
+    };
+    c.pipeline.store().adopt(&rollout, &sample)?;
+    tracing::info!(sample = %sample.sample_id, attempt = delivered, "claimed a sample");
+    c.claims.lock().insert(
+        sample.sample_id.clone(),
+        Ticket {
+            message,
+            revision,
+            _room: room,
+        },
+    );
+    c.pipeline.run_claimed(rollout, sample);
+    Ok(())
+}
+
+/// Writes each claimed sample's state through to the bus as the pipeline moves it, then
+/// publishes the event for every node's readers.
+pub(crate) async fn write_through(c: Arc<Cluster>, mut events: broadcast::Receiver<Event>) {
+    use broadcast::error::RecvError;
+    loop {
+        match events.recv().await {
+            Ok(event) => {
+                let sample_id = match &event {
+                    Event::Stage { sample_id, .. } | Event::Finished { sample_id, .. } => {
+                        sample_id.clone()
+                    }
+                };
+                sync(&c, &sample_id).await;
+                c.publish_event(&event).await;
+            }
+            Err(RecvError::Lagged(_)) => {
+                let ids: Vec<String> = c.claims.lock().keys().cloned().collect();
+                for id in ids {
+                    sync(&c, &id).await;
+                }
+            }
+            Err(RecvError::Closed) => return,
+        }
+    }
+}
+
+/// Sends progress acknowledgements for every claimed sample (so the queue does not give it
+/// to another node while it runs here), and finishes what the event stream missed.
+pub(crate) async fn keep_alive(c: Arc<Cluster>) {
+    let every = (c.options.ack_wait / 3).max(Duration::from_millis(500));
+    loop {
+        tokio::time::sleep(every).await;
+        for (id, message) in c.claims.messages() {
+            if let Err(e) = message.ack_with(AckKind::Progress).await {
+                tracing::warn!(sample = %id, error = %e, "keeping a claim alive");
+            }
+            if c
+                .pipeline
+                .store()
+                .sample(&id)
+                .is_ok_and(|s| s.outcome.is_some())
+            {
+                sync(&c, &id).await;
+            }
+        }
+    }
+}
+
+/// Writes a claimed sample's state from this node's store to the bus. Once it has ended:
+/// its traces, its final state, its result (and callback), then the queue message's
+/// acknowledgement (a crash in between leaves the message to be redelivered, and its next
+/// claimer finds the sample ended and only makes sure of the result).
+async fn sync(c: &Cluster, sample_id: &str) {
+    let _one_at_a_time = c.claims.writing.lock().await;
+    let Some(revision) = c.claims.revision(sample_id) else {
+        return;
+    };
+    let mut sample = match c.pipeline.store().sample(sample_id) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(sample = sample_id, error = %e, "reading a claimed sample");
+            return;
+        }
+    };
+    sample.node = Some(c.node_id.clone());
+    let ended = sample.outcome.is_some();
+    if ended {
+        if let Err(e) = publish_traces(c, &sample).await {
+            tracing::warn!(sample = sample_id, error = %e, "putting a sample's traces on the bus (tried again)");
+            return;
+        }
+    }
+    match write_state(c, &sample, revision).await {
+        Ok(revision) => c.claims.set_revision(sample_id, revision),
+        Err(Lost) => {
+            tracing::warn!(
+                sample = sample_id,
+                "another node holds this sample now; stopping it here"
+            );
+            c.pipeline.kill_agent(sample_id);
+            c.claims.lock().remove(sample_id);
+            return;
+        }
+    }
+    if ended {
+        if let Err(e) = c.publish_end(&sample).await {
+            tracing::warn!(sample = sample_id, error = %e, "publishing a result (tried again)");
+            return;
+        }
+        let ticket = c.claims.lock().remove(sample_id);
+        if let Some(t) = ticket {
+            if let Err(e) = t.message.double_ack().await {
+                // Redelivered later: its next claimer finds it ended.
+                tracing::warn!(sample = sample_id, error = %e, "acknowledging a finished sample");
+            }
+        }
+    }
+}
+
+/// The claim is someone else's now.
+struct Lost;
+
+/// Writes `sample` conditionally on `revision`; a write that fails because our own previous
+/// write landed unacknowledged (a timeout) is retried on the revision it made.
+async fn write_state(c: &Cluster, sample: &Sample, revision: u64) -> Result<u64, Lost> {
+    let mut revision = revision;
+    for _ in 0..5 {
+        match c
+            .bus
+            .samples
+            .update(&sample.sample_id, json_bytes(sample), revision)
+            .await
+        {
+            Ok(r) => return Ok(r),
+            Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
+                match c.sample(sample.sample_id.clone()).await {
+                    Ok((there, r))
+                        if there.node == sample.node
+                            // Our claim wrote attempt - 1; INIT counted this one.
+                            && (there.attempt..=there.attempt + 1).contains(&sample.attempt) =>
+                    {
+                        if there.outcome.is_some() {
+                            // Our final write landed already (a callback may have noted
+                            // its delivery since): nothing to add.
+                            return Ok(r);
+                        }
+                        revision = r
+                    }
+                    Ok(_) => return Err(Lost),
+                    Err(_) => tokio::time::sleep(Duration::from_millis(200)).await,
+                }
+            }
+            Err(e) => {
+                tracing::warn!(sample = %sample.sample_id, error = %e, "writing a sample's state");
+                tokio::time::sleep(Duration::from_millis(500)).await;
+            }
+        }
+    }
+    // The bus is unreachable: keep the claim; the next event or keep-alive writes again.
+    Ok(revision)
+}
+
+/// Puts an ended sample's `traces.jsonl` on the bus, for every node's API and callbacks.
+async fn publish_traces(c: &Cluster, sample: &Sample) -> anyhow::Result<()> {
+    let Some(t) = &sample.trajectory else {
+        return Ok(());
+    };
+    let body = match tokio::fs::read(&t.path).await {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(e.into()),
+    };
+    c.bus
+        .traces
+        .put(sample.sample_id.as_str(), &mut body.as_slice())
+        .await
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    Ok(())
+}
+
+/// Stops this node's samples of a rollout cancelled through any node.
+pub(crate) async fn follow_cancellations(c: &Arc<Cluster>) -> anyhow::Result<()> {
+    let mut cancels = c.bus.client.subscribe(CANCEL_SUBJECT).await?;
+    let c = c.clone();
+    tokio::spawn(async move {
+        while let Some(m) = cancels.next().await {
+            let rollout_id = String::from_utf8_lossy(&m.payload).into_owned();
+            match c.pipeline.cancel(&rollout_id) {
+                Ok(n) => tracing::info!(rollout = %rollout_id, stopping = n, "cancelled"),
+                Err(StoreError::NotFound(_)) => {} // none of its samples ran here
+                Err(e) => tracing::warn!(rollout = %rollout_id, error = %e, "cancelling"),
+            }
+        }
+    });
+    Ok(())
+}

@@ -1,0 +1,216 @@
+//! Pause and resume for the whole cluster. The order is one value on the bus (`gate` in the
+//! control bucket, carrying the policy version in effect); every node watches it and applies
+//! it to its own admission gate, and reports in its heartbeat which order it applied and how
+//! many calls it still has in flight. `pause` answers once every live node has applied it
+//! and has nothing in flight (or the wait ran out).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::StreamExt;
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+
+use super::bus::GATE_KEY;
+use super::ledger::json_bytes;
+use super::{bus_error, Cluster, ClusterError};
+
+/// The cluster's gate order.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct GateOrder {
+    pub paused: bool,
+    /// The policy version in effect (carried from order to order, so that a node joining
+    /// later stamps calls as the others do).
+    pub policy_version: Option<String>,
+}
+
+/// One node as its heartbeat describes it.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, schemars::JsonSchema)]
+pub struct NodeStatus {
+    pub node_id: String,
+    pub paused: bool,
+    pub in_flight: usize,
+    pub policy_version: Option<String>,
+    /// The gate order (its revision on the bus) this node applied last.
+    pub applied_order: u64,
+    /// Samples it holds claims on now, and how many it takes at most.
+    pub claimed: usize,
+    pub capacity: usize,
+}
+
+/// The cluster's gate as `/v1/admin/*` reports it: the sums, and each live node.
+#[derive(Debug, Clone, PartialEq, Serialize, schemars::JsonSchema)]
+pub struct ClusterGateStatus {
+    pub paused: bool,
+    pub in_flight: usize,
+    pub policy_version: Option<String>,
+    pub nodes: Vec<NodeStatus>,
+}
+
+#[derive(Default)]
+pub struct GateSync {
+    applied: AtomicU64,
+    /// Woken when an order was applied (the heartbeat reports it at once).
+    applied_now: Notify,
+}
+
+/// Applies every gate order to this node's gate, the current one first.
+pub(crate) async fn follow(c: &Arc<Cluster>) -> anyhow::Result<()> {
+    let mut orders = c.bus.control.watch_with_history(GATE_KEY).await?;
+    let c = c.clone();
+    tokio::spawn(async move {
+        while let Some(entry) = orders.next().await {
+            let entry = match entry {
+                Ok(e) => e,
+                Err(e) => {
+                    tracing::warn!(error = %e, "following the cluster's gate");
+                    continue;
+                }
+            };
+            let order: GateOrder = match serde_json::from_slice(&entry.value) {
+                Ok(o) => o,
+                Err(e) => {
+                    tracing::warn!(error = %e, "an unreadable gate order");
+                    continue;
+                }
+            };
+            if let Some(gate) = c.pipeline.gate() {
+                if order.paused {
+                    // Holds new generations at once; the heartbeat reports the drain.
+                    let gate = gate.clone();
+                    tokio::spawn(async move { gate.pause(Duration::from_secs(600)).await });
+                } else {
+                    gate.resume(order.policy_version.clone());
+                }
+            }
+            c.gate.applied.store(entry.revision, Ordering::SeqCst);
+            c.gate.applied_now.notify_one();
+            tracing::info!(paused = order.paused, revision = entry.revision, "applied the cluster's gate order");
+        }
+    });
+    Ok(())
+}
+
+/// Puts this node's status on the bus every second (and at once after an order), so that
+/// the others know it is alive, what it holds, and where its gate is.
+pub(crate) async fn heartbeat(c: Arc<Cluster>) {
+    loop {
+        if let Err(e) = c
+            .bus
+            .nodes
+            .put(&c.node_id, json_bytes(&c.node_status()))
+            .await
+        {
+            tracing::warn!(error = %e, "the node's heartbeat");
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+            _ = c.gate.applied_now.notified() => {}
+        }
+    }
+}
+
+impl Cluster {
+    fn node_status(&self) -> NodeStatus {
+        let gate = self.pipeline.gate().map(|g| g.status());
+        NodeStatus {
+            node_id: self.node_id.clone(),
+            paused: gate.as_ref().is_some_and(|g| g.paused),
+            in_flight: gate.as_ref().map_or(0, |g| g.in_flight),
+            policy_version: gate.and_then(|g| g.policy_version),
+            applied_order: self.gate.applied.load(Ordering::SeqCst),
+            claimed: self.claims.len(),
+            capacity: self.pipeline.capacity(),
+        }
+    }
+
+    /// Holds new generations on every node; answers once none has a call in flight, or the
+    /// wait ran out (`in_flight` > 0: ask again).
+    pub async fn pause(&self, wait: Duration) -> Result<ClusterGateStatus, ClusterError> {
+        self.order(true, None, wait).await
+    }
+
+    /// Lets generations go on everywhere, under a new `policy_version` when given.
+    pub async fn resume(
+        &self,
+        policy_version: Option<String>,
+    ) -> Result<ClusterGateStatus, ClusterError> {
+        self.order(false, policy_version, Duration::from_secs(10))
+            .await
+    }
+
+    /// The cluster's gate: the order in effect, and every live node's part.
+    pub async fn gate_status(&self) -> Result<ClusterGateStatus, ClusterError> {
+        let order = self.current_order().await?;
+        Ok(summary(&order, self.nodes().await?))
+    }
+
+    async fn current_order(&self) -> Result<GateOrder, ClusterError> {
+        Ok(match self.bus.control.get(GATE_KEY).await.map_err(bus_error)? {
+            Some(v) => serde_json::from_slice(&v).map_err(bus_error)?,
+            None => GateOrder::default(),
+        })
+    }
+
+    async fn order(
+        &self,
+        paused: bool,
+        policy_version: Option<String>,
+        wait: Duration,
+    ) -> Result<ClusterGateStatus, ClusterError> {
+        let order = GateOrder {
+            paused,
+            policy_version: policy_version.or(self.current_order().await?.policy_version),
+        };
+        let revision = self
+            .bus
+            .control
+            .put(GATE_KEY, json_bytes(&order))
+            .await
+            .map_err(bus_error)?;
+        let deadline = tokio::time::Instant::now() + wait;
+        loop {
+            let nodes = self.nodes().await?;
+            let settled = nodes
+                .iter()
+                .all(|n| n.applied_order >= revision && (!paused || n.in_flight == 0));
+            if settled || tokio::time::Instant::now() >= deadline {
+                return Ok(summary(&order, nodes));
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+    }
+
+    /// Every node whose heartbeat is recent.
+    pub async fn nodes(&self) -> Result<Vec<NodeStatus>, ClusterError> {
+        let keys: Vec<String> = self
+            .bus
+            .nodes
+            .keys()
+            .await
+            .map_err(bus_error)?
+            .filter_map(|k| async move { k.ok() })
+            .collect()
+            .await;
+        let mut nodes = Vec::with_capacity(keys.len());
+        for key in keys {
+            if let Some(v) = self.bus.nodes.get(&key).await.map_err(bus_error)? {
+                if let Ok(n) = serde_json::from_slice::<NodeStatus>(&v) {
+                    nodes.push(n);
+                }
+            }
+        }
+        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
+        Ok(nodes)
+    }
+}
+
+fn summary(order: &GateOrder, nodes: Vec<NodeStatus>) -> ClusterGateStatus {
+    ClusterGateStatus {
+        paused: order.paused,
+        in_flight: nodes.iter().map(|n| n.in_flight).sum(),
+        policy_version: order.policy_version.clone(),
+        nodes,
+    }
+}
