@@ -89,7 +89,7 @@ pub fn project_root(messages: &Value) -> String {
 pub fn repo_task(name: &str, harness: &str, samples: u32, agent_s: u64) -> Value {
     // The hanging task works on calc's project; the policy keys on the instruction.
     let project = if name == "hang" { "calc" } else { name };
-    let dir = tokentap_e2e::artefacts::workspace_root()
+    let dir = crate::artefacts::workspace_root()
         .join("tests/fixtures/tasks")
         .join(project);
     json!({

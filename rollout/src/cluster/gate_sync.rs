@@ -77,9 +77,9 @@ pub(crate) async fn follow(c: &Arc<Cluster>) -> anyhow::Result<()> {
             };
             if let Some(gate) = c.pipeline.gate() {
                 if order.paused {
-                    // Holds new generations at once; the heartbeat reports the drain.
-                    let gate = gate.clone();
-                    tokio::spawn(async move { gate.pause(Duration::from_secs(600)).await });
+                    // Holds new generations now, without waiting for the drain here: the
+                    // heartbeat reports the calls still in flight.
+                    gate.pause(Duration::ZERO).await;
                 } else {
                     gate.resume(order.policy_version.clone());
                 }
@@ -184,7 +184,8 @@ impl Cluster {
 
     /// Every node whose heartbeat is recent.
     pub async fn nodes(&self) -> Result<Vec<NodeStatus>, ClusterError> {
-        let keys: Vec<String> = self
+        // A key put while the listing runs may be listed twice.
+        let keys: std::collections::BTreeSet<String> = self
             .bus
             .nodes
             .keys()
@@ -201,7 +202,6 @@ impl Cluster {
                 }
             }
         }
-        nodes.sort_by(|a, b| a.node_id.cmp(&b.node_id));
         Ok(nodes)
     }
 }
