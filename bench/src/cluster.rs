@@ -73,7 +73,12 @@ pub fn run(args: ClusterBenchArgs) -> anyhow::Result<()> {
     let settings = [
         measure(&args, "1 node, no bus", 1, false)?,
         measure(&args, "1 node on the bus", 1, true)?,
-        measure(&args, &format!("{} nodes on the bus", args.nodes), args.nodes, true)?,
+        measure(
+            &args,
+            &format!("{} nodes on the bus", args.nodes),
+            args.nodes,
+            true,
+        )?,
     ];
     println!();
     println!(
@@ -124,7 +129,9 @@ fn measure(
     } else {
         None
     };
-    let nats_cpu0 = nats.as_ref().map_or(0.0, |n| cpu_seconds(Some(n.child.id())));
+    let nats_cpu0 = nats
+        .as_ref()
+        .map_or(0.0, |n| cpu_seconds(Some(n.child.id())));
     let mut started: Vec<StartedNode> = Vec::new();
     for i in 0..nodes {
         let mut extra = Vec::new();

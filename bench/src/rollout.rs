@@ -259,7 +259,10 @@ impl NodeSetup {
         let deadline = Instant::now() + Duration::from_secs(30);
         while std::net::TcpStream::connect(addr).is_err() {
             if let Some(status) = node.child.0.try_wait()? {
-                bail!("the node exited ({status}) at start-up:\n{}", node.log_tail());
+                bail!(
+                    "the node exited ({status}) at start-up:\n{}",
+                    node.log_tail()
+                );
             }
             anyhow::ensure!(
                 Instant::now() < deadline,

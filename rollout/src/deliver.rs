@@ -155,7 +155,10 @@ pub async fn payload(store: &Store, sample_id: &str) -> anyhow::Result<Value> {
 }
 
 /// The delivered body of `sample` with its `traces.jsonl` text.
-pub(crate) fn payload_of(sample: &crate::task::Sample, traces_jsonl: &str) -> anyhow::Result<Value> {
+pub(crate) fn payload_of(
+    sample: &crate::task::Sample,
+    traces_jsonl: &str,
+) -> anyhow::Result<Value> {
     let traces: Vec<Value> = traces_jsonl
         .lines()
         .map(serde_json::from_str)
@@ -163,7 +166,12 @@ pub(crate) fn payload_of(sample: &crate::task::Sample, traces_jsonl: &str) -> an
     Ok(json!({"sample": sample, "traces": traces}))
 }
 
-pub(crate) async fn post(client: &reqwest::Client, url: &str, sample_id: &str, body: &Value) -> Attempt {
+pub(crate) async fn post(
+    client: &reqwest::Client,
+    url: &str,
+    sample_id: &str,
+    body: &Value,
+) -> Attempt {
     let sent = client
         .post(url)
         .header("idempotency-key", sample_id)

@@ -6,8 +6,8 @@ use schemars::gen::SchemaSettings;
 use schemars::JsonSchema;
 use serde_json::{json, Map, Value};
 
-use crate::evaluate::Evaluation;
 use crate::cluster::ClusterGateStatus;
+use crate::evaluate::Evaluation;
 use crate::gate::GateStatus;
 use crate::pipeline::Event;
 use crate::task::{Rollout, Sample, TaskSpec};

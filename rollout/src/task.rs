@@ -312,7 +312,8 @@ pub struct Sample {
     pub agent: Option<AgentReport>,
     /// The result's delivery to the rollout's `callback_url`, once it ended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub callback: Option<CallbackStatus>,    /// The node that runs (or ran) it, on a cluster of nodes sharing a bus.
+    pub callback: Option<CallbackStatus>,
+    /// The node that runs (or ran) it, on a cluster of nodes sharing a bus.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub node: Option<String>,
 }

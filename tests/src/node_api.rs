@@ -112,7 +112,10 @@ pub async fn start_serve(
 }
 
 /// A trainer's callback endpoint: every delivery, in arrival order, as (Idempotency-Key, body).
-pub async fn callback_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>) {
+pub async fn callback_receiver() -> (
+    String,
+    std::sync::Arc<std::sync::Mutex<Vec<(String, Value)>>>,
+) {
     let got = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
     let sink = got.clone();
     let app = axum::Router::new().route(

@@ -106,4 +106,3 @@ pub fn repo_task(name: &str, harness: &str, samples: u32, agent_s: u64) -> Value
         }
     })
 }
-

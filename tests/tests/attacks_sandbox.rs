@@ -282,7 +282,11 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     std::fs::create_dir_all(&outside).unwrap();
     std::fs::write(outside.join("test_x.py"), "untouched").unwrap();
     let project = node.project();
-    std::fs::write(project.join("probe.sh"), probe_script(&data, &host_addr, bus_port)).unwrap();
+    std::fs::write(
+        project.join("probe.sh"),
+        probe_script(&data, &host_addr, bus_port),
+    )
+    .unwrap();
     std::fs::create_dir_all(project.join("tests")).unwrap();
     std::fs::write(project.join("tests/test_x.py"), "the real test").unwrap();
 

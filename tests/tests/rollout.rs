@@ -12,9 +12,7 @@ use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::node_api;
 use tokentap_e2e::procs::{free_port, http_client, spawn_guarded, ChildGuard, KillScope};
 use tokentap_e2e::repo_tasks::{repo_task, task_policy};
-use tokentap_e2e::scripted::{
-    counting_replies, curl_agent, Reply, ScriptedBackend, Tokens,
-};
+use tokentap_e2e::scripted::{counting_replies, curl_agent, Reply, ScriptedBackend, Tokens};
 use tokentap_e2e::tokentap::read_spool;
 
 const TOKEN: &str = "e2e-node-token";

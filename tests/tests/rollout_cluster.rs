@@ -20,7 +20,6 @@ const TOKEN: &str = "e2e-cluster-node-token";
 const BUS_TOKEN: &str = "e2e-cluster-bus-token";
 
 struct ClusterNode {
-    id: String,
     base: String,
     process: ChildGuard,
 }
@@ -62,7 +61,6 @@ async fn start_node(
     )
     .await;
     ClusterNode {
-        id: id.into(),
         base: format!("http://127.0.0.1:{port}"),
         process,
     }
@@ -166,8 +164,7 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     assert!(!on_c.is_empty());
 
     let first16 =
-        node_api::results_within(&nodes[1].base, TOKEN, 0, 16, 10, Duration::from_secs(300))
-            .await;
+        node_api::results_within(&nodes[1].base, TOKEN, 0, 16, 10, Duration::from_secs(300)).await;
     assert_eq!(first16.len(), 16);
 
     // A third group whose tool never returns, submitted through node b and cancelled through
@@ -212,7 +209,10 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     // A node that ran none of them answers for all of them.
     let late = start_node(dir.path(), "node-d", &engine.url, &nats, &harness_path).await;
     let all = node_api::results_within(&late.base, TOKEN, 0, 24, 5, Duration::from_secs(60)).await;
-    let ids: Vec<&str> = all.iter().map(|s| s["sample_id"].as_str().unwrap()).collect();
+    let ids: Vec<&str> = all
+        .iter()
+        .map(|s| s["sample_id"].as_str().unwrap())
+        .collect();
     let distinct: HashSet<&str> = ids.iter().copied().collect();
     assert_eq!(
         (ids.len(), distinct.len()),
@@ -249,7 +249,10 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
                 assert_ne!(s["node"], "node-c", "{s}");
                 assert!(s["attempt"].as_u64().unwrap() >= 2, "{s}");
                 assert!(
-                    t["session_id"].as_str().unwrap().ends_with(&format!("-a{}", s["attempt"])),
+                    t["session_id"]
+                        .as_str()
+                        .unwrap()
+                        .ends_with(&format!("-a{}", s["attempt"])),
                     "{s}"
                 );
             } else {
@@ -359,7 +362,8 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
 async fn heavy_a_node_without_the_bus_token_does_not_start() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats"), BUS_TOKEN).await;
-    let engine = ScriptedBackend::start(Tokens::FakeChat, tokentap_e2e::scripted::counting_replies()).await;
+    let engine =
+        ScriptedBackend::start(Tokens::FakeChat, tokentap_e2e::scripted::counting_replies()).await;
     let out = std::process::Command::new(tokentap_e2e::artefacts::tokentap_bin())
         .args(["serve", "--listen", &format!("127.0.0.1:{}", free_port())])
         .arg("--data")
@@ -372,5 +376,8 @@ async fn heavy_a_node_without_the_bus_token_does_not_start() {
         .unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("bus") || stderr.contains("authorization"), "{stderr}");
+    assert!(
+        stderr.contains("bus") || stderr.contains("authorization"),
+        "{stderr}"
+    );
 }

@@ -170,9 +170,7 @@ impl ClusterBus {
 
 /// The next message of a queue's consumer, waiting up to a few seconds for one (None: none
 /// came, or the bus is unreachable just now; both are simply tried again).
-pub async fn next_message(
-    consumer: &consumer::PullConsumer,
-) -> Option<jetstream::Message> {
+pub async fn next_message(consumer: &consumer::PullConsumer) -> Option<jetstream::Message> {
     use futures::StreamExt;
     let batch = consumer
         .fetch()

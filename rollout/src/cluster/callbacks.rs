@@ -86,8 +86,7 @@ async fn note(c: &Cluster, sample_id: &str, attempts: u32, error: Option<String>
             attempts,
             error: error.clone(),
         });
-        if c
-            .bus
+        if c.bus
             .samples
             .update(sample_id, json_bytes(&sample), revision)
             .await

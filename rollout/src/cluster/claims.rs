@@ -6,8 +6,8 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use async_nats::jetstream::{self, AckKind};
 use async_nats::jetstream::kv::UpdateErrorKind;
+use async_nats::jetstream::{self, AckKind};
 use futures::StreamExt;
 use tokentap_bus::async_nats;
 use tokio::sync::{broadcast, OwnedSemaphorePermit, Semaphore};
@@ -115,7 +115,10 @@ async fn claim(
         // Ended already (a node died between its result and its acknowledgement, or a
         // cancel ended it unclaimed): make sure the result is out, and let it go.
         c.publish_end(&sample).await?;
-        message.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+        message
+            .double_ack()
+            .await
+            .map_err(|e| anyhow::anyhow!("{e}"))?;
         return Ok(());
     }
     let (rollout, _) = c.rollout_entry(&item.rollout_id).await?;
@@ -131,7 +134,10 @@ async fn claim(
     };
     if let Some(outcome) = end {
         if c.end_unclaimed(sample, revision, outcome).await? {
-            message.double_ack().await.map_err(|e| anyhow::anyhow!("{e}"))?;
+            message
+                .double_ack()
+                .await
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
         } else {
             let _ = message.ack_with(again_soon).await;
         }
@@ -208,8 +214,7 @@ pub(crate) async fn keep_alive(c: Arc<Cluster>) {
             if let Err(e) = message.ack_with(AckKind::Progress).await {
                 tracing::warn!(sample = %id, error = %e, "keeping a claim alive");
             }
-            if c
-                .pipeline
+            if c.pipeline
                 .store()
                 .sample(&id)
                 .is_ok_and(|s| s.outcome.is_some())

@@ -86,7 +86,11 @@ pub(crate) async fn follow(c: &Arc<Cluster>) -> anyhow::Result<()> {
             }
             c.gate.applied.store(entry.revision, Ordering::SeqCst);
             c.gate.applied_now.notify_one();
-            tracing::info!(paused = order.paused, revision = entry.revision, "applied the cluster's gate order");
+            tracing::info!(
+                paused = order.paused,
+                revision = entry.revision,
+                "applied the cluster's gate order"
+            );
         }
     });
     Ok(())
@@ -147,10 +151,12 @@ impl Cluster {
     }
 
     async fn current_order(&self) -> Result<GateOrder, ClusterError> {
-        Ok(match self.bus.control.get(GATE_KEY).await.map_err(bus_error)? {
-            Some(v) => serde_json::from_slice(&v).map_err(bus_error)?,
-            None => GateOrder::default(),
-        })
+        Ok(
+            match self.bus.control.get(GATE_KEY).await.map_err(bus_error)? {
+                Some(v) => serde_json::from_slice(&v).map_err(bus_error)?,
+                None => GateOrder::default(),
+            },
+        )
     }
 
     async fn order(

@@ -6,7 +6,9 @@ use serde::{Deserialize, Serialize};
 use tokentap_bus::async_nats;
 use tokio::io::AsyncReadExt;
 
-use super::bus::{events_subject, CALLBACK_SUBJECT, CANCEL_SUBJECT, QUEUE_SUBJECT, RESULTS_SUBJECT};
+use super::bus::{
+    events_subject, CALLBACK_SUBJECT, CANCEL_SUBJECT, QUEUE_SUBJECT, RESULTS_SUBJECT,
+};
 use super::{bus_error, Cluster, ClusterError};
 use crate::clock::now_ms;
 use crate::pipeline::Event;
@@ -150,18 +152,13 @@ impl Cluster {
         }
         let mut object = match self.bus.traces.get(sample_id).await {
             Ok(o) => o,
-            Err(e)
-                if e.kind() == async_nats::jetstream::object_store::GetErrorKind::NotFound =>
-            {
+            Err(e) if e.kind() == async_nats::jetstream::object_store::GetErrorKind::NotFound => {
                 return Ok(None)
             }
             Err(e) => return Err(bus_error(e)),
         };
         let mut body = Vec::new();
-        object
-            .read_to_end(&mut body)
-            .await
-            .map_err(bus_error)?;
+        object.read_to_end(&mut body).await.map_err(bus_error)?;
         Ok(Some(body))
     }
 

@@ -55,7 +55,9 @@ impl Cluster {
                 Ok(Some(Err(e))) => return Err(bus_error(e)),
                 Ok(None) | Err(_) => break,
             };
-            let info = message.info().map_err(|e| bus_error(anyhow::anyhow!("{e}")))?;
+            let info = message
+                .info()
+                .map_err(|e| bus_error(anyhow::anyhow!("{e}")))?;
             let (seq, pending) = (info.stream_sequence, info.pending);
             match serde_json::from_slice::<Sample>(&message.payload) {
                 Ok(sample) => out.push((seq, sample)),
@@ -67,11 +69,9 @@ impl Cluster {
             by = tokio::time::Instant::now() + PAGE_READ;
         }
         // Each as it is now (its callback's delivery is noted after it ended).
-        let now = futures::future::join_all(
-            out.iter()
-                .map(|(_, s)| self.sample(s.sample_id.clone())),
-        )
-        .await;
+        let now =
+            futures::future::join_all(out.iter().map(|(_, s)| self.sample(s.sample_id.clone())))
+                .await;
         for ((_, logged), current) in out.iter_mut().zip(now) {
             if let Ok((current, _)) = current {
                 if current.outcome.is_some() {
@@ -104,7 +104,9 @@ pub(crate) async fn follow_events(c: &Arc<Cluster>) -> anyhow::Result<()> {
                     }
                     Err(e) => tracing::warn!(error = %e, "an unreadable event on the bus"),
                 },
-                Err(e) => tracing::warn!(error = %e, "reading events (the reader recovers by itself)"),
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading events (the reader recovers by itself)")
+                }
             }
         }
     });
