@@ -175,6 +175,23 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     )
     .await;
     let hang_id = hang["rollout_id"].as_str().unwrap().to_owned();
+    // Its events, followed through node a while node b runs it, until the stream says done.
+    let events = tokio::spawn({
+        let url = format!("{}/v1/rollouts/{hang_id}/events", nodes[0].base);
+        async move {
+            let body = http_client()
+                .get(url)
+                .bearer_auth(TOKEN)
+                .timeout(Duration::from_secs(120))
+                .send()
+                .await
+                .unwrap()
+                .text()
+                .await
+                .unwrap();
+            tokentap_e2e::sse::events(&body)
+        }
+    });
     wait_samples(
         &nodes[0],
         &hang_id,
@@ -204,6 +221,23 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     eprintln!(
         "the cancel through node a ended node b's samples in {:?}",
         cancelled_at.elapsed()
+    );
+    let events = events.await.unwrap();
+    let names: Vec<&str> = events.iter().map(|e| e.event.as_str()).collect();
+    assert_eq!(names.first(), Some(&"snapshot"), "{names:?}");
+    assert_eq!(names.last(), Some(&"done"), "{names:?}");
+    let finished: HashSet<String> = events
+        .iter()
+        .filter(|e| e.event == "finished")
+        .map(|e| {
+            let v: Value = serde_json::from_str(&e.data).unwrap();
+            assert_eq!(v["outcome"]["status"], "cancelled", "{v}");
+            v["sample_id"].as_str().unwrap().to_owned()
+        })
+        .collect();
+    assert!(
+        names.contains(&"stage") && !finished.is_empty(),
+        "node b's progress reached node a's event stream: {names:?}"
     );
 
     // A node that ran none of them answers for all of them.
@@ -287,6 +321,37 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
         .unwrap();
     let on_disk = std::fs::read_to_string(sample["trajectory"]["path"].as_str().unwrap()).unwrap();
     assert_eq!(body, on_disk);
+
+    // The nodes' capture records are on the bus too, for a worker group: at least every call of
+    // the 16 completed samples.
+    let calls: u64 = [&calc_id, &greet_id]
+        .iter()
+        .flat_map(|r| per_rollout[r.as_str()].iter())
+        .map(|s| s["trajectory"]["calls"].as_u64().unwrap())
+        .sum();
+    let client = tokentap_bus::connect(
+        &tokentap_bus::BusConnect {
+            url: nats.url(),
+            token: Some(nats.token.clone()),
+            ca: None,
+        },
+        "test",
+    )
+    .await
+    .unwrap();
+    let mut records = tokentap_bus::jetstream(client)
+        .get_stream(tokentap_bus::topology::RECORDS_STREAM)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let on_bus = records.info().await.unwrap().state.messages;
+        if on_bus >= calls {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{on_bus} of {calls} records");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
 
     // Every callback once: 24 deliveries, one per sample, each with that sample's result.
     let deadline = Instant::now() + Duration::from_secs(30);
