@@ -373,7 +373,22 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
         assert!(!body["sample"]["outcome"].is_null(), "{body}");
     }
 
-    // Pause and resume reach every live node (node c's heartbeat is gone).
+    // Pause and resume reach every live node, once node c's heartbeat is gone.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let status = get_json(&format!("{}/v1/admin/status", late.base)).await;
+        let ids: Vec<&str> = status["nodes"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|n| n["node_id"].as_str().unwrap())
+            .collect();
+        if ids == ["node-a", "node-b", "node-d"] {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{status}");
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
     let paused: Value = http_client()
         .post(format!("{}/v1/admin/pause?wait=30", late.base))
         .bearer_auth(TOKEN)
