@@ -12,7 +12,7 @@ use futures::StreamExt;
 use serde::{Deserialize, Serialize};
 use tokio::sync::Notify;
 
-use super::bus::GATE_KEY;
+use super::bus::{GATE_KEY, NODES_BUCKET};
 use super::ledger::json_bytes;
 use super::{bus_error, Cluster, ClusterError};
 
@@ -190,16 +190,26 @@ impl Cluster {
 
     /// Every node whose heartbeat is recent.
     pub async fn nodes(&self) -> Result<Vec<NodeStatus>, ClusterError> {
-        // A key put while the listing runs may be listed twice.
-        let keys: std::collections::BTreeSet<String> = self
+        // The bucket's subjects, from one snapshot of its stream (a key listing through a
+        // consumer can miss a key whose value is replaced while it runs: heartbeats are).
+        let prefix = format!("$KV.{NODES_BUCKET}.");
+        let stream = self
             .bus
-            .nodes
-            .keys()
+            .js
+            .get_stream(format!("KV_{NODES_BUCKET}"))
             .await
-            .map_err(bus_error)?
-            .filter_map(|k| async move { k.ok() })
-            .collect()
-            .await;
+            .map_err(bus_error)?;
+        let mut subjects = stream
+            .info_with_subjects(format!("{prefix}>"))
+            .await
+            .map_err(bus_error)?;
+        let mut keys = std::collections::BTreeSet::new();
+        while let Some(subject) = subjects.next().await {
+            let (subject, _) = subject.map_err(bus_error)?;
+            if let Some(key) = subject.strip_prefix(&prefix) {
+                keys.insert(key.to_owned());
+            }
+        }
         let mut nodes = Vec::with_capacity(keys.len());
         for key in keys {
             if let Some(v) = self.bus.nodes.get(&key).await.map_err(bus_error)? {
