@@ -24,6 +24,26 @@ pub async fn get_json(url: &str, token: &str) -> Value {
         .unwrap()
 }
 
+/// POST `body` as JSON to `url` with the node's bearer `token`: the status and the answer.
+pub async fn post_json(url: &str, token: &str, body: &Value) -> (u16, Value) {
+    let r = http_client()
+        .post(url)
+        .bearer_auth(token)
+        .json(body)
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    (status, r.json().await.unwrap_or(Value::Null))
+}
+
+/// Submits a task to the node at `base`; its answer (rollout id, sample ids) once accepted.
+pub async fn submit(base: &str, token: &str, task: &Value) -> Value {
+    let (status, answer) = post_json(&format!("{base}/v1/rollouts"), token, task).await;
+    assert_eq!(status, 202, "{answer}");
+    answer
+}
+
 /// The next `want` finished samples after the results cursor `after`, by long poll (`wait`
 /// seconds a page); fails the test after `limit`.
 pub async fn results_within(

@@ -68,15 +68,9 @@ async fn get_json(url: &str) -> Value {
 }
 
 async fn post(url: &str, body: &Value) -> Value {
-    let r = http_client()
-        .post(url)
-        .bearer_auth(TOKEN)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202);
-    r.json().await.unwrap()
+    let (status, answer) = node_api::post_json(url, TOKEN, body).await;
+    assert_eq!(status, 202, "{answer}");
+    answer
 }
 
 async fn results(base: &str, after: u64, want: usize) -> Vec<Value> {

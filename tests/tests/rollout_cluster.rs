@@ -66,18 +66,6 @@ async fn start_node(
     }
 }
 
-async fn post(url: &str, body: &Value) -> Value {
-    let r = http_client()
-        .post(url)
-        .bearer_auth(TOKEN)
-        .json(body)
-        .send()
-        .await
-        .unwrap();
-    assert_eq!(r.status(), 202, "{url}");
-    r.json().await.unwrap()
-}
-
 async fn get_json(url: &str) -> Value {
     node_api::get_json(url, TOKEN).await
 }
@@ -102,6 +90,14 @@ async fn wait_samples(
     }
 }
 
+/// Submits 8 samples of the repository task `name` through Pi to `node`; the rollout's id.
+async fn submit_group(node: &ClusterNode, name: &str, agent_s: u64, callback: &str) -> String {
+    let mut task = repo_task(name, "pi", 8, agent_s);
+    task["callback_url"] = json!(callback);
+    let answer = node_api::submit(&node.base, TOKEN, &task).await;
+    answer["rollout_id"].as_str().unwrap().to_owned()
+}
+
 fn running_on<'a>(samples: &'a [Value], node: &str) -> Vec<&'a Value> {
     samples
         .iter()
@@ -121,24 +117,10 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     for id in ["node-a", "node-b", "node-c"] {
         nodes.push(start_node(dir.path(), id, &engine.url, &nats, &harness_path).await);
     }
-    let with_callback = |mut task: Value| {
-        task["callback_url"] = json!(callback);
-        task
-    };
 
     // Two groups of 8 through node a: the policy fixes calc (reward 1), gets greet wrong (0).
-    let calc = post(
-        &format!("{}/v1/rollouts", nodes[0].base),
-        &with_callback(repo_task("calc", "pi", 8, 120)),
-    )
-    .await;
-    let greet = post(
-        &format!("{}/v1/rollouts", nodes[0].base),
-        &with_callback(repo_task("greet", "pi", 8, 120)),
-    )
-    .await;
-    let calc_id = calc["rollout_id"].as_str().unwrap().to_owned();
-    let greet_id = greet["rollout_id"].as_str().unwrap().to_owned();
+    let calc_id = submit_group(&nodes[0], "calc", 120, &callback).await;
+    let greet_id = submit_group(&nodes[0], "greet", 120, &callback).await;
 
     // Node c is killed while one of its samples runs its agent.
     let killed = wait_samples(
@@ -169,12 +151,7 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
 
     // A third group whose tool never returns, submitted through node b and cancelled through
     // node a once node b runs some of it.
-    let hang = post(
-        &format!("{}/v1/rollouts", nodes[1].base),
-        &with_callback(repo_task("hang", "pi", 8, 300)),
-    )
-    .await;
-    let hang_id = hang["rollout_id"].as_str().unwrap().to_owned();
+    let hang_id = submit_group(&nodes[1], "hang", 300, &callback).await;
     // Its events, followed through node a while node b runs it, until the stream says done.
     let events = tokio::spawn({
         let url = format!("{}/v1/rollouts/{hang_id}/events", nodes[0].base);
@@ -389,15 +366,12 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
         assert!(Instant::now() < deadline, "{status}");
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
-    let paused: Value = http_client()
-        .post(format!("{}/v1/admin/pause?wait=30", late.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, paused) = node_api::post_json(
+        &format!("{}/v1/admin/pause?wait=30", late.base),
+        TOKEN,
+        &json!({}),
+    )
+    .await;
     assert_eq!(paused["paused"], true, "{paused}");
     assert_eq!(paused["in_flight"], 0, "{paused}");
     let live: Vec<&str> = paused["nodes"]
@@ -416,16 +390,12 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
             .all(|n| n["paused"] == true),
         "{status}"
     );
-    let resumed: Value = http_client()
-        .post(format!("{}/v1/admin/resume", nodes[1].base))
-        .bearer_auth(TOKEN)
-        .json(&json!({"policy_version": "step-2"}))
-        .send()
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let (_, resumed) = node_api::post_json(
+        &format!("{}/v1/admin/resume", nodes[1].base),
+        TOKEN,
+        &json!({"policy_version": "step-2"}),
+    )
+    .await;
     assert_eq!(resumed["paused"], false, "{resumed}");
     assert!(
         resumed["nodes"]
