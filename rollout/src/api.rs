@@ -232,6 +232,9 @@ fn results_page(after: u64, page: Vec<(u64, Sample)>) -> Response {
 
 async fn metrics(State(state): State<ApiState>) -> Response {
     let mut body = state.pipeline.render_metrics();
+    if let Some(c) = &state.cluster {
+        body.extend(c.render_metrics());
+    }
     if let Some(extra) = &state.extra_metrics {
         body.extend(extra());
     }

@@ -12,7 +12,7 @@ use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::nats::NatsServer;
 use tokentap_e2e::node_api::{self, callback_receiver, start_serve};
-use tokentap_e2e::procs::{free_port, http_client, ChildGuard};
+use tokentap_e2e::procs::{free_port, http_client, metric_with, ChildGuard};
 use tokentap_e2e::repo_tasks::{repo_task, task_policy};
 use tokentap_e2e::scripted::{ScriptedBackend, Tokens};
 
@@ -132,6 +132,8 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     )
     .await;
     let mut victim = nodes.remove(2);
+    victim.process.kill();
+    // What node c held when it died: claimed, not ended on the bus.
     let mut on_c: HashSet<String> = HashSet::new();
     for rollout in [&calc_id, &greet_id] {
         let v = get_json(&format!("{}/v1/rollouts/{rollout}", nodes[0].base)).await;
@@ -141,7 +143,6 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
             }
         }
     }
-    victim.process.kill();
     assert!(!running_on(&killed, "node-c").is_empty());
     assert!(!on_c.is_empty());
 
@@ -349,6 +350,21 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
         assert_eq!(body["sample"]["sample_id"], *key);
         assert!(!body["sample"]["outcome"].is_null(), "{body}");
     }
+
+    // The nodes' metrics say the same: node c's samples claimed again by the others, every
+    // callback delivered once.
+    let (mut reruns, mut delivered) = (0.0, 0.0);
+    for base in [&nodes[0].base, &nodes[1].base, &late.base] {
+        let m = |name: &'static str| metric_with(base, name, Some(TOKEN));
+        reruns += m("tokentap_cluster_claims_total{attempt=\"rerun\"}")
+            .await
+            .unwrap_or(0.0);
+        delivered += m("tokentap_cluster_callbacks_total{outcome=\"delivered\"}")
+            .await
+            .unwrap_or(0.0);
+    }
+    assert!(reruns >= on_c.len() as f64, "{reruns} re-runs of {on_c:?}");
+    assert_eq!(delivered, 24.0);
 
     // Pause and resume reach every live node, once node c's heartbeat is gone.
     let deadline = Instant::now() + Duration::from_secs(30);

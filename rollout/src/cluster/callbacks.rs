@@ -38,6 +38,13 @@ pub(crate) async fn deliver(c: Arc<Cluster>) {
             Err(e) => Attempt::Transient(format!("reading the result from the bus: {e:#}"), None),
         };
         let sample = job.sample_id.as_str();
+        let outcome = match &attempt {
+            Attempt::Delivered => "delivered",
+            Attempt::Refused(_) => "refused",
+            Attempt::Transient(..) if attempts >= policy.max_attempts => "gave_up",
+            Attempt::Transient(..) => "retried",
+        };
+        c.metrics.callbacks.with_label_values(&[outcome]).inc();
         let acked = match attempt {
             Attempt::Delivered => {
                 note(&c, sample, attempts, None).await;

@@ -166,14 +166,21 @@ async fn claim(
     };
     c.pipeline.store().adopt(&rollout, &sample)?;
     tracing::info!(sample = %sample.sample_id, attempt = delivered, "claimed a sample");
-    c.claims.lock().insert(
-        sample.sample_id.clone(),
-        Ticket {
-            message,
-            revision,
-            _room: room,
-        },
-    );
+    let held = {
+        let mut tickets = c.claims.lock();
+        tickets.insert(
+            sample.sample_id.clone(),
+            Ticket {
+                message,
+                revision,
+                _room: room,
+            },
+        );
+        tickets.len()
+    };
+    let attempt = if delivered > 1 { "rerun" } else { "first" };
+    c.metrics.claims.with_label_values(&[attempt]).inc();
+    c.metrics.held.set(held as i64);
     c.pipeline.run_claimed(rollout, sample);
     Ok(())
 }
@@ -213,6 +220,7 @@ pub(crate) async fn keep_alive(c: Arc<Cluster>) {
         for (id, message) in c.claims.messages() {
             if let Err(e) = message.ack_with(AckKind::Progress).await {
                 tracing::warn!(sample = %id, error = %e, "keeping a claim alive");
+                c.metrics.bus_errors.inc();
             }
             if c.pipeline
                 .store()
@@ -246,6 +254,7 @@ async fn sync(c: &Cluster, sample_id: &str) {
     if ended {
         if let Err(e) = publish_traces(c, &sample).await {
             tracing::warn!(sample = sample_id, error = %e, "putting a sample's traces on the bus (tried again)");
+            c.metrics.bus_errors.inc();
             return;
         }
     }
@@ -258,15 +267,19 @@ async fn sync(c: &Cluster, sample_id: &str) {
             );
             c.pipeline.kill_agent(sample_id);
             c.claims.lock().remove(sample_id);
+            c.metrics.claims_lost.inc();
+            c.metrics.held.set(c.claims.len() as i64);
             return;
         }
     }
     if ended {
         if let Err(e) = c.publish_end(&sample).await {
             tracing::warn!(sample = sample_id, error = %e, "publishing a result (tried again)");
+            c.metrics.bus_errors.inc();
             return;
         }
         let ticket = c.claims.lock().remove(sample_id);
+        c.metrics.held.set(c.claims.len() as i64);
         if let Some(t) = ticket {
             if let Err(e) = t.message.double_ack().await {
                 // Redelivered later: its next claimer finds it ended.
@@ -311,6 +324,7 @@ async fn write_state(c: &Cluster, sample: &Sample, revision: u64) -> Result<u64,
             }
             Err(e) => {
                 tracing::warn!(sample = %sample.sample_id, error = %e, "writing a sample's state");
+                c.metrics.bus_errors.inc();
                 tokio::time::sleep(Duration::from_millis(500)).await;
             }
         }

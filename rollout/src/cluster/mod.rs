@@ -15,12 +15,14 @@
 //! - [`results`]: the results log and the rollouts' events.
 //! - [`callbacks`]: callback deliveries from the bus's queue, once across nodes.
 //! - [`gate_sync`]: pause and resume on every node; the nodes' heartbeats.
+//! - [`metrics`]: the node's part in the cluster, for Prometheus.
 
 pub mod bus;
 pub mod callbacks;
 pub mod claims;
 pub mod gate_sync;
 pub mod ledger;
+pub mod metrics;
 pub mod results;
 
 use std::sync::Arc;
@@ -55,6 +57,7 @@ pub struct Cluster {
     pub(crate) events: broadcast::Sender<Event>,
     pub(crate) gate: gate_sync::GateSync,
     pub(crate) options: QueueOptions,
+    pub(crate) metrics: metrics::ClusterMetrics,
 }
 
 impl Cluster {
@@ -76,6 +79,7 @@ impl Cluster {
             events: broadcast::channel(4096).0,
             gate: gate_sync::GateSync::default(),
             options,
+            metrics: metrics::ClusterMetrics::new(),
         });
         // Subscribed before anything is claimed, so no event of ours is missed.
         let local_events = cluster.pipeline.events();
@@ -89,6 +93,11 @@ impl Cluster {
         tokio::spawn(gate_sync::heartbeat(cluster.clone()));
         tracing::info!(node = %cluster.node_id, "joined the cluster");
         Ok(cluster)
+    }
+
+    /// The node's cluster metrics, in Prometheus text format.
+    pub fn render_metrics(&self) -> Vec<u8> {
+        self.metrics.render()
     }
 
     /// Every rollout's progress events, from now on, whichever node runs the samples.
