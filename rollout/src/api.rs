@@ -99,7 +99,9 @@ fn cluster_error(e: ClusterError) -> Response {
 /// A rollout and its samples, from the cluster when there is one.
 async fn rollout_of(state: &ApiState, id: &str) -> Result<(Rollout, Vec<Sample>), Response> {
     match &state.cluster {
-        Some(c) => c.rollout(id).await.map_err(cluster_error),
+        Some(c) => crate::cluster::ledger::rollout(c, id)
+            .await
+            .map_err(cluster_error),
         None => state.pipeline.store().rollout(id).map_err(store_error),
     }
 }
@@ -135,7 +137,7 @@ async fn submit(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
         (StatusCode::ACCEPTED, Json(body)).into_response()
     };
     if let Some(c) = &state.cluster {
-        return match c.submit(spec).await {
+        return match crate::cluster::ledger::submit(c, spec).await {
             Ok((rollout, samples)) => accepted(&rollout, &samples),
             Err(e) => cluster_error(e),
         };
@@ -167,7 +169,9 @@ async fn show(State(state): State<ApiState>, Path(id): Path<String>) -> Response
 
 async fn cancel(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
     let cancelled = match &state.cluster {
-        Some(c) => c.cancel(&id).await.map_err(cluster_error),
+        Some(c) => crate::cluster::ledger::cancel(c, &id)
+            .await
+            .map_err(cluster_error),
         None => state.pipeline.cancel(&id).map_err(store_error),
     };
     match cancelled {
@@ -194,7 +198,14 @@ fn default_limit() -> usize {
 async fn results(State(state): State<ApiState>, Query(q): Query<ResultsQuery>) -> Response {
     if let Some(c) = &state.cluster {
         let wait = Duration::from_secs(q.wait.min(60));
-        return match c.results_after(q.after, q.limit.clamp(1, 1000), wait).await {
+        return match crate::cluster::results::results_after(
+            c,
+            q.after,
+            q.limit.clamp(1, 1000),
+            wait,
+        )
+        .await
+        {
             Ok(page) => results_page(q.after, page),
             Err(e) => cluster_error(e),
         };
@@ -245,7 +256,7 @@ async fn metrics(State(state): State<ApiState>) -> Response {
 async fn sample_traces(State(state): State<ApiState>, Path(id): Path<String>) -> Response {
     if let Some(c) = &state.cluster {
         // From the bus, wherever it ran (this node's own copy may be of an older attempt).
-        return match c.sample_traces(&id).await {
+        return match crate::cluster::ledger::sample_traces(c, &id).await {
             Ok(Some(body)) => ([(header::CONTENT_TYPE, "application/jsonl")], body).into_response(),
             Ok(None) => error(
                 StatusCode::NOT_FOUND,
@@ -398,7 +409,7 @@ async fn pause(State(state): State<ApiState>, Query(q): Query<PauseQuery>) -> Re
     };
     let wait = Duration::from_secs(q.wait.min(600));
     if let Some(c) = &state.cluster {
-        return match c.pause(wait).await {
+        return match crate::cluster::gate_sync::pause(c, wait).await {
             Ok(status) => Json(status).into_response(),
             Err(e) => cluster_error(e),
         };
@@ -427,7 +438,7 @@ async fn resume(State(state): State<ApiState>, body: axum::body::Bytes) -> Respo
         }
     };
     if let Some(c) = &state.cluster {
-        return match c.resume(body.policy_version).await {
+        return match crate::cluster::gate_sync::resume(c, body.policy_version).await {
             Ok(status) => Json(status).into_response(),
             Err(e) => cluster_error(e),
         };
@@ -440,7 +451,7 @@ async fn admin_status(State(state): State<ApiState>) -> Response {
         return no_gate();
     };
     if let Some(c) = &state.cluster {
-        return match c.gate_status().await {
+        return match crate::cluster::gate_sync::gate_status(c).await {
             Ok(status) => Json(status).into_response(),
             Err(e) => cluster_error(e),
         };

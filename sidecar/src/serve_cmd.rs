@@ -305,7 +305,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                     callback_timeout: node.pipeline.delivery().timeout,
                 };
                 Some(
-                    tokentap_rollout::cluster::Cluster::start(
+                    tokentap_rollout::cluster::join(
                         client,
                         node_id,
                         node.pipeline.clone(),

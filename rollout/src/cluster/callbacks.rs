@@ -11,8 +11,8 @@ use async_nats::jetstream::AckKind;
 use tokentap_bus::async_nats;
 
 use super::bus::next_message;
-use super::ledger::{json_bytes, CallbackJob};
-use super::Cluster;
+use super::ledger::{self, json_bytes, CallbackJob};
+use super::node::Cluster;
 use crate::deliver::{backoff, http_client, payload_of, post, Attempt};
 use crate::task::CallbackStatus;
 
@@ -77,15 +77,17 @@ pub(crate) async fn deliver(c: Arc<Cluster>) {
 
 /// The body a callback delivers: the sample as the bus has it, with its trace rows.
 async fn body(c: &Cluster, sample_id: &str) -> anyhow::Result<serde_json::Value> {
-    let (sample, _) = c.sample(sample_id.to_owned()).await?;
-    let traces = c.sample_traces(sample_id).await?.unwrap_or_default();
+    let (sample, _) = ledger::sample(c, sample_id.to_owned()).await?;
+    let traces = ledger::sample_traces(c, sample_id)
+        .await?
+        .unwrap_or_default();
     payload_of(&sample, std::str::from_utf8(&traces)?)
 }
 
 /// Notes how a delivery ended on the sample's state.
 async fn note(c: &Cluster, sample_id: &str, attempts: u32, error: Option<String>) {
     for _ in 0..5 {
-        let Ok((mut sample, revision)) = c.sample(sample_id.to_owned()).await else {
+        let Ok((mut sample, revision)) = ledger::sample(c, sample_id.to_owned()).await else {
             return;
         };
         sample.callback = Some(CallbackStatus {

@@ -2,8 +2,7 @@
 //! claimed by a conditional write of their state, kept alive while they run, their state
 //! written through to the bus at every stage, acknowledged once their result is there.
 
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::jetstream::kv::UpdateErrorKind;
@@ -12,59 +11,14 @@ use futures::StreamExt;
 use tokentap_bus::async_nats;
 use tokio::sync::{broadcast, OwnedSemaphorePermit, Semaphore};
 
+use super::tickets::Ticket;
+
 use super::bus::{next_message, CANCEL_SUBJECT};
-use super::ledger::{json_bytes, QueueItem};
-use super::{Cluster, ClusterError};
+use super::ledger::{self, json_bytes, QueueItem};
+use super::node::{Cluster, ClusterError};
 use crate::pipeline::Event;
 use crate::store::StoreError;
 use crate::task::{Outcome, Sample, Stage};
-
-/// A sample claimed here: its queue message (acknowledged when its result is on the bus),
-/// the revision of its state this node wrote last, and its room on this node.
-struct Ticket {
-    message: jetstream::Message,
-    revision: u64,
-    _room: OwnedSemaphorePermit,
-}
-
-/// The samples this node holds claims on.
-#[derive(Default)]
-pub struct Claims {
-    tickets: Mutex<HashMap<String, Ticket>>,
-    /// One state write at a time (the event stream and the keep-alive both write).
-    writing: tokio::sync::Mutex<()>,
-}
-
-impl Claims {
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Ticket>> {
-        self.tickets.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    pub fn len(&self) -> usize {
-        self.lock().len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    fn revision(&self, sample_id: &str) -> Option<u64> {
-        self.lock().get(sample_id).map(|t| t.revision)
-    }
-
-    fn set_revision(&self, sample_id: &str, revision: u64) {
-        if let Some(t) = self.lock().get_mut(sample_id) {
-            t.revision = revision;
-        }
-    }
-
-    fn messages(&self) -> Vec<(String, jetstream::Message)> {
-        self.lock()
-            .iter()
-            .map(|(id, t)| (id.clone(), t.message.clone()))
-            .collect()
-    }
-}
 
 /// Pulls samples while this node has room for them (its RUN slots and prewarm).
 pub(crate) async fn pull(c: Arc<Cluster>) {
@@ -100,7 +54,14 @@ async fn claim(
         .delivered
         .max(1) as u32;
     let again_soon = AckKind::Nak(Some(Duration::from_millis(500)));
-    let (mut sample, revision) = match c.sample(item.sample_id.clone()).await {
+    // Redelivered to the node that still runs it (its progress acks were late): it keeps
+    // running once, and its acks go to this delivery from now on.
+    if let Some(t) = c.claims.lock().get_mut(&item.sample_id) {
+        tracing::warn!(sample = %item.sample_id, "redelivered while it runs here; keeping it");
+        t.message = message;
+        return Ok(());
+    }
+    let (mut sample, revision) = match ledger::sample(c, item.sample_id.clone()).await {
         Ok(s) => s,
         Err(ClusterError::NotFound(what)) => {
             let _ = message.ack_with(AckKind::Term).await;
@@ -114,14 +75,14 @@ async fn claim(
     if sample.outcome.is_some() {
         // Ended already (a node died between its result and its acknowledgement, or a
         // cancel ended it unclaimed): make sure the result is out, and let it go.
-        c.publish_end(&sample).await?;
+        ledger::publish_end(c, &sample).await?;
         message
             .double_ack()
             .await
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         return Ok(());
     }
-    let (rollout, _) = c.rollout_entry(&item.rollout_id).await?;
+    let (rollout, _) = ledger::rollout_entry(c, &item.rollout_id).await?;
     let max = c.options.max_attempts;
     let end = if rollout.cancelled {
         Some(Outcome::Cancelled)
@@ -133,7 +94,7 @@ async fn claim(
         None
     };
     if let Some(outcome) = end {
-        if c.end_unclaimed(sample, revision, outcome).await? {
+        if ledger::end_unclaimed(c, sample, revision, outcome).await? {
             message
                 .double_ack()
                 .await
@@ -198,7 +159,7 @@ pub(crate) async fn write_through(c: Arc<Cluster>, mut events: broadcast::Receiv
                     }
                 };
                 sync(&c, &sample_id).await;
-                c.publish_event(&event).await;
+                ledger::publish_event(&c, &event).await;
             }
             Err(RecvError::Lagged(_)) => {
                 let ids: Vec<String> = c.claims.lock().keys().cloned().collect();
@@ -273,7 +234,7 @@ async fn sync(c: &Cluster, sample_id: &str) {
         }
     }
     if ended {
-        if let Err(e) = c.publish_end(&sample).await {
+        if let Err(e) = ledger::publish_end(c, &sample).await {
             tracing::warn!(sample = sample_id, error = %e, "publishing a result (tried again)");
             c.metrics.bus_errors.inc();
             return;
@@ -305,7 +266,7 @@ async fn write_state(c: &Cluster, sample: &Sample, revision: u64) -> Result<u64,
         {
             Ok(r) => return Ok(r),
             Err(e) if e.kind() == UpdateErrorKind::WrongLastRevision => {
-                match c.sample(sample.sample_id.clone()).await {
+                match ledger::sample(c, sample.sample_id.clone()).await {
                     Ok((there, r))
                         if there.node == sample.node
                             // Our claim wrote attempt - 1; INIT counted this one.

@@ -4,17 +4,16 @@
 //! many calls it still has in flight. `pause` answers once every live node has applied it
 //! and has nothing in flight (or the wait ran out).
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokio::sync::Notify;
 
 use super::bus::{GATE_KEY, NODES_BUCKET};
 use super::ledger::json_bytes;
-use super::{bus_error, Cluster, ClusterError};
+use super::node::{bus_error, Cluster, ClusterError};
 
 /// The cluster's gate order.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -48,13 +47,6 @@ pub struct ClusterGateStatus {
     pub nodes: Vec<NodeStatus>,
 }
 
-#[derive(Default)]
-pub struct GateSync {
-    applied: AtomicU64,
-    /// Woken when an order was applied (the heartbeat reports it at once).
-    applied_now: Notify,
-}
-
 /// Applies every gate order to this node's gate, the current one first.
 pub(crate) async fn follow(c: &Arc<Cluster>) -> anyhow::Result<()> {
     let mut orders = c.bus.control.watch_with_history(GATE_KEY).await?;
@@ -84,8 +76,8 @@ pub(crate) async fn follow(c: &Arc<Cluster>) -> anyhow::Result<()> {
                     gate.resume(order.policy_version.clone());
                 }
             }
-            c.gate.applied.store(entry.revision, Ordering::SeqCst);
-            c.gate.applied_now.notify_one();
+            c.gate.revision.store(entry.revision, Ordering::SeqCst);
+            c.gate.now.notify_one();
             tracing::info!(
                 paused = order.paused,
                 revision = entry.revision,
@@ -103,123 +95,120 @@ pub(crate) async fn heartbeat(c: Arc<Cluster>) {
         if let Err(e) = c
             .bus
             .nodes
-            .put(&c.node_id, json_bytes(&c.node_status()))
+            .put(&c.node_id, json_bytes(&node_status(&c)))
             .await
         {
             tracing::warn!(error = %e, "the node's heartbeat");
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_secs(1)) => {}
-            _ = c.gate.applied_now.notified() => {}
+            _ = c.gate.now.notified() => {}
         }
     }
 }
 
-impl Cluster {
-    fn node_status(&self) -> NodeStatus {
-        let gate = self.pipeline.gate().map(|g| g.status());
-        NodeStatus {
-            node_id: self.node_id.clone(),
-            paused: gate.as_ref().is_some_and(|g| g.paused),
-            in_flight: gate.as_ref().map_or(0, |g| g.in_flight),
-            policy_version: gate.and_then(|g| g.policy_version),
-            applied_order: self.gate.applied.load(Ordering::SeqCst),
-            claimed: self.claims.len(),
-            capacity: self.pipeline.capacity(),
+fn node_status(c: &Cluster) -> NodeStatus {
+    let gate = c.pipeline.gate().map(|g| g.status());
+    NodeStatus {
+        node_id: c.node_id.clone(),
+        paused: gate.as_ref().is_some_and(|g| g.paused),
+        in_flight: gate.as_ref().map_or(0, |g| g.in_flight),
+        policy_version: gate.and_then(|g| g.policy_version),
+        applied_order: c.gate.revision.load(Ordering::SeqCst),
+        claimed: c.claims.len(),
+        capacity: c.pipeline.capacity(),
+    }
+}
+
+/// Holds new generations on every node; answers once none has a call in flight, or the
+/// wait ran out (`in_flight` > 0: ask again).
+pub async fn pause(c: &Cluster, wait: Duration) -> Result<ClusterGateStatus, ClusterError> {
+    order(c, true, None, wait).await
+}
+
+/// Lets generations go on everywhere, under a new `policy_version` when given.
+pub async fn resume(
+    c: &Cluster,
+    policy_version: Option<String>,
+) -> Result<ClusterGateStatus, ClusterError> {
+    order(c, false, policy_version, Duration::from_secs(10)).await
+}
+
+/// The cluster's gate: the order in effect, and every live node's part.
+pub async fn gate_status(c: &Cluster) -> Result<ClusterGateStatus, ClusterError> {
+    let order = current_order(c).await?;
+    Ok(summary(&order, nodes(c).await?))
+}
+
+async fn current_order(c: &Cluster) -> Result<GateOrder, ClusterError> {
+    Ok(
+        match c.bus.control.get(GATE_KEY).await.map_err(bus_error)? {
+            Some(v) => serde_json::from_slice(&v).map_err(bus_error)?,
+            None => GateOrder::default(),
+        },
+    )
+}
+
+async fn order(
+    c: &Cluster,
+    paused: bool,
+    policy_version: Option<String>,
+    wait: Duration,
+) -> Result<ClusterGateStatus, ClusterError> {
+    let order = GateOrder {
+        paused,
+        policy_version: policy_version.or(current_order(c).await?.policy_version),
+    };
+    let revision = c
+        .bus
+        .control
+        .put(GATE_KEY, json_bytes(&order))
+        .await
+        .map_err(bus_error)?;
+    let deadline = tokio::time::Instant::now() + wait;
+    loop {
+        let nodes = nodes(c).await?;
+        let settled = nodes
+            .iter()
+            .all(|n| n.applied_order >= revision && (!paused || n.in_flight == 0));
+        if settled || tokio::time::Instant::now() >= deadline {
+            return Ok(summary(&order, nodes));
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+/// Every node whose heartbeat is recent.
+pub async fn nodes(c: &Cluster) -> Result<Vec<NodeStatus>, ClusterError> {
+    // The bucket's subjects, from one snapshot of its stream (a key listing through a
+    // consumer can miss a key whose value is replaced while it runs: heartbeats are).
+    let prefix = format!("$KV.{NODES_BUCKET}.");
+    let stream = c
+        .bus
+        .js
+        .get_stream(format!("KV_{NODES_BUCKET}"))
+        .await
+        .map_err(bus_error)?;
+    let mut subjects = stream
+        .info_with_subjects(format!("{prefix}>"))
+        .await
+        .map_err(bus_error)?;
+    let mut keys = std::collections::BTreeSet::new();
+    while let Some(subject) = subjects.next().await {
+        let (subject, _) = subject.map_err(bus_error)?;
+        if let Some(key) = subject.strip_prefix(&prefix) {
+            keys.insert(key.to_owned());
         }
     }
-
-    /// Holds new generations on every node; answers once none has a call in flight, or the
-    /// wait ran out (`in_flight` > 0: ask again).
-    pub async fn pause(&self, wait: Duration) -> Result<ClusterGateStatus, ClusterError> {
-        self.order(true, None, wait).await
-    }
-
-    /// Lets generations go on everywhere, under a new `policy_version` when given.
-    pub async fn resume(
-        &self,
-        policy_version: Option<String>,
-    ) -> Result<ClusterGateStatus, ClusterError> {
-        self.order(false, policy_version, Duration::from_secs(10))
-            .await
-    }
-
-    /// The cluster's gate: the order in effect, and every live node's part.
-    pub async fn gate_status(&self) -> Result<ClusterGateStatus, ClusterError> {
-        let order = self.current_order().await?;
-        Ok(summary(&order, self.nodes().await?))
-    }
-
-    async fn current_order(&self) -> Result<GateOrder, ClusterError> {
-        Ok(
-            match self.bus.control.get(GATE_KEY).await.map_err(bus_error)? {
-                Some(v) => serde_json::from_slice(&v).map_err(bus_error)?,
-                None => GateOrder::default(),
-            },
-        )
-    }
-
-    async fn order(
-        &self,
-        paused: bool,
-        policy_version: Option<String>,
-        wait: Duration,
-    ) -> Result<ClusterGateStatus, ClusterError> {
-        let order = GateOrder {
-            paused,
-            policy_version: policy_version.or(self.current_order().await?.policy_version),
-        };
-        let revision = self
-            .bus
-            .control
-            .put(GATE_KEY, json_bytes(&order))
-            .await
-            .map_err(bus_error)?;
-        let deadline = tokio::time::Instant::now() + wait;
-        loop {
-            let nodes = self.nodes().await?;
-            let settled = nodes
-                .iter()
-                .all(|n| n.applied_order >= revision && (!paused || n.in_flight == 0));
-            if settled || tokio::time::Instant::now() >= deadline {
-                return Ok(summary(&order, nodes));
-            }
-            tokio::time::sleep(Duration::from_millis(200)).await;
-        }
-    }
-
-    /// Every node whose heartbeat is recent.
-    pub async fn nodes(&self) -> Result<Vec<NodeStatus>, ClusterError> {
-        // The bucket's subjects, from one snapshot of its stream (a key listing through a
-        // consumer can miss a key whose value is replaced while it runs: heartbeats are).
-        let prefix = format!("$KV.{NODES_BUCKET}.");
-        let stream = self
-            .bus
-            .js
-            .get_stream(format!("KV_{NODES_BUCKET}"))
-            .await
-            .map_err(bus_error)?;
-        let mut subjects = stream
-            .info_with_subjects(format!("{prefix}>"))
-            .await
-            .map_err(bus_error)?;
-        let mut keys = std::collections::BTreeSet::new();
-        while let Some(subject) = subjects.next().await {
-            let (subject, _) = subject.map_err(bus_error)?;
-            if let Some(key) = subject.strip_prefix(&prefix) {
-                keys.insert(key.to_owned());
-            }
-        }
-        let mut nodes = Vec::with_capacity(keys.len());
-        for key in keys {
-            if let Some(v) = self.bus.nodes.get(&key).await.map_err(bus_error)? {
-                if let Ok(n) = serde_json::from_slice::<NodeStatus>(&v) {
-                    nodes.push(n);
-                }
+    let mut nodes = Vec::with_capacity(keys.len());
+    for key in keys {
+        if let Some(v) = c.bus.nodes.get(&key).await.map_err(bus_error)? {
+            if let Ok(n) = serde_json::from_slice::<NodeStatus>(&v) {
+                nodes.push(n);
             }
         }
-        Ok(nodes)
     }
+    Ok(nodes)
 }
 
 fn summary(order: &GateOrder, nodes: Vec<NodeStatus>) -> ClusterGateStatus {

@@ -10,6 +10,8 @@
 //! at its next write and stops that sample.
 //!
 //! - [`bus`]: the names and shapes on the bus.
+//! - [`node`]: this node's part (the state its tasks share) and the calls' error.
+//! - [`tickets`]: the samples this node holds claims on.
 //! - [`ledger`]: submit, show, cancel and a sample's traces, from the bus (any node).
 //! - [`claims`]: pulling, claiming and running samples here; their state written through.
 //! - [`results`]: the results log and the rollouts' events.
@@ -23,85 +25,38 @@ pub mod claims;
 pub mod gate_sync;
 pub mod ledger;
 pub mod metrics;
+pub mod node;
 pub mod results;
+pub mod tickets;
 
 use std::sync::Arc;
 
-use tokio::sync::broadcast;
-
-use crate::pipeline::{Event, Pipeline};
+use crate::pipeline::Pipeline;
 pub use bus::{ClusterBus, QueueOptions};
 pub use gate_sync::{ClusterGateStatus, NodeStatus};
+pub use node::{Cluster, ClusterError};
 
-/// What the cluster's API calls can fail with.
-#[derive(Debug, thiserror::Error)]
-pub enum ClusterError {
-    #[error("no such {0}")]
-    NotFound(String),
-    #[error("the bus: {0:#}")]
-    Bus(anyhow::Error),
-}
-
-/// A bus failure as a [`ClusterError`].
-pub(crate) fn bus_error<E: Into<anyhow::Error>>(e: E) -> ClusterError {
-    ClusterError::Bus(e.into())
-}
-
-/// This node's part in the cluster.
-pub struct Cluster {
-    pub node_id: String,
-    pub(crate) bus: ClusterBus,
-    pub(crate) pipeline: Arc<Pipeline>,
-    pub(crate) claims: claims::Claims,
-    /// Every rollout's events as the bus carries them (from every node).
-    pub(crate) events: broadcast::Sender<Event>,
-    pub(crate) gate: gate_sync::GateSync,
-    pub(crate) options: QueueOptions,
-    pub(crate) metrics: metrics::ClusterMetrics,
-}
-
-impl Cluster {
-    /// Joins the cluster on `client`: opens (creating) its streams and buckets, then starts
-    /// pulling samples, writing their state through, delivering callbacks, following the
-    /// gate and the cancellations, and beating the node's heart.
-    pub async fn start(
-        client: tokentap_bus::async_nats::Client,
-        node_id: String,
-        pipeline: Arc<Pipeline>,
-        options: QueueOptions,
-    ) -> anyhow::Result<Arc<Cluster>> {
-        let bus = ClusterBus::open(client, &options).await?;
-        let cluster = Arc::new(Cluster {
-            node_id,
-            bus,
-            pipeline,
-            claims: claims::Claims::default(),
-            events: broadcast::channel(4096).0,
-            gate: gate_sync::GateSync::default(),
-            options,
-            metrics: metrics::ClusterMetrics::new(),
-        });
-        // Subscribed before anything is claimed, so no event of ours is missed.
-        let local_events = cluster.pipeline.events();
-        results::follow_events(&cluster).await?;
-        gate_sync::follow(&cluster).await?;
-        claims::follow_cancellations(&cluster).await?;
-        tokio::spawn(claims::write_through(cluster.clone(), local_events));
-        tokio::spawn(claims::keep_alive(cluster.clone()));
-        tokio::spawn(claims::pull(cluster.clone()));
-        tokio::spawn(callbacks::deliver(cluster.clone()));
-        tokio::spawn(gate_sync::heartbeat(cluster.clone()));
-        tracing::info!(node = %cluster.node_id, "joined the cluster");
-        Ok(cluster)
-    }
-
-    /// The node's cluster metrics, in Prometheus text format.
-    pub fn render_metrics(&self) -> Vec<u8> {
-        self.metrics.render()
-    }
-
-    /// Every rollout's progress events, from now on, whichever node runs the samples.
-    pub fn events(&self) -> broadcast::Receiver<Event> {
-        self.events.subscribe()
-    }
+/// Joins the cluster on `client`: opens (creating) its streams and buckets, then starts
+/// pulling samples, writing their state through, delivering callbacks, following the gate and
+/// the cancellations, and beating the node's heart.
+pub async fn join(
+    client: tokentap_bus::async_nats::Client,
+    node_id: String,
+    pipeline: Arc<Pipeline>,
+    options: QueueOptions,
+) -> anyhow::Result<Arc<Cluster>> {
+    let bus = ClusterBus::open(client, &options).await?;
+    let cluster = Arc::new(Cluster::new(node_id, bus, pipeline, options));
+    // Subscribed before anything is claimed, so no event of ours is missed.
+    let local_events = cluster.pipeline.events();
+    results::follow_events(&cluster).await?;
+    gate_sync::follow(&cluster).await?;
+    claims::follow_cancellations(&cluster).await?;
+    tokio::spawn(claims::write_through(cluster.clone(), local_events));
+    tokio::spawn(claims::keep_alive(cluster.clone()));
+    tokio::spawn(claims::pull(cluster.clone()));
+    tokio::spawn(callbacks::deliver(cluster.clone()));
+    tokio::spawn(gate_sync::heartbeat(cluster.clone()));
+    tracing::info!(node = %cluster.node_id, "joined the cluster");
+    Ok(cluster)
 }
