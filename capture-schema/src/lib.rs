@@ -4,6 +4,7 @@
 //! outside Rust. No I/O, no async.
 
 pub mod chat;
+pub mod compact;
 pub mod ndjson;
 pub mod record;
 pub mod ship;

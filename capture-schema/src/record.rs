@@ -4,12 +4,19 @@ use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::Value;
 
 use crate::chat::{AssistantMessage, ChatRequest, FinishReason, Usage};
 
-/// Version of the record layout; bumped on any incompatible change.
-pub const CAPTURE_SCHEMA_VERSION: u32 = 1;
+/// Version of the record layout; bumped on any incompatible change. Readers take every
+/// version up to this one.
+///
+/// - 2: token ids and logprobs as compact strings ([`crate::compact`]); the harness body as
+///   received (byte for byte unless redaction changed it); the backend request's conversation
+///   left out when it is the harness body's ([`ConversationSource::HarnessBody`]).
+/// - 1: token data as JSON arrays; the harness body re-serialized; the conversation twice.
+pub const CAPTURE_SCHEMA_VERSION: u32 = 2;
 
 /// Everything tokentap knows about one model call: what the harness sent, what the backend was
 /// asked, the exact token ids the engine saw and sampled, and how it went.
@@ -35,9 +42,14 @@ pub struct CaptureRecord {
     /// The harness request as received, with secrets removed.
     pub request: HarnessRequest,
     /// The canonical chat request sent to the backend; absent when the call failed before one
-    /// could be built (e.g. malformed JSON).
+    /// could be built (e.g. malformed JSON). Its `messages` and `tools` are empty here when
+    /// `backend_conversation` is `harness_body`: they are the harness body's, parsed again
+    /// (`tokentap_proxy::replay`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub backend_request: Option<ChatRequest>,
+    /// Where the backend request's conversation (messages and tools) is kept.
+    #[serde(default, skip_serializing_if = "ConversationSource::is_recorded")]
+    pub backend_conversation: ConversationSource,
     /// Changes the proxy made on the way from the harness request to the backend request.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub normalizations: Vec<Normalization>,
@@ -45,15 +57,30 @@ pub struct CaptureRecord {
     pub backend: BackendInfo,
     /// Token ids of the prompt exactly as the engine saw them (after its chat template).
     /// `None` when the adapter could not obtain them; `token_provenance` says why.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::compact::ids"
+    )]
+    #[schemars(with = "Option<crate::compact::IdsOnWire>")]
     pub prompt_token_ids: Option<Vec<u32>>,
     /// Token ids the engine sampled, in order (including an end-of-turn token when the engine
     /// reports one). `None` when unavailable.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::compact::ids"
+    )]
+    #[schemars(with = "Option<crate::compact::IdsOnWire>")]
     pub completion_token_ids: Option<Vec<u32>>,
     /// Log-probability of each sampled token under the sampling policy, aligned index by index
     /// with `completion_token_ids`. `None` when unavailable.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[serde(
+        default,
+        skip_serializing_if = "Option::is_none",
+        with = "crate::compact::logprobs"
+    )]
+    #[schemars(with = "Option<crate::compact::LogprobsOnWire>")]
     pub logprobs: Option<Vec<f32>>,
     /// How the token ids were obtained, and where they are missing or unverified.
     pub token_provenance: TokenProvenance,
@@ -136,12 +163,57 @@ pub struct HarnessRequest {
     pub headers: BTreeMap<String, String>,
     /// Size of the body in bytes as received.
     pub body_bytes: u64,
-    /// The body as JSON; absent when it was not valid JSON (see `body_text`).
+    /// The body as JSON, as received (version 2: the harness's own bytes, unless redaction
+    /// replaced something); absent when it was not valid JSON (see `body_text`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body: Option<Value>,
+    pub body: Option<RawBody>,
     /// The body as text (lossy UTF-8, at most 64 KiB) when it was not valid JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body_text: Option<String>,
+}
+
+/// A JSON body kept as its text: written into a record as it is (no tree built, no
+/// re-serialization), read back without parsing what is inside.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(transparent)]
+pub struct RawBody(Box<RawValue>);
+
+impl RawBody {
+    /// `json`, which must be one valid JSON value (checked).
+    pub fn from_json(json: String) -> Result<RawBody, serde_json::Error> {
+        RawValue::from_string(json).map(RawBody)
+    }
+
+    /// A JSON value, serialized.
+    pub fn from_value(v: &Value) -> RawBody {
+        RawBody(serde_json::value::to_raw_value(v).expect("a JSON value always serializes"))
+    }
+
+    /// The JSON text.
+    pub fn get(&self) -> &str {
+        self.0.get()
+    }
+
+    /// The body parsed (for tests and tools; the hot paths never build this tree).
+    pub fn to_value(&self) -> Value {
+        serde_json::from_str(self.get()).expect("a RawBody holds valid JSON")
+    }
+}
+
+impl PartialEq for RawBody {
+    fn eq(&self, other: &Self) -> bool {
+        self.get() == other.get()
+    }
+}
+
+impl JsonSchema for RawBody {
+    fn schema_name() -> String {
+        "RawBody".into()
+    }
+
+    fn json_schema(gen: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
+        Value::json_schema(gen)
+    }
 }
 
 impl HarnessRequest {
@@ -156,6 +228,25 @@ impl HarnessRequest {
             body: None,
             body_text: None,
         }
+    }
+}
+
+/// Where a record keeps the conversation (messages and tools) its backend request carried.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum ConversationSource {
+    /// In `backend_request` itself (every version 1 record; version 2 when the body had to be
+    /// redacted, or the call never got that far).
+    #[default]
+    Recorded,
+    /// Not stored twice: the record's harness body parsed by its wire API, with the system
+    /// messages folded into one when `single_system_message` is among the normalizations.
+    HarnessBody,
+}
+
+impl ConversationSource {
+    pub fn is_recorded(&self) -> bool {
+        *self == ConversationSource::Recorded
     }
 }
 

@@ -637,9 +637,18 @@ impl CaptureService {
             }
         };
         call.request.body_bytes = body.len() as u64;
-        match serde_json::from_slice::<serde_json::Value>(&body) {
-            Ok(v) => call.request.body = Some(redact::body(v)),
-            Err(_) => {
+        // Under --no-capture nothing is built for a record that goes nowhere.
+        match self
+            .sink
+            .keeps_records()
+            .then(|| redact::recorded_body(&body))
+        {
+            None => {}
+            Some(Some(kept)) => {
+                call.request.body = Some(kept.body);
+                call.body_verbatim = kept.verbatim;
+            }
+            Some(None) => {
                 // Redacted whole, then cut: a cut first could leave half a secret unrecognised.
                 let mut shown = redact::text(&String::from_utf8_lossy(&body)).into_owned();
                 let mut cut = shown.len().min(64 << 10);

@@ -7,8 +7,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use tokentap_schema::{
-    BackendInfo, CaptureError, CaptureRecord, ChatRequest, HarnessRequest, Normalization,
-    TokenField, TokenGap, TokenProvenance, TokenSource, WireApi, CAPTURE_SCHEMA_VERSION,
+    BackendInfo, CaptureError, CaptureRecord, ChatRequest, ConversationSource, HarnessRequest,
+    Normalization, TokenField, TokenGap, TokenProvenance, TokenSource, WireApi,
+    CAPTURE_SCHEMA_VERSION,
 };
 use tokentap_spool::{SpoolError, SpoolWriter};
 use tokio::sync::{mpsc, oneshot};
@@ -28,6 +29,9 @@ pub struct CallCapture {
     pub session: Option<(Session, u64)>,
     pub request: HarnessRequest,
     pub backend_request: Option<ChatRequest>,
+    /// `request.body` is the harness's own bytes: the record need not keep the conversation
+    /// a second time in `backend_request` (see [`crate::replay`]).
+    pub body_verbatim: bool,
     pub normalizations: Vec<Normalization>,
     pub backend: BackendInfo,
     pub generation: GenerationAccumulator,
@@ -66,6 +70,7 @@ impl CallCapture {
             session: None,
             request,
             backend_request: None,
+            body_verbatim: false,
             normalizations: Vec::new(),
             backend,
             generation: GenerationAccumulator::default(),
@@ -160,6 +165,13 @@ impl CallCapture {
                 0,
             ),
         };
+        let mut backend_request = self.backend_request;
+        let mut backend_conversation = ConversationSource::Recorded;
+        if let (Some(r), true) = (&mut backend_request, self.body_verbatim) {
+            r.messages = Vec::new();
+            r.tools = Vec::new();
+            backend_conversation = ConversationSource::HarnessBody;
+        }
         let backend_ms = ms(self.backend_time);
         let total_ms = ms(total);
         CaptureRecord {
@@ -173,8 +185,10 @@ impl CallCapture {
             wire_api: self.wire_api,
             request: self.request,
             // Fields passed through to the engine as given are redacted like a body; the
-            // conversation and tools stay as sent (what the prompt ids encode).
-            backend_request: self.backend_request.map(crate::redact::recorded_request),
+            // conversation and tools stay as sent (what the prompt ids encode), in the harness
+            // body when that is kept byte for byte, else here.
+            backend_request: backend_request.map(crate::redact::recorded_request),
+            backend_conversation,
             normalizations: self.normalizations,
             backend: self.backend,
             prompt_token_ids,
@@ -468,6 +482,11 @@ impl SpoolThread {
 }
 
 impl RecordSink {
+    /// Whether records go anywhere (not under `--no-capture`).
+    pub fn keeps_records(&self) -> bool {
+        !matches!(self, RecordSink::Discard)
+    }
+
     /// Starts the spool writer thread (under `fail-closed`). Dropping every sender drains
     /// the queue, syncs the spool and ends the thread; join the handle to wait for that.
     pub fn spool(writer: SpoolWriter, metrics: Arc<Metrics>) -> (RecordSink, JoinHandle<()>) {

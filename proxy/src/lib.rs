@@ -14,6 +14,7 @@ pub mod metrics;
 pub mod normalize;
 pub mod redact;
 pub mod relay;
+pub mod replay;
 pub mod session;
 pub mod tls;
 pub mod transparent;

@@ -99,6 +99,9 @@ pub fn layout_from_probe(outcome: &ProbeOutcome) -> Option<SystemLayout> {
     }
 }
 
+/// The normalization kind of [`fold_system_messages`] (records replay it: [`crate::replay`]).
+pub const SINGLE_SYSTEM_MESSAGE: &str = "single_system_message";
+
 /// Folds every system and developer message into one leading system message (text parts
 /// joined by a blank line, in order). Returns the note for the record, or `None` when the
 /// request already had at most one system message, first.
@@ -146,7 +149,7 @@ pub fn fold_system_messages(request: &mut ChatRequest) -> Option<Normalization> 
     kept.insert(0, system);
     request.messages = kept;
     Some(Normalization {
-        kind: "single_system_message".into(),
+        kind: SINGLE_SYSTEM_MESSAGE.into(),
         detail: format!(
             "{} system/developer messages ({}) folded into one leading system message for the engine's chat template",
             roles.len(),

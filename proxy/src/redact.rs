@@ -15,7 +15,9 @@ use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
 use regex::{Captures, Regex};
+use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
+use tokentap_schema::RawBody;
 
 pub const REDACTED: &str = "[redacted]";
 
@@ -246,6 +248,164 @@ pub fn recorded_request(mut r: tokentap_schema::ChatRequest) -> tokentap_schema:
     }
     r.tool_choice = r.tool_choice.map(body);
     r
+}
+
+/// A harness body as a record keeps it.
+pub struct RecordedBody {
+    pub body: RawBody,
+    /// The harness's own bytes (nothing needed redacting): the conversation can be parsed
+    /// from it again, so a record need not keep it twice.
+    pub verbatim: bool,
+}
+
+/// The JSON body `bytes` with credentials redacted as [`body`] does, built without a tree
+/// when nothing needs redacting (the usual case): one scan that visits every key and string
+/// without allocating, and the bytes kept as they are. `None` when `bytes` is not JSON.
+pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    let needs = Scan(Under::Plain).deserialize(&mut de).ok()?;
+    de.end().ok()?;
+    if !needs {
+        // The scan read every string as UTF-8 and the rest is JSON's ASCII.
+        let text = String::from_utf8(bytes.to_vec()).ok()?;
+        if let Ok(body) = RawBody::from_json(text) {
+            return Some(RecordedBody {
+                body,
+                verbatim: true,
+            });
+        }
+    }
+    let v: Value = serde_json::from_slice(bytes).ok()?;
+    Some(RecordedBody {
+        body: RawBody::from_value(&body(v)),
+        verbatim: false,
+    })
+}
+
+/// Whether a name could be a credential's: the cheap test before [`is_secret_name`], which
+/// allocates. Every word that makes a name secret contains one of these (non-ASCII names go
+/// to the full test: `\u{212A}` KELVIN SIGN lower-cases to an ASCII `k`).
+fn may_be_secret_name(name: &str) -> bool {
+    const PARTS: [&[u8]; 10] = [
+        b"key", b"token", b"secret", b"pass", b"pwd", b"cred", b"sig", b"auth", b"cookie",
+        b"bearer",
+    ];
+    if !name.is_ascii() {
+        return true;
+    }
+    let n = name.as_bytes();
+    PARTS
+        .iter()
+        .any(|p| n.windows(p.len()).any(|w| w.eq_ignore_ascii_case(p)))
+}
+
+/// Whether [`text`] would change `s`.
+fn text_changes(s: &str) -> bool {
+    text(s) != s
+}
+
+/// Walks a JSON document as [`redact_value`] would, answering whether anything in it would be
+/// redacted; allocates nothing for strings without escapes.
+#[derive(Clone, Copy)]
+struct Scan(Under);
+
+impl<'de> DeserializeSeed<'de> for Scan {
+    type Value = bool;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<bool, D::Error> {
+        d.deserialize_any(self)
+    }
+}
+
+impl<'de> Visitor<'de> for Scan {
+    type Value = bool;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("JSON")
+    }
+
+    fn visit_bool<E>(self, _: bool) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_unit<E>(self) -> Result<bool, E> {
+        Ok(false)
+    }
+
+    fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
+        Ok(self.0 == Under::Secret)
+    }
+
+    fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
+        Ok(self.0 == Under::Secret)
+    }
+
+    fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
+        Ok(self.0 == Under::Secret)
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<bool, E> {
+        Ok(self.0 == Under::Secret || text_changes(s))
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
+        // Under `properties` only an object holds parameter names.
+        let under = match self.0 {
+            Under::SchemaProperties => Under::Plain,
+            u => u,
+        };
+        let mut hit = false;
+        while let Some(h) = seq.next_element_seed(Scan(under))? {
+            hit |= h;
+        }
+        Ok(hit)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<bool, A::Error> {
+        let mut hit = false;
+        while let Some(key) = map.next_key_seed(KeySeed)? {
+            let k: &str = &key;
+            hit |= text_changes(k);
+            let child = match self.0 {
+                Under::Secret => Under::Secret,
+                Under::SchemaProperties => Under::Plain,
+                Under::Plain if may_be_secret_name(k) && is_secret_name(k) => Under::Secret,
+                // An object under `properties` holds parameter names; anything else there is
+                // scanned as plain (see `visit_seq` and the scalars).
+                Under::Plain if k == "properties" => Under::SchemaProperties,
+                Under::Plain => Under::Plain,
+            };
+            hit |= map.next_value_seed(Scan(child))?;
+        }
+        Ok(hit)
+    }
+}
+
+/// An object key, borrowed from the body unless it has escapes.
+struct KeySeed;
+
+impl<'de> DeserializeSeed<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_str(self)
+    }
+}
+
+impl<'de> Visitor<'de> for KeySeed {
+    type Value = Cow<'de, str>;
+
+    fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+        f.write_str("a key")
+    }
+
+    fn visit_borrowed_str<E>(self, s: &'de str) -> Result<Self::Value, E> {
+        Ok(Cow::Borrowed(s))
+    }
+
+    fn visit_str<E>(self, s: &str) -> Result<Self::Value, E> {
+        Ok(Cow::Owned(s.to_owned()))
+    }
 }
 
 /// What a JSON value sits under.
@@ -560,5 +720,53 @@ mod tests {
         fn bodies_without_secrets_are_unchanged(v in json_value()) {
             prop_assert_eq!(body(v.clone()), v);
         }
+
+        /// The record's body without a tree: kept byte for byte exactly when the tree walk
+        /// changes nothing, else the tree walk's own result; a planted secret never survives.
+        #[test]
+        fn a_recorded_body_is_the_redacted_body_and_verbatim_only_when_nothing_changed(
+            mut v in json_value(),
+            plant_one in any::<bool>(),
+            path in prop::collection::vec(any::<usize>(), 0..6),
+            (name, planted) in planting(),
+            pretty in any::<bool>(),
+        ) {
+            if plant_one {
+                plant(&mut v, &path, name, &planted, "x");
+            }
+            let bytes = if pretty { serde_json::to_vec_pretty(&v) } else { serde_json::to_vec(&v) }.unwrap();
+            let kept = recorded_body(&bytes).expect("JSON");
+            let redacted = body(v.clone());
+            prop_assert_eq!(kept.verbatim, redacted == v);
+            if kept.verbatim {
+                prop_assert_eq!(kept.body.get().as_bytes(), &bytes[..]);
+            } else {
+                prop_assert_eq!(kept.body.to_value(), redacted);
+            }
+            if plant_one {
+                let secret = planted.rsplit(['-', ' ']).next().expect("non-empty");
+                prop_assert!(!kept.body.get().contains(secret));
+            }
+        }
+    }
+
+    #[test]
+    fn a_recorded_body_looks_through_escapes_and_under_schema_properties() {
+        // A key spelled with escapes is still a credential's name.
+        let escaped = br#"{"api\u005fkey": "abc123"}"#;
+        let kept = recorded_body(escaped).unwrap();
+        assert!(!kept.verbatim && !kept.body.get().contains("abc123"));
+        // KELVIN SIGN lower-cases to `k`: `\u{212A}ey` is the word `key`.
+        let kelvin = "{\"\u{212A}ey\": \"abc123\"}";
+        assert!(!recorded_body(kelvin.as_bytes()).unwrap().verbatim);
+        // A parameter named `token` in a tool schema is not a credential.
+        let schema = br#"{"parameters": {"properties": {"token": {"type": "string"}}}}"#;
+        let kept = recorded_body(schema).unwrap();
+        assert!(kept.verbatim);
+        assert_eq!(kept.body.get().as_bytes(), schema);
+        // Not JSON, or JSON with trailing bytes: no body.
+        assert!(recorded_body(b"{\"a\": 1} x").is_none());
+        assert!(recorded_body(b"{\"a\": ").is_none());
+        assert!(recorded_body(b"\xff").is_none());
     }
 }

@@ -8,7 +8,7 @@
 //!
 //! The record is built the way `CaptureService` builds it (app.rs `begin_call` and
 //! `run_call`): headers and query through `redact::headers`/`redact::query`, the JSON body
-//! through `redact::body`, the canonical request from the codec's `parse`, then
+//! through `redact::recorded_body`, the canonical request from the codec's `parse`, then
 //! `CallCapture::into_record`. That glue needs a Pingora session, so it is restated here in
 //! its three lines; everything it calls is the proxy's own.
 
@@ -270,9 +270,10 @@ fn record_of(
         query: query.map(redact::query),
         headers: redact::headers(headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))),
         body_bytes: raw_body.len() as u64,
-        body: Some(redact::body(serde_json::from_slice(raw_body).unwrap())),
+        body: None,
         body_text: None,
     };
+    let kept = redact::recorded_body(raw_body).expect("a JSON body");
     let backend = BackendInfo {
         kind: BackendKind::Vllm,
         url: "http://engine:8000".into(),
@@ -281,6 +282,8 @@ fn record_of(
         synthetic_stream: false,
     };
     let mut call = CallCapture::new(api, request, backend);
+    call.request.body = Some(kept.body);
+    call.body_verbatim = kept.verbatim;
     call.session = Some((
         Session {
             id: "run-1".into(),

@@ -19,7 +19,8 @@ use std::collections::{BTreeMap, HashSet};
 
 use serde_json::Value;
 use tokentap_schema::{
-    CaptureRecord, FinishReason, SessionStats, SplitCause, SplitPoint, Strategy, Trace, TraceCall,
+    AssistantMessage, CaptureRecord, ChatMessage, ConversationSource, FinishReason, Normalization,
+    RawBody, SessionStats, SplitCause, SplitPoint, Strategy, ToolSpec, Trace, TraceCall, WireApi,
     TRAJECTORY_SCHEMA_VERSION,
 };
 
@@ -69,9 +70,78 @@ struct Tip {
     finish_reason: Option<FinishReason>,
     policy_version: Option<String>,
     failed: bool,
-    messages_json: String,
-    tools_json: String,
+    conversation: TipConversation,
     gaps: Vec<String>,
+}
+
+/// The tip's conversation and answer, as the trace will show them if the tip ends its chain.
+enum TipConversation {
+    /// Serialized when the record held the conversation itself.
+    Json { messages: String, tools: String },
+    /// Kept as the harness body (capture schema 2), parsed only if this tip ends a trace:
+    /// most tips are merged into the next call and never shown.
+    Body {
+        body: RawBody,
+        wire_api: WireApi,
+        normalizations: Vec<Normalization>,
+        answer: Option<AssistantMessage>,
+    },
+}
+
+impl TipConversation {
+    fn of(r: &CaptureRecord) -> TipConversation {
+        match (&r.backend_conversation, &r.request.body) {
+            (ConversationSource::HarnessBody, Some(body)) if r.backend_request.is_some() => {
+                TipConversation::Body {
+                    body: body.clone(),
+                    wire_api: r.wire_api,
+                    normalizations: r.normalizations.clone(),
+                    answer: r.message.clone(),
+                }
+            }
+            _ => {
+                let (messages, tools) = match &r.backend_request {
+                    Some(b) => (&b.messages[..], &b.tools[..]),
+                    None => (&[][..], &[][..]),
+                };
+                TipConversation::Json {
+                    messages: messages_json(messages, r.message.as_ref()),
+                    tools: tools_json(tools),
+                }
+            }
+        }
+    }
+
+    /// `(messages_json, tools_json)`, and a gap if the body could not be parsed again.
+    fn into_json(self, record_id: &str) -> (String, String, Option<String>) {
+        match self {
+            TipConversation::Json { messages, tools } => (messages, tools, None),
+            TipConversation::Body {
+                body,
+                wire_api,
+                normalizations,
+                answer,
+            } => match tokentap_proxy::replay::conversation(wire_api, &body, &normalizations) {
+                Ok((messages, tools)) => (
+                    messages_json(&messages, answer.as_ref()),
+                    tools_json(&tools),
+                    None,
+                ),
+                Err(e) => (
+                    messages_json(&[], answer.as_ref()),
+                    tools_json(&[]),
+                    Some(format!("record {record_id}: conversation unavailable: {e}")),
+                ),
+            },
+        }
+    }
+
+    fn held_bytes(&self) -> usize {
+        match self {
+            TipConversation::Json { messages, tools } => messages.capacity() + tools.capacity(),
+            TipConversation::Body { body, .. } => body.get().len(),
+        }
+    }
 }
 
 impl Tip {
@@ -108,8 +178,7 @@ impl Tip {
             finish_reason: r.finish_reason,
             policy_version: r.backend.policy_version.clone(),
             failed: r.error.is_some(),
-            messages_json: messages_json(r),
-            tools_json: tools_json(r),
+            conversation: TipConversation::of(r),
             gaps,
         }
     }
@@ -117,8 +186,7 @@ impl Tip {
     fn held_bytes(&self) -> usize {
         self.completion.as_ref().map_or(0, |c| c.capacity() * 4)
             + self.logprobs.as_ref().map_or(0, |l| l.capacity() * 4)
-            + self.messages_json.capacity()
-            + self.tools_json.capacity()
+            + self.conversation.held_bytes()
             + self.record_id.capacity()
     }
 
@@ -208,6 +276,8 @@ impl Chain {
 
     fn into_trace(mut self, session_id: &str, strategy: Strategy) -> Trace {
         self.commit_tip();
+        let (messages_json, tools_json, gap) = self.tip.conversation.into_json(&self.tip.record_id);
+        self.gaps.extend(gap);
         let response_ids = self.tokens.split_off(self.prompt_len);
         let versions: HashSet<&str> = self
             .calls
@@ -227,8 +297,8 @@ impl Chain {
             logprobs: self.logprobs,
             spans_policy_versions: versions.len() > 1,
             calls: self.calls,
-            messages_json: self.tip.messages_json,
-            tools_json: self.tip.tools_json,
+            messages_json,
+            tools_json,
             reward: None,
             group_id: None,
             gaps: self.gaps,
@@ -421,37 +491,21 @@ pub fn build_all<'a>(
         .collect()
 }
 
-/// The call's conversation and answer as JSON text.
-fn messages_json(r: &CaptureRecord) -> String {
-    let mut messages: Vec<Value> = r
-        .backend_request
-        .as_ref()
-        .map(|b| {
-            b.messages
-                .iter()
-                .filter_map(|m| serde_json::to_value(m).ok())
-                .collect()
-        })
-        .unwrap_or_default();
-    if let Some(answer) = r
-        .message
-        .as_ref()
-        .and_then(|m| serde_json::to_value(m).ok())
-    {
-        let mut answer = answer;
+/// A call's conversation and answer as JSON text.
+fn messages_json(messages: &[ChatMessage], answer: Option<&AssistantMessage>) -> String {
+    let mut out: Vec<Value> = messages
+        .iter()
+        .filter_map(|m| serde_json::to_value(m).ok())
+        .collect();
+    if let Some(mut answer) = answer.and_then(|m| serde_json::to_value(m).ok()) {
         if let Some(o) = answer.as_object_mut() {
             o.entry("role").or_insert_with(|| Value::from("assistant"));
         }
-        messages.push(answer);
+        out.push(answer);
     }
-    serde_json::to_string(&messages).expect("JSON values always serialize")
+    serde_json::to_string(&out).expect("JSON values always serialize")
 }
 
-fn tools_json(r: &CaptureRecord) -> String {
-    let tools = r
-        .backend_request
-        .as_ref()
-        .map(|b| &b.tools[..])
-        .unwrap_or(&[]);
+fn tools_json(tools: &[ToolSpec]) -> String {
     serde_json::to_string(tools).expect("JSON values always serialize")
 }

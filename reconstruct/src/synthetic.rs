@@ -17,6 +17,7 @@ pub fn record(session: &str, record_id: &str, n: u64) -> CaptureRecord {
         wire_api: WireApi::ChatCompletions,
         request: HarnessRequest::bare("POST", "/v1/chat/completions"),
         backend_request: None,
+        backend_conversation: Default::default(),
         normalizations: vec![],
         backend: BackendInfo {
             kind: BackendKind::Vllm,

@@ -24,15 +24,21 @@ pub enum RecordsCmd {
         /// Keep running and print records as they are written.
         #[arg(short, long)]
         follow: bool,
-        /// Print whole records as NDJSON.
+        /// Print whole records as NDJSON (token data as plain arrays, the engine request
+        /// whole; see `show`).
         #[arg(long)]
         json: bool,
     },
-    /// Print one record as pretty JSON, by record id or a unique prefix of it.
+    /// Print one record as pretty JSON, by record id or a unique prefix of it: token ids and
+    /// logprobs as plain arrays and the engine request whole (the spool stores both compactly:
+    /// docs/records.md), ready for jq or pandas.
     Show {
         id: String,
         #[arg(long, default_value = "tokentap-spool")]
         spool: PathBuf,
+        /// Print the record as the spool stores it.
+        #[arg(long)]
+        stored: bool,
     },
     /// Summarize a spool: calls, sessions, tokens, and the first sampled tokens of each call
     /// with their logprobs.
@@ -62,10 +68,15 @@ pub fn run(cmd: RecordsCmd) -> anyhow::Result<()> {
             follow,
             json,
         } => tail(&spool, lines, follow, json),
-        RecordsCmd::Show { id, spool } => {
+        RecordsCmd::Show { id, spool, stored } => {
             let record = tokentap_spool::find(&spool, &id)?
                 .with_context(|| format!("no record {id} in {}", spool.display()))?;
-            println!("{}", serde_json::to_string_pretty(&record)?);
+            let shown = if stored {
+                serde_json::to_value(&record)?
+            } else {
+                readable(&record)?
+            };
+            println!("{}", serde_json::to_string_pretty(&shown)?);
             Ok(())
         }
         RecordsCmd::Summary {
@@ -84,9 +95,22 @@ pub fn run(cmd: RecordsCmd) -> anyhow::Result<()> {
     }
 }
 
+/// A record as JSON for people and dataframes: token data as plain arrays, and the engine
+/// request with its conversation, which the spool keeps once, in the harness body.
+fn readable(r: &CaptureRecord) -> anyhow::Result<serde_json::Value> {
+    let mut v = tokentap_schema::compact::expand_token_fields(serde_json::to_value(r)?);
+    if let Some(request) = tokentap_proxy::replay::backend_request(r).map_err(anyhow::Error::msg)? {
+        v["backend_request"] = serde_json::to_value(request.as_ref())?;
+        if let Some(o) = v.as_object_mut() {
+            o.remove("backend_conversation");
+        }
+    }
+    Ok(v)
+}
+
 fn print_record(r: &CaptureRecord, json: bool) -> anyhow::Result<()> {
     if json {
-        println!("{}", serde_json::to_string(r)?);
+        println!("{}", serde_json::to_string(&readable(r)?)?);
     } else {
         println!("{}", one_line(r));
     }

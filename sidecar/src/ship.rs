@@ -648,7 +648,9 @@ mod tests {
         }
         .records("old-worker", 3);
         // One record no batch of this worker can hold.
-        records[17].request.body = Some(json!({"padding": "p".repeat(2 * LIMIT)}));
+        records[17].request.body = Some(tokentap_schema::RawBody::from_value(
+            &json!({"padding": "p".repeat(2 * LIMIT)}),
+        ));
         let too_big = records[17].record_id.clone();
         let mut w = SpoolWriter::open(dir.path(), SpoolConfig::default()).unwrap();
         w.append_batch(&records).unwrap();

@@ -39,6 +39,7 @@ fn record(i: u64, payload: usize) -> CaptureRecord {
             body_text: Some("x".repeat(payload)),
         },
         backend_request: None,
+        backend_conversation: Default::default(),
         normalizations: Vec::new(),
         backend: BackendInfo {
             kind: BackendKind::Vllm,

@@ -59,7 +59,8 @@ async fn say_hi(
     assert_eq!(seqs, (0..calls as u64).collect::<Vec<_>>());
     for r in &records {
         // For the compatibility matrix: what each call looked like.
-        let body = r.request.body.as_ref();
+        let body = r.request.body.as_ref().map(|b| b.to_value());
+        let body = body.as_ref();
         let notes: Vec<&str> = r.normalizations.iter().map(|n| n.kind.as_str()).collect();
         eprintln!(
             "{what}: {} {} stream={} tools={} prompt={} completion={} normalizations={notes:?}",
@@ -81,7 +82,7 @@ async fn say_hi(
             .request
             .body
             .as_ref()
-            .is_some_and(|b| b.to_string().contains(PROMPT))),
+            .is_some_and(|b| b.get().contains(PROMPT))),
         "no record of {what} carries the user's prompt"
     );
     tokentap

@@ -80,7 +80,7 @@ async fn mcp_and_nested_credentials_never_reach_the_spool() {
     }
     // What is not a secret is kept: the MCP server's URL, the parameter schema, the text.
     let r = &records[0];
-    let body = r.request.body.as_ref().expect("JSON body kept");
+    let body = r.request.body.as_ref().expect("JSON body kept").to_value();
     assert_eq!(
         body["tools"][0]["server_url"],
         "https://mcp.example.test/sse"

@@ -236,7 +236,11 @@ async fn record(State(s): State<Shared>, Query(q): Query<IdQuery>) -> Answer {
     .map_err(internal)?
     .map_err(internal)?;
     match found {
-        Some(r) => Ok(Json(r).into_response()),
+        // Token data as plain arrays for the page (the spool keeps it compact).
+        Some(r) => Ok(Json(tokentap_schema::compact::expand_token_fields(
+            serde_json::to_value(&r).map_err(internal)?,
+        ))
+        .into_response()),
         None => Err(not_found(
             "no such record in the spool (shipped segments are deleted once acknowledged)",
         )),
