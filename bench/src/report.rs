@@ -8,8 +8,14 @@ use super::load::RunResult;
 /// The targets.
 pub const ADDED_P50_MS: f64 = 0.5;
 pub const ADDED_P99_MS: f64 = 2.0;
-pub const MIN_CALLS_PER_S: f64 = 2000.0;
-pub const MAX_OFF_ON_RATIO: f64 = 1.15;
+pub const MIN_CALLS_PER_S: f64 = 2500.0;
+pub const MAX_OFF_ON_RATIO: f64 = 1.10;
+/// CPU of the capture-on proxy per call at saturation, ms.
+pub const MAX_CPU_MS_PER_CALL: f64 = 0.5;
+/// A record's size: at most this many times the harness request …
+pub const MAX_RECORD_PER_REQUEST: f64 = 1.3;
+/// … plus this many bytes per token id it carries.
+pub const MAX_RECORD_BYTES_PER_TOKEN: f64 = 4.0;
 
 #[derive(Serialize)]
 pub struct Report {
@@ -220,6 +226,27 @@ impl Report {
                 format!("<= {MAX_OFF_ON_RATIO}"),
                 r.off_on_ratio,
                 r.off_on_ratio <= MAX_OFF_ON_RATIO,
+            ));
+            let cpu = r.capture_on.cpu_ms_per_call;
+            checks.push(check(
+                format!("proxy CPU per call, capture on, {top} concurrent (ms)"),
+                format!("<= {MAX_CPU_MS_PER_CALL}"),
+                cpu,
+                cpu <= MAX_CPU_MS_PER_CALL,
+            ));
+        }
+        if let Some(cap) = &self.capture {
+            // The instant backend's answer: prompt ids plus 8 sampled tokens.
+            let tokens = self.config.prompt_ids as f64 + 8.0;
+            let limit = MAX_RECORD_PER_REQUEST * self.config.proxied_body_bytes as f64
+                + MAX_RECORD_BYTES_PER_TOKEN * tokens;
+            checks.push(check(
+                "bytes per record".into(),
+                format!(
+                    "<= {limit:.0} ({MAX_RECORD_PER_REQUEST} x request + {MAX_RECORD_BYTES_PER_TOKEN} B x {tokens:.0} tokens)"
+                ),
+                cap.bytes_per_record as f64,
+                cap.bytes_per_record as f64 <= limit,
             ));
         }
         self.targets = checks;
