@@ -2,8 +2,10 @@
 //! get token-level data out of it; none sees a provider wire shape.
 //!
 //! All three engines speak OpenAI Chat Completions; `openai_compat` holds what they share
-//! (request body, SSE decoding, delta parsing) and each engine module adds its token-data
-//! dialect.
+//! (posting the request, SSE decoding, delta parsing) and each engine module adds its
+//! token-data dialect. The request is serialized straight from the canonical request
+//! (`engine_request`) and the answer decoded straight from its bytes into typed structs
+//! (`answer`): neither passes through a `serde_json::Value`, the proxy's main JSON cost.
 
 mod answer;
 #[cfg(test)]
