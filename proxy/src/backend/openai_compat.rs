@@ -592,6 +592,46 @@ mod tests {
         }
     }
 
+    /// An `error` key in a stream chunk ends the stream whatever its value (`null` too), with
+    /// its `code` as the status when it is an integer (else 500) and the chunk, re-serialized
+    /// compactly as the `Value` it was parsed into, as the body.
+    #[tokio::test]
+    async fn an_error_in_a_stream_chunk_ends_the_stream_as_before() {
+        use futures::StreamExt;
+        let cases = [
+            (r#"{"error": null}"#, 500),
+            (
+                r#"{"error": "boom", "choices": [{"delta": {"content": "x"}}]}"#,
+                500,
+            ),
+            (
+                r#"{"id": 1, "error": {"code": 404, "message": "no such model"}}"#,
+                404,
+            ),
+            (
+                r#"{"error": {"code": "404", "message": "a string code"}}"#,
+                500,
+            ),
+            (r#"{"error": {"code": 70000}}"#, 70000u64 as u16),
+            (
+                r#"{"error": {"message": "This model's maximum context length is 8 tokens", "code": 400}}"#,
+                400,
+            ),
+        ];
+        for (chunk, status) in cases {
+            let body = format!("data: {chunk}\n\ndata: [DONE]\n\n").into_bytes();
+            let events: Vec<_> = crate::backend::decode::stream(BackendKind::Vllm, vec![body])
+                .collect()
+                .await;
+            let reserialized = serde_json::from_str::<Value>(chunk).unwrap().to_string();
+            let expected = BackendError::from_status(status, &reserialized);
+            match events.as_slice() {
+                [Err(e)] => assert_eq!(e.to_string(), expected.to_string(), "{chunk}"),
+                other => panic!("{chunk}: {other:?}"),
+            }
+        }
+    }
+
     /// The engine request as `chat_body` + `request_token_data` built it before it was
     /// serialized from the canonical request directly: the reference the new body must equal.
     fn map_built_body(request: &ChatRequest, mode: CallMode, kind: &str) -> Value {
