@@ -24,6 +24,8 @@ use axum::{Json, Router};
 use futures::StreamExt;
 use serde_json::{json, Map, Value};
 
+use super::answer::{from_value, Answer, Choice};
+use super::engine_request::TokenParam;
 use super::openai_compat::TokenDialect;
 use super::sglang::SglangDialect;
 use super::vllm::VllmDialect;
@@ -155,6 +157,39 @@ fn parse(s: &str) -> Value {
 
 fn choice0(v: &Value) -> &Value {
     &v["choices"][0]
+}
+
+/// `v` (a choice) as the decoders read it.
+fn typed_choice(v: &Value) -> Choice<'_> {
+    from_value(v)
+}
+
+/// The prompt ids `dialect` finds in answer or chunk `v` (its first choice taken out first,
+/// as the decoders do).
+fn prompt_ids(dialect: &impl TokenDialect, v: &Value) -> Option<Vec<u32>> {
+    let mut answer: Answer = from_value(v);
+    let mut choice = answer.choices.0.take();
+    dialect.prompt_tokens(&mut answer, choice.as_mut())
+}
+
+/// The sampled ids and logprobs `dialect` finds in choice `v`.
+fn sampled(dialect: &impl TokenDialect, v: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
+    dialect.sampled_tokens(&mut typed_choice(v))
+}
+
+/// The token-data fields `dialect` adds to a request, as a JSON object.
+fn token_data(dialect: &impl TokenDialect, stream: bool) -> Map<String, Value> {
+    dialect
+        .request_token_data(stream)
+        .iter()
+        .map(|(k, v)| {
+            let v = match v {
+                TokenParam::True => json!(true),
+                TokenParam::Int(n) => json!(n),
+            };
+            ((*k).to_owned(), v)
+        })
+        .collect()
 }
 
 fn flag(body: &Value, name: &str) -> bool {
@@ -442,42 +477,36 @@ const MODES: [CallMode; 2] = [CallMode::Streaming, CallMode::Whole];
 #[test]
 fn vllm_whole_answer_gives_top_level_prompt_ids_and_choice_token_ids() {
     let v = parse(VLLM_WHOLE);
-    let (ids, logprobs) = VllmDialect.sampled_tokens(choice0(&v)).expect("ids");
+    let (ids, logprobs) = sampled(&VllmDialect, choice0(&v)).expect("ids");
     assert_eq!(ids, SAMPLED_IDS);
     assert_eq!(logprobs, sampled_logprobs());
-    assert_eq!(
-        VllmDialect.prompt_tokens(&v, Some(choice0(&v))),
-        Some(PROMPT_IDS.to_vec())
-    );
+    assert_eq!(prompt_ids(&VllmDialect, &v), Some(PROMPT_IDS.to_vec()));
     // Prompt ids live on the answer, never on the choice.
     let mut moved = v.clone();
     moved["choices"][0]["prompt_token_ids"] = moved["prompt_token_ids"].take();
-    assert_eq!(
-        VllmDialect.prompt_tokens(&moved, Some(choice0(&moved))),
-        None
-    );
+    assert_eq!(prompt_ids(&VllmDialect, &moved), None);
 }
 
 #[test]
 fn vllm_stream_chunks_give_prompt_ids_first_and_each_chunks_own_ids() {
     let chunks: Vec<Value> = VLLM_STREAM.iter().map(|c| parse(c)).collect();
     assert_eq!(
-        VllmDialect.prompt_tokens(&chunks[0], Some(choice0(&chunks[0]))),
+        prompt_ids(&VllmDialect, &chunks[0]),
         Some(PROMPT_IDS.to_vec())
     );
-    assert_eq!(VllmDialect.sampled_tokens(choice0(&chunks[0])), None);
+    assert_eq!(sampled(&VllmDialect, choice0(&chunks[0])), None);
     for (chunk, (id, lp)) in chunks[1..4]
         .iter()
         .zip(SAMPLED_IDS.iter().zip(SAMPLED_LOGPROBS))
     {
-        assert_eq!(VllmDialect.prompt_tokens(chunk, Some(choice0(chunk))), None);
+        assert_eq!(prompt_ids(&VllmDialect, chunk), None);
         assert_eq!(
-            VllmDialect.sampled_tokens(choice0(chunk)),
+            sampled(&VllmDialect, choice0(chunk)),
             Some((vec![*id], vec![Some(lp)]))
         );
     }
     assert!(chunks[4]["choices"].as_array().unwrap().is_empty());
-    assert_eq!(VllmDialect.prompt_tokens(&chunks[4], None), None);
+    assert_eq!(prompt_ids(&VllmDialect, &chunks[4]), None);
 }
 
 #[test]
@@ -488,20 +517,20 @@ fn vllm_logprob_tokens_spelled_as_ids_are_the_fallback_id_source() {
         "logprobs": {"content": [{"token": "token_id:13048", "logprob": -0.25,
             "bytes": [116, 111, 107, 101, 110, 95, 105, 100, 58, 49, 51, 48, 52, 56], "top_logprobs": []}]}});
     assert_eq!(
-        VllmDialect.sampled_tokens(&chunk),
+        sampled(&VllmDialect, &chunk),
         Some((vec![13048], vec![Some(-0.25)]))
     );
     // `token_ids` wins when both are there.
     let mut both = chunk.clone();
     both["token_ids"] = json!([7]);
-    assert_eq!(VllmDialect.sampled_tokens(&both).unwrap().0, vec![7]);
+    assert_eq!(sampled(&VllmDialect, &both).unwrap().0, vec![7]);
     // Token text is not an id, nor is an empty list.
     let empty = json!({"index": 0, "delta": {"content": "x"}, "logprobs": {"content": []}});
-    assert_eq!(VllmDialect.sampled_tokens(&empty), None);
+    assert_eq!(sampled(&VllmDialect, &empty), None);
     let v = parse(VLLM_WHOLE);
     let mut text_only = choice0(&v).clone();
     text_only["token_ids"] = Value::Null;
-    assert_eq!(VllmDialect.sampled_tokens(&text_only), None);
+    assert_eq!(sampled(&VllmDialect, &text_only), None);
 }
 
 #[test]
@@ -510,19 +539,19 @@ fn vllm_logprobs_that_do_not_line_up_or_are_the_sentinel_are_left_out() {
     let mut short = choice0(&v).clone();
     short["logprobs"]["content"].as_array_mut().unwrap().pop();
     assert_eq!(
-        VllmDialect.sampled_tokens(&short),
+        sampled(&VllmDialect, &short),
         Some((SAMPLED_IDS.to_vec(), vec![None; 3]))
     );
     let mut sentinel = choice0(&v).clone();
     sentinel["logprobs"]["content"][1]["logprob"] = json!(-9999.0);
     assert_eq!(
-        VllmDialect.sampled_tokens(&sentinel).unwrap().1,
+        sampled(&VllmDialect, &sentinel).unwrap().1,
         vec![Some(-0.25), None, Some(-0.0625)]
     );
     let mut no_logprobs = choice0(&v).clone();
     no_logprobs["logprobs"] = Value::Null;
     assert_eq!(
-        VllmDialect.sampled_tokens(&no_logprobs),
+        sampled(&VllmDialect, &no_logprobs),
         Some((SAMPLED_IDS.to_vec(), vec![None; 3]))
     );
 }
@@ -530,9 +559,7 @@ fn vllm_logprobs_that_do_not_line_up_or_are_the_sentinel_are_left_out() {
 #[test]
 fn vllm_request_asks_for_ids_and_only_the_sampled_logprob() {
     for stream in [true, false] {
-        let mut body = Map::new();
-        body.insert("stream".into(), json!(stream));
-        VllmDialect.request_token_data(&mut body);
+        let body = token_data(&VllmDialect, stream);
         assert_eq!(body["return_token_ids"], json!(true));
         assert_eq!(body["return_tokens_as_token_ids"], json!(true));
         assert_eq!(body["logprobs"], json!(true));
@@ -543,45 +570,37 @@ fn vllm_request_asks_for_ids_and_only_the_sampled_logprob() {
 #[test]
 fn sglang_whole_answer_gives_meta_info_ids_and_choice_prompt_ids() {
     let v = parse(SGLANG_WHOLE);
-    let (ids, logprobs) = SglangDialect.sampled_tokens(choice0(&v)).expect("ids");
+    let (ids, logprobs) = sampled(&SglangDialect, choice0(&v)).expect("ids");
     assert_eq!(ids, SAMPLED_IDS);
     assert_eq!(logprobs, sampled_logprobs());
-    assert_eq!(
-        SglangDialect.prompt_tokens(&v, Some(choice0(&v))),
-        Some(PROMPT_IDS.to_vec())
-    );
+    assert_eq!(prompt_ids(&SglangDialect, &v), Some(PROMPT_IDS.to_vec()));
     // `logprobs.content` has no ids: without `meta_info` there is nothing to read.
     let mut plain = choice0(&v).clone();
     plain.as_object_mut().unwrap().remove("meta_info");
-    assert_eq!(SglangDialect.sampled_tokens(&plain), None);
+    assert_eq!(sampled(&SglangDialect, &plain), None);
     // An entry without an id gives no ids rather than a shorter list.
     let mut broken = choice0(&v).clone();
     broken["meta_info"]["output_token_logprobs"][1] = json!([-1.5, null, "!"]);
-    assert_eq!(SglangDialect.sampled_tokens(&broken), None);
+    assert_eq!(sampled(&SglangDialect, &broken), None);
 }
 
 #[test]
 fn sglang_stream_chunks_give_no_sampled_ids_and_prompt_ids_only_in_the_sglext_trailer() {
     let chunks: Vec<Value> = SGLANG_STREAM.iter().map(|c| parse(c)).collect();
     for chunk in &chunks[..4] {
-        assert_eq!(SglangDialect.sampled_tokens(choice0(chunk)), None);
-        assert_eq!(
-            SglangDialect.prompt_tokens(chunk, Some(choice0(chunk))),
-            None
-        );
+        assert_eq!(sampled(&SglangDialect, choice0(chunk)), None);
+        assert_eq!(prompt_ids(&SglangDialect, chunk), None);
     }
     assert_eq!(
-        SglangDialect.prompt_tokens(&chunks[4], None),
+        prompt_ids(&SglangDialect, &chunks[4]),
         Some(PROMPT_IDS.to_vec())
     );
-    assert_eq!(SglangDialect.prompt_tokens(&chunks[5], None), None);
+    assert_eq!(prompt_ids(&SglangDialect, &chunks[5]), None);
 }
 
 #[test]
 fn sglang_request_avoids_the_flags_sglang_refuses_when_streaming() {
-    let mut streamed = Map::new();
-    streamed.insert("stream".into(), json!(true));
-    SglangDialect.request_token_data(&mut streamed);
+    let streamed = token_data(&SglangDialect, true);
     assert_eq!(streamed["logprobs"], json!(true));
     assert_eq!(streamed["top_logprobs"], json!(0));
     assert_eq!(streamed["return_input_ids_in_sglext"], json!(true));
@@ -593,9 +612,7 @@ fn sglang_request_avoids_the_flags_sglang_refuses_when_streaming() {
         assert!(!streamed.contains_key(refused), "{refused}");
     }
 
-    let mut whole = Map::new();
-    whole.insert("stream".into(), json!(false));
-    SglangDialect.request_token_data(&mut whole);
+    let whole = token_data(&SglangDialect, false);
     assert_eq!(whole["logprobs"], json!(true));
     assert_eq!(whole["top_logprobs"], json!(0));
     assert_eq!(whole["return_prompt_token_ids"], json!(true));

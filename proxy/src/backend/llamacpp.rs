@@ -10,8 +10,10 @@
 use async_stream::stream;
 use async_trait::async_trait;
 use futures::StreamExt;
-use serde_json::{json, Map, Value};
+use serde_json::{json, Value};
 
+use super::answer::{Answer, Choice};
+use super::engine_request::{to_bytes, EngineRequest, TokenParam};
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
@@ -32,21 +34,27 @@ impl LlamaCppBackend {
 pub(crate) struct LlamaCppDialect;
 
 impl TokenDialect for LlamaCppDialect {
-    fn request_token_data(&self, body: &mut Map<String, Value>) {
-        body.insert("logprobs".into(), json!(true));
-        body.insert("top_logprobs".into(), json!(1));
+    fn request_token_data(&self, _stream: bool) -> &'static [(&'static str, TokenParam)] {
+        &[
+            ("logprobs", TokenParam::True),
+            ("top_logprobs", TokenParam::Int(1)),
+        ]
     }
 
-    fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
-        let content = choice.get("logprobs")?.get("content")?.as_array()?;
+    fn sampled_tokens(&self, choice: &mut Choice<'_>) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
+        let content = choice.logprobs.content.0.as_deref()?;
         let ids = content
             .iter()
-            .map(|e| e.get("id").and_then(openai_compat::token_id))
+            .map(|e| u32::try_from(e.id.0?).ok())
             .collect::<Option<Vec<u32>>>()?;
-        Some((ids, content_logprobs(choice)?))
+        Some((ids, content_logprobs(content)))
     }
 
-    fn prompt_tokens(&self, _response: &Value, _choice: Option<&Value>) -> Option<Vec<u32>> {
+    fn prompt_tokens(
+        &self,
+        _response: &mut Answer<'_>,
+        _choice: Option<&mut Choice<'_>>,
+    ) -> Option<Vec<u32>> {
         None
     }
 
@@ -55,21 +63,29 @@ impl TokenDialect for LlamaCppDialect {
     }
 }
 
+/// The request as the server's `/apply-template` takes it: the chat request, unstreamed.
+fn template_body(request: &ChatRequest) -> Result<Vec<u8>, BackendError> {
+    to_bytes(&EngineRequest {
+        request,
+        stream: false,
+        token_data: &[],
+    })
+}
+
 /// Renders and tokenizes the request with the server's own template and tokenizer.
-async fn template_prompt_ids(client: EngineClient, body: Value) -> Result<Vec<u32>, BackendError> {
-    let rendered = client.post_json("/apply-template", &body).await?;
+async fn template_prompt_ids(
+    client: EngineClient,
+    body: Vec<u8>,
+) -> Result<Vec<u32>, BackendError> {
+    let rendered = client.post_json("/apply-template", body).await?;
     let prompt = rendered
         .get("prompt")
         .and_then(Value::as_str)
         .ok_or_else(|| {
             BackendError::Protocol("/apply-template answered without `prompt`".into())
         })?;
-    let tokens = client
-        .post_json(
-            "/tokenize",
-            &json!({"content": prompt, "add_special": true, "parse_special": true}),
-        )
-        .await?;
+    let tokenize = json!({"content": prompt, "add_special": true, "parse_special": true});
+    let tokens = client.post_json("/tokenize", to_bytes(&tokenize)?).await?;
     openai_compat::id_array(tokens.get("tokens"))
         .ok_or_else(|| BackendError::Protocol("/tokenize answered without integer `tokens`".into()))
 }
@@ -105,8 +121,10 @@ impl Backend for LlamaCppBackend {
         request: &ChatRequest,
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError> {
-        let template_body = Value::Object(openai_compat::chat_body(request, CallMode::Whole));
-        let prompt_ids = tokio::spawn(template_prompt_ids(self.client.clone(), template_body));
+        let prompt_ids = tokio::spawn(template_prompt_ids(
+            self.client.clone(),
+            template_body(request)?,
+        ));
         let mut inner =
             openai_compat::generate(&self.client, LlamaCppDialect, request, mode).await?;
         Ok(Box::pin(stream! {
@@ -127,8 +145,11 @@ impl Backend for LlamaCppBackend {
     }
 
     async fn probe_template(&self, probe: &ChatRequest) -> ProbeOutcome {
-        let body = Value::Object(openai_compat::chat_body(probe, CallMode::Whole));
-        match self.client.post_json("/apply-template", &body).await {
+        let answer = match template_body(probe) {
+            Ok(body) => self.client.post_json("/apply-template", body).await,
+            Err(e) => Err(e),
+        };
+        match answer {
             Ok(v) => match v.get("prompt").and_then(Value::as_str) {
                 Some(p) => ProbeOutcome::Rendered(p.to_owned()),
                 None => ProbeOutcome::Unreachable,
@@ -138,7 +159,7 @@ impl Backend for LlamaCppBackend {
     }
 
     async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
-        let body = Value::Object(openai_compat::chat_body(request, CallMode::Whole));
+        let body = template_body(request)?;
         Ok(template_prompt_ids(self.client.clone(), body).await?.len() as u64)
     }
 
@@ -171,6 +192,7 @@ fn verified_prompt(ids: Result<Vec<u32>, BackendError>, reported: Option<u64>) -
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::answer::from_value;
 
     #[test]
     fn sampled_ids_and_logprobs_come_from_chat_logprobs() {
@@ -178,7 +200,9 @@ mod tests {
             {"id": 28, "token": "a", "logprob": -0.5, "top_logprobs": []},
             {"id": 2, "token": "", "logprob": -1.25, "top_logprobs": []}
         ]}});
-        let (ids, lps) = LlamaCppDialect.sampled_tokens(&choice).unwrap();
+        let (ids, lps) = LlamaCppDialect
+            .sampled_tokens(&mut from_value(&choice))
+            .unwrap();
         assert_eq!(ids, vec![28, 2]);
         assert_eq!(lps, vec![Some(-0.5), Some(-1.25)]);
     }
@@ -186,7 +210,9 @@ mod tests {
     #[test]
     fn a_logprob_entry_without_an_id_gives_no_ids_rather_than_a_guess() {
         let choice = json!({"logprobs": {"content": [{"token": "a", "logprob": -0.5}]}});
-        assert!(LlamaCppDialect.sampled_tokens(&choice).is_none());
+        assert!(LlamaCppDialect
+            .sampled_tokens(&mut from_value(&choice))
+            .is_none());
     }
 
     /// Found by fuzzing (fuzz/fuzz_targets/openai_compat_chunk.rs, the same cast in
@@ -196,7 +222,9 @@ mod tests {
         let choice = json!({"logprobs": {"content": [
             {"id": 4294967296u64, "token": "a", "logprob": -0.5, "top_logprobs": []}
         ]}});
-        assert!(LlamaCppDialect.sampled_tokens(&choice).is_none());
+        assert!(LlamaCppDialect
+            .sampled_tokens(&mut from_value(&choice))
+            .is_none());
     }
 
     #[test]

@@ -2,11 +2,15 @@
 //! get token-level data out of it; none sees a provider wire shape.
 //!
 //! All three engines speak OpenAI Chat Completions; `openai_compat` holds what they share
-//! (request body, SSE decoding, delta parsing) and each engine module adds its token-data
-//! dialect.
+//! (posting the request, SSE decoding, delta parsing) and each engine module adds its
+//! token-data dialect. The request is serialized straight from the canonical request
+//! (`engine_request`) and the answer decoded straight from its bytes into typed structs
+//! (`answer`): neither passes through a `serde_json::Value`, the proxy's main JSON cost.
 
+mod answer;
 #[cfg(test)]
 mod contract_tests;
+mod engine_request;
 mod error;
 mod interface;
 mod llamacpp;
@@ -32,6 +36,7 @@ pub mod decode {
 
     use serde_json::Value;
 
+    use super::answer::{self, Answer, Ids, Message};
     use super::llamacpp::LlamaCppDialect;
     use super::openai_compat::{self, TokenDialect};
     use super::sglang::SglangDialect;
@@ -42,13 +47,10 @@ pub mod decode {
     /// The events of a whole answer body (what `CallMode::Whole` yields, minus llama.cpp's
     /// template-rendered prompt ids, which come from another endpoint).
     pub fn whole(kind: BackendKind, body: &[u8]) -> Result<Vec<GenerationEvent>, BackendError> {
-        // As `reqwest::Response::json` reads it.
-        let v: Value = serde_json::from_slice(body)
-            .map_err(|e| BackendError::Protocol(format!("error decoding response body: {e}")))?;
         match kind {
-            BackendKind::Vllm => openai_compat::whole_answer_events(&v, &VllmDialect),
-            BackendKind::Sglang => openai_compat::whole_answer_events(&v, &SglangDialect),
-            BackendKind::Llamacpp => openai_compat::whole_answer_events(&v, &LlamaCppDialect),
+            BackendKind::Vllm => openai_compat::whole_answer_events(body, &VllmDialect),
+            BackendKind::Sglang => openai_compat::whole_answer_events(body, &SglangDialect),
+            BackendKind::Llamacpp => openai_compat::whole_answer_events(body, &LlamaCppDialect),
         }
     }
 
@@ -70,19 +72,20 @@ pub mod decode {
         }
     }
 
-    /// A whole answer's `message` (`whole`) or a stream chunk's `delta`.
+    /// A whole answer's `message` (`whole`) or a stream chunk's `delta`, read as the
+    /// decoders read it from an answer's bytes.
     pub fn delta(v: &Value, whole: bool) -> Delta {
-        openai_compat::parse_delta(v, whole)
+        openai_compat::parse_delta(answer::from_value::<Message>(v), whole)
     }
 
     /// The `usage` object of an answer or chunk.
     pub fn usage(v: &Value) -> Option<Usage> {
-        openai_compat::parse_usage(v)
+        openai_compat::parse_usage(&answer::from_value::<Answer>(v).usage)
     }
 
     /// Token ids from a JSON array of integers (`None` unless every element is one).
     pub fn id_array(v: Option<&Value>) -> Option<Vec<u32>> {
-        openai_compat::id_array(v)
+        answer::from_value::<Ids>(v?).0
     }
 }
 

@@ -11,11 +11,13 @@
 //! Talk to workers directly: SGLang's router may drop token metadata.
 
 use async_trait::async_trait;
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
+use super::answer::{Answer, Choice};
+use super::engine_request::TokenParam;
 use super::error::BackendError;
 use super::interface::{Backend, CallMode, GenerationStream};
-use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
+use super::openai_compat::{self, EngineClient, TokenDialect};
 use crate::canonical::ChatRequest;
 use tokentap_schema::BackendKind;
 
@@ -32,34 +34,42 @@ impl SglangBackend {
 pub(crate) struct SglangDialect;
 
 impl TokenDialect for SglangDialect {
-    fn request_token_data(&self, body: &mut Map<String, Value>) {
-        body.insert("logprobs".into(), json!(true));
-        body.insert("top_logprobs".into(), json!(0));
-        if body.get("stream") == Some(&Value::Bool(true)) {
-            body.insert("return_input_ids_in_sglext".into(), json!(true));
+    fn request_token_data(&self, stream: bool) -> &'static [(&'static str, TokenParam)] {
+        if stream {
+            &[
+                ("logprobs", TokenParam::True),
+                ("top_logprobs", TokenParam::Int(0)),
+                ("return_input_ids_in_sglext", TokenParam::True),
+            ]
         } else {
-            body.insert("return_prompt_token_ids".into(), json!(true));
-            body.insert("return_meta_info".into(), json!(true));
+            &[
+                ("logprobs", TokenParam::True),
+                ("top_logprobs", TokenParam::Int(0)),
+                ("return_prompt_token_ids", TokenParam::True),
+                ("return_meta_info", TokenParam::True),
+            ]
         }
     }
 
-    fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
-        let entries = choice
-            .get("meta_info")?
-            .get("output_token_logprobs")?
-            .as_array()?;
+    fn sampled_tokens(&self, choice: &mut Choice<'_>) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
+        let entries = choice.meta_info.output_token_logprobs.0.as_deref()?;
         let mut ids = Vec::with_capacity(entries.len());
         let mut logprobs = Vec::with_capacity(entries.len());
         for e in entries {
-            ids.push(u32::try_from(e.get(1)?.as_u64()?).ok()?);
-            logprobs.push(e.get(0).and_then(Value::as_f64).map(|x| x as f32));
+            ids.push(u32::try_from(e.id.0?).ok()?);
+            logprobs.push(e.logprob.0.map(|x| x as f32));
         }
         Some((ids, logprobs))
     }
 
-    fn prompt_tokens(&self, response: &Value, choice: Option<&Value>) -> Option<Vec<u32>> {
-        id_array(choice.and_then(|c| c.get("prompt_token_ids")))
-            .or_else(|| id_array(response.get("sglext")?.get("input_ids")))
+    fn prompt_tokens(
+        &self,
+        response: &mut Answer<'_>,
+        choice: Option<&mut Choice<'_>>,
+    ) -> Option<Vec<u32>> {
+        choice
+            .and_then(|c| c.prompt_token_ids.0.take())
+            .or_else(|| response.sglext.input_ids.0.take())
     }
 }
 

@@ -8,11 +8,13 @@
 //! only id source on servers older than `return_token_ids` (v0.10.2).
 
 use async_trait::async_trait;
-use serde_json::{json, Map, Value};
+use serde_json::Value;
 
+use super::answer::{Answer, Choice, LogprobEntry};
+use super::engine_request::{to_bytes, TokenParam, TokenizeChat};
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
-use super::openai_compat::{self, id_array, EngineClient, TokenDialect};
+use super::openai_compat::{self, EngineClient, TokenDialect};
 use crate::canonical::ChatRequest;
 use crate::normalize::ProbeOutcome;
 use tokentap_schema::BackendKind;
@@ -28,17 +30,8 @@ impl VllmBackend {
 
     /// `POST /tokenize` with chat messages: the served template applied, then tokenized.
     async fn tokenize_chat(&self, request: &ChatRequest) -> Result<Value, BackendError> {
-        let chat = openai_compat::chat_body(request, CallMode::Whole);
-        let mut body = Map::new();
-        for key in ["model", "messages", "tools"] {
-            if let Some(v) = chat.get(key) {
-                body.insert(key.into(), v.clone());
-            }
-        }
-        body.insert("add_generation_prompt".into(), json!(true));
-        self.client
-            .post_json("/tokenize", &Value::Object(body))
-            .await
+        let body = to_bytes(&TokenizeChat::new(request))?;
+        self.client.post_json("/tokenize", body).await
     }
 }
 
@@ -48,20 +41,22 @@ pub(crate) struct VllmDialect;
 const NO_LOGPROB: f64 = -9999.0;
 
 impl TokenDialect for VllmDialect {
-    fn request_token_data(&self, body: &mut Map<String, Value>) {
-        body.insert("logprobs".into(), json!(true));
-        body.insert("top_logprobs".into(), json!(0));
-        body.insert("return_token_ids".into(), json!(true));
-        body.insert("return_tokens_as_token_ids".into(), json!(true));
+    fn request_token_data(&self, _stream: bool) -> &'static [(&'static str, TokenParam)] {
+        &[
+            ("logprobs", TokenParam::True),
+            ("top_logprobs", TokenParam::Int(0)),
+            ("return_token_ids", TokenParam::True),
+            ("return_tokens_as_token_ids", TokenParam::True),
+        ]
     }
 
-    fn sampled_tokens(&self, choice: &Value) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
-        let entries = choice
-            .get("logprobs")
-            .and_then(|l| l.get("content"))
-            .and_then(Value::as_array);
-        let ids = id_array(choice.get("token_ids"))
-            .or_else(|| entries.and_then(|e| placeholder_ids(e)))?;
+    fn sampled_tokens(&self, choice: &mut Choice<'_>) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
+        let entries = choice.logprobs.content.0.as_deref();
+        let ids = choice
+            .token_ids
+            .0
+            .take()
+            .or_else(|| entries.and_then(placeholder_ids))?;
         let logprobs = match entries {
             // Both come from the same output in vLLM; pair them only when they line up.
             Some(e) if e.len() == ids.len() => e.iter().map(entry_logprob).collect(),
@@ -70,31 +65,29 @@ impl TokenDialect for VllmDialect {
         Some((ids, logprobs))
     }
 
-    fn prompt_tokens(&self, response: &Value, _choice: Option<&Value>) -> Option<Vec<u32>> {
-        id_array(response.get("prompt_token_ids"))
+    fn prompt_tokens(
+        &self,
+        response: &mut Answer<'_>,
+        _choice: Option<&mut Choice<'_>>,
+    ) -> Option<Vec<u32>> {
+        response.prompt_token_ids.0.take()
     }
 }
 
 /// Ids spelled `token_id:<id>` by `return_tokens_as_token_ids`; `None` unless every entry is
 /// (an empty list proves nothing either).
-fn placeholder_ids(entries: &[Value]) -> Option<Vec<u32>> {
+fn placeholder_ids(entries: &[LogprobEntry<'_>]) -> Option<Vec<u32>> {
     if entries.is_empty() {
         return None;
     }
     entries
         .iter()
-        .map(|e| {
-            e.get("token")?
-                .as_str()?
-                .strip_prefix("token_id:")?
-                .parse()
-                .ok()
-        })
+        .map(|e| e.token.as_str()?.strip_prefix("token_id:")?.parse().ok())
         .collect()
 }
 
-fn entry_logprob(entry: &Value) -> Option<f32> {
-    let lp = entry.get("logprob")?.as_f64()?;
+fn entry_logprob(entry: &LogprobEntry<'_>) -> Option<f32> {
+    let lp = entry.logprob.0?;
     (lp > NO_LOGPROB).then_some(lp as f32)
 }
 
