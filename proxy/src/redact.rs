@@ -14,6 +14,7 @@ use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::sync::LazyLock;
 
+use aho_corasick::{AhoCorasick, AhoCorasickKind};
 use regex::{Captures, Regex};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
@@ -172,13 +173,47 @@ fn replace<'a>(
     }
 }
 
+/// A part of every credential name, ASCII case aside: each of [`SECRET_HEADERS`] and
+/// [`SECRET_WORDS`] contains one. A text none of them appears in assigns no credential.
+static NAME_PARTS: LazyLock<AhoCorasick> = LazyLock::new(|| {
+    AhoCorasick::builder()
+        .ascii_case_insensitive(true)
+        // A DFA: it runs over every string of every body, and the patterns are few.
+        .kind(Some(AhoCorasickKind::DFA))
+        .build([
+            "key", "token", "secret", "pass", "pwd", "cred", "sig", "auth", "cookie", "bearer",
+        ])
+        .expect("valid patterns")
+});
+
+/// What [`AUTH_SCHEME`] needs to match: a scheme's name in any ASCII case, or `ſ` (LATIN
+/// SMALL LETTER LONG S), which case-insensitive Unicode matching takes for `s`.
+static SCHEME_NAMES: LazyLock<AhoCorasick> = LazyLock::new(|| {
+    AhoCorasick::builder()
+        .ascii_case_insensitive(true)
+        // A DFA: it runs over every string of every body, and the patterns are few.
+        .kind(Some(AhoCorasickKind::DFA))
+        .build(["bearer", "basic", "\u{17F}"])
+        .expect("valid patterns")
+});
+
 /// Credentials in free text redacted, everything else kept: credential-shaped strings, the
-/// credential after an authorization scheme, and values assigned to credential names.
+/// credential after an authorization scheme, and values assigned to credential names. The
+/// last two regexes run only where their literal prefilter finds what they need (most text
+/// has no scheme name and no credential word, and capturing every `word: value` of prose is
+/// the costliest part of redaction).
 pub fn text(s: &str) -> Cow<'_, str> {
     let s = replace(Cow::Borrowed(s), &SECRET_SHAPES, |_| Some(REDACTED.into()));
-    let s = replace(s, &AUTH_SCHEME, |c| {
-        looks_like_credential(&c[3]).then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
-    });
+    let s = if SCHEME_NAMES.is_match(s.as_ref()) {
+        replace(s, &AUTH_SCHEME, |c| {
+            looks_like_credential(&c[3]).then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
+        })
+    } else {
+        s
+    };
+    if !NAME_PARTS.is_match(s.as_ref()) {
+        return s;
+    }
     replace(s, &ASSIGNMENT, |c| {
         (is_secret_assignment(&c[1]) && &c[3] != REDACTED)
             .then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
@@ -283,20 +318,10 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
 }
 
 /// Whether a name could be a credential's: the cheap test before [`is_secret_name`], which
-/// allocates. Every word that makes a name secret contains one of these (non-ASCII names go
-/// to the full test: `\u{212A}` KELVIN SIGN lower-cases to an ASCII `k`).
+/// allocates. Non-ASCII names go to the full test (`\u{212A}` KELVIN SIGN lower-cases to an
+/// ASCII `k`).
 fn may_be_secret_name(name: &str) -> bool {
-    const PARTS: [&[u8]; 10] = [
-        b"key", b"token", b"secret", b"pass", b"pwd", b"cred", b"sig", b"auth", b"cookie",
-        b"bearer",
-    ];
-    if !name.is_ascii() {
-        return true;
-    }
-    let n = name.as_bytes();
-    PARTS
-        .iter()
-        .any(|p| n.windows(p.len()).any(|w| w.eq_ignore_ascii_case(p)))
+    !name.is_ascii() || NAME_PARTS.is_match(name)
 }
 
 /// Whether [`text`] would change `s`.
@@ -759,6 +784,12 @@ mod tests {
         // KELVIN SIGN lower-cases to `k`: `\u{212A}ey` is the word `key`.
         let kelvin = "{\"\u{212A}ey\": \"abc123\"}";
         assert!(!recorded_body(kelvin.as_bytes()).unwrap().verbatim);
+        // Case-insensitive matching takes `ſ` for `s`: the prefilter lets it through.
+        assert_ne!(
+            text("ba\u{17F}ic dXNlcjpwYXNzd29yZA=="),
+            "ba\u{17F}ic dXNlcjpwYXNzd29yZA=="
+        );
+        assert!(!text("Authorization: Bearer abcdefgh12345678").contains("abcdefgh"));
         // A parameter named `token` in a tool schema is not a credential.
         let schema = br#"{"parameters": {"properties": {"token": {"type": "string"}}}}"#;
         let kept = recorded_body(schema).unwrap();
