@@ -262,6 +262,12 @@ fn answer_ids() -> Vec<u32> {
     (0..ANSWER.len() as u32).map(|i| 40_000 + i).collect()
 }
 
+/// The whole (unstreamed) answer the backend gives for a prompt of `prompt_ids` ids: what
+/// `bench translate` times the engine-answer decode on.
+pub fn whole_answer(prompt_ids: usize) -> Bytes {
+    Answers::new(prompt_ids).whole
+}
+
 /// Every answer, rendered once.
 struct Answers {
     whole: Bytes,

@@ -7,6 +7,8 @@ use std::time::Instant;
 
 use clap::Args;
 use serde_json::Value;
+use tokentap_proxy::backend::decode;
+use tokentap_proxy::backend::BackendKind;
 use tokentap_proxy::canonical::{
     Delta, FinishReason, GenerationAccumulator, GenerationEvent, ToolCallDelta, Usage,
 };
@@ -222,6 +224,32 @@ pub fn run(args: TranslateBenchArgs) -> anyhow::Result<()> {
                 "  (redacted: a tree either way)"
             }
         );
+    }
+    // The engine's answer, decoded into the events the proxy renders and records.
+    println!();
+    println!(
+        "  {:<48} {:>8} {:>20}",
+        "engine answer", "bytes", "decode p50/p99 µs"
+    );
+    for prompt_ids in [1_000, 10_000] {
+        let body = crate::instant_backend::whole_answer(prompt_ids);
+        let label = format!(
+            "vLLM whole answer, {prompt_ids} prompt ids + {} sampled",
+            crate::instant_backend::ANSWER.len()
+        );
+        // Fail loudly if the answer stopped decoding into ids.
+        let events = decode::whole(BackendKind::Vllm, &body)
+            .map_err(|e| anyhow::anyhow!("{label}: {e:?}"))?;
+        anyhow::ensure!(
+            events
+                .iter()
+                .any(|e| matches!(e, GenerationEvent::PromptTokens { ids, .. } if ids.len() == prompt_ids)),
+            "{label}: no prompt ids decoded"
+        );
+        let t = time(args.iterations, || {
+            std::hint::black_box(decode::whole(BackendKind::Vllm, std::hint::black_box(&body)).ok());
+        });
+        println!("  {:<48} {:>8} {:>10.1} / {:>7.1}", label, body.len(), t.0, t.1);
     }
     Ok(())
 }

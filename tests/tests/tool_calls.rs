@@ -144,11 +144,13 @@ async fn round_trip(
         .iter()
         .filter(|r| {
             r.session_id == call.session_id
-                && r.backend_request.as_ref().is_some_and(|b| {
-                    b.messages
-                        .iter()
-                        .any(|m| m.tool_call_id.as_deref() == Some(rid.as_str()))
-                })
+                && tokentap_proxy::replay::backend_request(r)
+                    .expect("the backend request replays from the record")
+                    .is_some_and(|b| {
+                        b.messages
+                            .iter()
+                            .any(|m| m.tool_call_id.as_deref() == Some(rid.as_str()))
+                    })
         })
         .min_by_key(|r| r.seq)
         .expect("a record of the follow-up call")
