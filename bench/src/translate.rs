@@ -247,9 +247,17 @@ pub fn run(args: TranslateBenchArgs) -> anyhow::Result<()> {
             "{label}: no prompt ids decoded"
         );
         let t = time(args.iterations, || {
-            std::hint::black_box(decode::whole(BackendKind::Vllm, std::hint::black_box(&body)).ok());
+            std::hint::black_box(
+                decode::whole(BackendKind::Vllm, std::hint::black_box(&body)).ok(),
+            );
         });
-        println!("  {:<48} {:>8} {:>10.1} / {:>7.1}", label, body.len(), t.0, t.1);
+        println!(
+            "  {:<48} {:>8} {:>10.1} / {:>7.1}",
+            label,
+            body.len(),
+            t.0,
+            t.1
+        );
     }
     Ok(())
 }
