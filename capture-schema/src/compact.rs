@@ -31,7 +31,7 @@ use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
 use schemars::JsonSchema;
 use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserializer, Serializer};
+use serde::{Deserialize, Deserializer, Serializer};
 use serde_json::Value;
 
 /// The prefix of a compact id list.
@@ -153,6 +153,45 @@ pub fn expand_token_fields(mut record: Value) -> Value {
     record
 }
 
+/// Reads a token field either way: a JSON array of `T` (version 1) or the compact string
+/// (version 2, decoded by `decode`); `null` is absent.
+struct CompactOrArray<T> {
+    what: &'static str,
+    decode: fn(&str) -> Result<Vec<T>, String>,
+}
+
+impl<'de, T: Deserialize<'de>> Visitor<'de> for CompactOrArray<T> {
+    type Value = Option<Vec<T>>;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str(self.what)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
+        Ok(None)
+    }
+
+    fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
+        d.deserialize_any(self)
+    }
+
+    fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
+        (self.decode)(s).map(Some).map_err(E::custom)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
+        while let Some(x) = seq.next_element::<T>()? {
+            out.push(x);
+        }
+        Ok(Some(out))
+    }
+}
+
 /// `#[serde(with)]` for `Option<Vec<u32>>` token id fields: written compact, read either way.
 pub mod ids {
     use super::*;
@@ -165,41 +204,10 @@ pub mod ids {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<u32>>, D::Error> {
-        d.deserialize_any(IdsVisitor)
-    }
-
-    struct IdsVisitor;
-
-    impl<'de> Visitor<'de> for IdsVisitor {
-        type Value = Option<Vec<u32>>;
-
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("token ids: an array of u32 or a `u32v:` string")
-        }
-
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-
-        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_any(self)
-        }
-
-        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-            decode_ids(s).map(Some).map_err(E::custom)
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-            while let Some(id) = seq.next_element::<u32>()? {
-                out.push(id);
-            }
-            Ok(Some(out))
-        }
+        d.deserialize_any(CompactOrArray {
+            what: "token ids: an array of u32 or a `u32v:` string",
+            decode: decode_ids,
+        })
     }
 }
 
@@ -215,41 +223,10 @@ pub mod logprobs {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<f32>>, D::Error> {
-        d.deserialize_any(LogprobsVisitor)
-    }
-
-    struct LogprobsVisitor;
-
-    impl<'de> Visitor<'de> for LogprobsVisitor {
-        type Value = Option<Vec<f32>>;
-
-        fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
-            f.write_str("logprobs: an array of numbers or an `f32le:` string")
-        }
-
-        fn visit_unit<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-
-        fn visit_none<E: de::Error>(self) -> Result<Self::Value, E> {
-            Ok(None)
-        }
-
-        fn visit_some<D: Deserializer<'de>>(self, d: D) -> Result<Self::Value, D::Error> {
-            d.deserialize_any(self)
-        }
-
-        fn visit_str<E: de::Error>(self, s: &str) -> Result<Self::Value, E> {
-            decode_logprobs(s).map(Some).map_err(E::custom)
-        }
-
-        fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-            let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0));
-            while let Some(x) = seq.next_element::<f32>()? {
-                out.push(x);
-            }
-            Ok(Some(out))
-        }
+        d.deserialize_any(CompactOrArray {
+            what: "logprobs: an array of numbers or an `f32le:` string",
+            decode: decode_logprobs,
+        })
     }
 }
 

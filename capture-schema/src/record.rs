@@ -163,8 +163,9 @@ pub struct HarnessRequest {
     pub headers: BTreeMap<String, String>,
     /// Size of the body in bytes as received.
     pub body_bytes: u64,
-    /// The body as JSON, as received (version 2: the harness's own bytes, unless redaction
-    /// replaced something); absent when it was not valid JSON (see `body_text`).
+    /// The body as JSON, as received (version 2: the harness's own bytes, its line breaks
+    /// between tokens as spaces, unless redaction replaced something); absent when it was not
+    /// valid JSON (see `body_text`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body: Option<RawBody>,
     /// The body as text (lossy UTF-8, at most 64 KiB) when it was not valid JSON.
@@ -174,14 +175,29 @@ pub struct HarnessRequest {
 
 /// A JSON body kept as its text: written into a record as it is (no tree built, no
 /// re-serialization), read back without parsing what is inside.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+///
+/// Never holds a line break: a record is one line of NDJSON, and in valid JSON a raw CR or LF
+/// can only be whitespace between tokens (inside a string it is escaped), so each becomes a
+/// space and the value is unchanged, whether the body came from a harness or from a record
+/// someone pretty-printed.
+#[derive(Debug, Clone, Serialize)]
 #[serde(transparent)]
 pub struct RawBody(Box<RawValue>);
 
 impl RawBody {
     /// `json`, which must be one valid JSON value (checked).
     pub fn from_json(json: String) -> Result<RawBody, serde_json::Error> {
-        RawValue::from_string(json).map(RawBody)
+        RawValue::from_string(json).map(RawBody::on_one_line)
+    }
+
+    fn on_one_line(raw: Box<RawValue>) -> RawBody {
+        if memchr::memchr2(b'\n', b'\r', raw.get().as_bytes()).is_none() {
+            return RawBody(raw);
+        }
+        let one_line = raw.get().replace(['\n', '\r'], " ");
+        RawBody(
+            RawValue::from_string(one_line).expect("whitespace for whitespace keeps JSON valid"),
+        )
     }
 
     /// A JSON value, serialized.
@@ -200,9 +216,17 @@ impl RawBody {
     }
 }
 
+impl<'de> Deserialize<'de> for RawBody {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawBody, D::Error> {
+        Box::<RawValue>::deserialize(d).map(RawBody::on_one_line)
+    }
+}
+
+/// The same JSON value: the same text (the usual case, and cheap), or text that differs only
+/// in layout.
 impl PartialEq for RawBody {
     fn eq(&self, other: &Self) -> bool {
-        self.get() == other.get()
+        self.get() == other.get() || self.to_value() == other.to_value()
     }
 }
 
@@ -397,5 +421,41 @@ impl ErrorKind {
             ErrorKind::Internal => "internal",
             ErrorKind::TlsHandshakeFailed => "tls_handshake_failed",
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ndjson;
+
+    /// Found by the Qwen Code over Messages end-to-end test: a harness that sends its body
+    /// pretty-printed put raw line breaks into the record's line, and the spool reader saw a
+    /// torn record.
+    #[test]
+    fn a_pretty_printed_body_stays_on_the_records_line_with_the_same_value() {
+        let pretty = "{\r\n  \"model\": \"m\",\n  \"messages\": [\n    {\"role\": \"user\", \"content\": \"a\\nb\"}\n  ]\n}\n";
+        let body = RawBody::from_json(pretty.to_owned()).unwrap();
+        assert!(!body.get().contains(['\n', '\r']), "{}", body.get());
+        let value: Value = serde_json::from_str(pretty).unwrap();
+        assert_eq!(body.to_value(), value);
+        // One line of NDJSON, read back as the same body.
+        let mut request = HarnessRequest::bare("POST", "/v1/chat/completions");
+        request.body = Some(body.clone());
+        let mut line = Vec::new();
+        ndjson::encode_line(&request, &mut line).unwrap();
+        assert_eq!(line.iter().filter(|b| **b == b'\n').count(), 1);
+        let back: HarnessRequest = ndjson::decode_line(&line).unwrap();
+        assert_eq!(back.body, Some(body.clone()));
+        // A record someone pretty-printed reads back on one line too, and as the same body.
+        let shown = serde_json::to_string_pretty(&request).unwrap();
+        let read: HarnessRequest = serde_json::from_str(&shown).unwrap();
+        let read = read.body.unwrap();
+        assert!(!read.get().contains(['\n', '\r']), "{}", read.get());
+        assert_eq!(read, body);
+        assert_ne!(read, RawBody::from_json("{}".to_owned()).unwrap());
+        // Invalid JSON is still refused, line breaks or not.
+        assert!(RawBody::from_json("{\"a\":\n}".to_owned()).is_err());
+        assert!(RawBody::from_json("\"a\nb\"".to_owned()).is_err());
     }
 }

@@ -764,7 +764,9 @@ mod tests {
             let redacted = body(v.clone());
             prop_assert_eq!(kept.verbatim, redacted == v);
             if kept.verbatim {
-                prop_assert_eq!(kept.body.get().as_bytes(), &bytes[..]);
+                // The harness's bytes, its line breaks (whitespace) as spaces: a record is one line.
+                let one_line: Vec<u8> = bytes.iter().map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }).collect();
+                prop_assert_eq!(kept.body.get().as_bytes(), &one_line[..]);
             } else {
                 prop_assert_eq!(kept.body.to_value(), redacted);
             }

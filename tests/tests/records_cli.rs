@@ -6,6 +6,17 @@ use tokentap_e2e::scripted::{sequence, Reply};
 use tokentap_e2e::tokentap::tokentap_cli;
 use tokentap_e2e::CaptureRecord;
 
+/// A record as `records show` and `records tail --json` print it: the engine request with its
+/// conversation replayed from the harness body (the spool keeps it once, record version 2).
+fn readable(r: &CaptureRecord) -> CaptureRecord {
+    let mut r = r.clone();
+    r.backend_request = tokentap_proxy::replay::backend_request(&r)
+        .expect("the conversation replays")
+        .map(std::borrow::Cow::into_owned);
+    r.backend_conversation = Default::default();
+    r
+}
+
 /// A spool with three calls: two answers and one engine failure.
 async fn spool_with_three_calls() -> (
     tokentap_e2e::scripted::ScriptedBackend,
@@ -66,8 +77,18 @@ async fn tail_lists_every_record_and_json_mode_round_trips() {
         .collect();
     assert_eq!(
         parsed,
-        records[1..].to_vec(),
-        "the last two records, unchanged"
+        records[1..].iter().map(readable).collect::<Vec<_>>(),
+        "the last two records, their conversation replayed"
+    );
+    // Readable by jq and dataframes: token data as plain arrays, the conversation inline.
+    let v: Value = serde_json::from_str(out.stdout.lines().last().unwrap()).unwrap();
+    assert!(v["prompt_token_ids"].is_array(), "{v}");
+    assert!(v["logprobs"].is_array(), "{v}");
+    assert!(
+        v["backend_request"]["messages"]
+            .as_array()
+            .is_some_and(|m| !m.is_empty()),
+        "{v}"
     );
 }
 
@@ -96,7 +117,11 @@ async fn show_prints_the_record_of_an_id_prefix_as_pretty_json() {
     );
     assert!(out.stdout.contains("\n  \"record_id\": "), "{}", out.stdout);
     let shown: CaptureRecord = serde_json::from_str(&out.stdout).expect("show prints a record");
-    assert_eq!(&shown, target);
+    assert_eq!(shown, readable(target));
+    // `--stored`: the record exactly as the spool keeps it.
+    let out = tokentap_cli(&["records", "show", prefix, "--stored", "--spool", spool]).await;
+    let stored: CaptureRecord = serde_json::from_str(&out.stdout).expect("a stored record");
+    assert_eq!(&stored, target);
 
     // The full id works too; an unknown one fails and says so.
     let out = tokentap_cli(&["records", "show", &records[0].record_id, "--spool", spool]).await;
