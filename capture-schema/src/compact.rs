@@ -31,7 +31,7 @@ use base64::engine::general_purpose::STANDARD;
 use base64::Engine;
 use schemars::JsonSchema;
 use serde::de::{self, SeqAccess, Visitor};
-use serde::{Deserialize, Deserializer, Serializer};
+use serde::{Deserialize, Deserializer};
 use serde_json::Value;
 
 /// The prefix of a compact id list.
@@ -194,7 +194,9 @@ impl<'de, T: Deserialize<'de>> Visitor<'de> for CompactOrArray<T> {
 
 /// `#[serde(with)]` for `Option<Vec<u32>>` token id fields: written compact, read either way.
 pub mod ids {
-    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    use super::{decode_ids, encode_ids, CompactOrArray};
 
     pub fn serialize<S: Serializer>(ids: &Option<Vec<u32>>, s: S) -> Result<S::Ok, S::Error> {
         match ids {
@@ -213,7 +215,9 @@ pub mod ids {
 
 /// `#[serde(with)]` for `Option<Vec<f32>>` logprob fields: written compact, read either way.
 pub mod logprobs {
-    use super::*;
+    use serde::{Deserializer, Serializer};
+
+    use super::{decode_logprobs, encode_logprobs, CompactOrArray};
 
     pub fn serialize<S: Serializer>(lp: &Option<Vec<f32>>, s: S) -> Result<S::Ok, S::Error> {
         match lp {
