@@ -764,8 +764,12 @@ mod tests {
             let redacted = body(v.clone());
             prop_assert_eq!(kept.verbatim, redacted == v);
             if kept.verbatim {
-                // The harness's bytes, its line breaks (whitespace) as spaces: a record is one line.
-                let one_line: Vec<u8> = bytes.iter().map(|&b| if b == b'\n' || b == b'\r' { b' ' } else { b }).collect();
+                // The harness's bytes, its line breaks (whitespace) as spaces: a record is one
+                // line.
+                let one_line: Vec<u8> = bytes
+                    .iter()
+                    .map(|&b| if matches!(b, b'\n' | b'\r') { b' ' } else { b })
+                    .collect();
                 prop_assert_eq!(kept.body.get().as_bytes(), &one_line[..]);
             } else {
                 prop_assert_eq!(kept.body.to_value(), redacted);
