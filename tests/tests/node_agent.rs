@@ -27,6 +27,24 @@ struct Bed {
     _backend: ScriptedBackend,
     dir: tempfile::TempDir,
     port: u16,
+    /// Last: dropped after dockerd and the agent are gone.
+    _parent: ParentCgroups,
+}
+
+/// Removes the capture parent dockerd made in every cgroup hierarchy (v1 controllers and the
+/// unified one) once the containers under it are gone, so a test run leaves no cgroup behind.
+struct ParentCgroups;
+
+impl Drop for ParentCgroups {
+    fn drop(&mut self) {
+        let Ok(hierarchies) = std::fs::read_dir("/sys/fs/cgroup") else {
+            return;
+        };
+        for h in hierarchies.flatten() {
+            // `remove_dir` only: a cgroup with processes or children is left as it is.
+            let _ = std::fs::remove_dir(h.path().join(parent().trim_start_matches('/')));
+        }
+    }
 }
 
 async fn bed(extra: &[&str]) -> Bed {
@@ -62,6 +80,7 @@ async fn bed(extra: &[&str]) -> Bed {
         _backend: backend,
         dir,
         port,
+        _parent: ParentCgroups,
     }
 }
 
@@ -380,6 +399,8 @@ async fn heavy_node_agent_codex_in_a_container_is_captured_with_token_ids() {
         .map(|p| p.join("node_modules/@openai/codex-linux-x64/vendor/x86_64-unknown-linux-musl"))
         .filter(|p| p.exists())
         .unwrap_or_else(|| panic!("no native Codex binary near {}", codex.display()));
+    // Declared first, dropped last: after dockerd and the agent are gone.
+    let _parent = ParentCgroups;
     let dockerd = Dockerd::start().await;
     dockerd.import_base_image();
     let dir = tempfile::tempdir().unwrap();
@@ -474,6 +495,8 @@ async fn heavy_node_agent_kubernetes_pod_is_captured_after_await_capture() {
         return;
     }
     use tokentap_e2e::kube_apiserver::KubeApiDouble;
+    // Declared first, dropped last: after dockerd and the agent are gone.
+    let _parent = ParentCgroups;
     let dockerd = Dockerd::start().await;
     dockerd.import_base_image();
     let backend = ScriptedBackend::start(Tokens::Fake, always(Reply::text(ENGINE_TEXT))).await;
