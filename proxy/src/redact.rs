@@ -180,11 +180,13 @@ static NAME_PARTS: LazyLock<AhoCorasick> = LazyLock::new(|| {
         .ascii_case_insensitive(true)
         // A DFA: it runs over every string of every body, and the patterns are few.
         .kind(Some(AhoCorasickKind::DFA))
-        .build([
-            "key", "token", "secret", "pass", "pwd", "cred", "sig", "auth", "cookie", "bearer",
-        ])
+        .build(NAME_PART_WORDS)
         .expect("valid patterns")
 });
+
+const NAME_PART_WORDS: [&str; 10] = [
+    "key", "token", "secret", "pass", "pwd", "cred", "sig", "auth", "cookie", "bearer",
+];
 
 /// What [`AUTH_SCHEME`] needs to match: a scheme's name in any ASCII case, or `ſ` (LATIN
 /// SMALL LETTER LONG S), which case-insensitive Unicode matching takes for `s`.
@@ -193,9 +195,98 @@ static SCHEME_NAMES: LazyLock<AhoCorasick> = LazyLock::new(|| {
         .ascii_case_insensitive(true)
         // A DFA: it runs over every string of every body, and the patterns are few.
         .kind(Some(AhoCorasickKind::DFA))
-        .build(["bearer", "basic", "\u{17F}"])
+        .build(SCHEME_WORDS)
         .expect("valid patterns")
 });
+
+const SCHEME_WORDS: [&str; 3] = ["bearer", "basic", "\u{17F}"];
+
+/// The literal each alternative of [`SECRET_SHAPES`] starts with: a text none of them appears
+/// in (ASCII case aside) has no credential-shaped string.
+const SHAPE_PREFIXES: [&str; 19] = [
+    "sk-",
+    "ghp_",
+    "gho_",
+    "ghu_",
+    "ghs_",
+    "ghr_",
+    "github_pat_",
+    "hf_",
+    "xox",
+    "AIza",
+    "AKIA",
+    "ASIA",
+    "glpat-",
+    "rk_live_",
+    "rk_test_",
+    "pk_live_",
+    "pk_test_",
+    "eyJ",
+    "-----BEGIN",
+];
+
+/// The starts of what the first two rules of [`text`] look for, for one pass over a string:
+/// [`SHAPE_PREFIXES`] as they are (that regex is case-sensitive), then the first three
+/// letters of `bearer` and `basic` in every ASCII case (pattern ids in that order). Teddy
+/// (SIMD) where the CPU has it: an automaton over every byte of every string cost more than
+/// the JSON scan itself.
+static SHAPE_OR_SCHEME: LazyLock<LiteralSearch> = LazyLock::new(|| {
+    let mut patterns: Vec<Vec<u8>> = SHAPE_PREFIXES
+        .iter()
+        .map(|p| p.as_bytes().to_vec())
+        .collect();
+    for word in [b"bea", b"bas"] {
+        for case in 0..8u8 {
+            let variant = (0..3).map(|i| {
+                let b = word[i];
+                if case & (1 << i) != 0 {
+                    b.to_ascii_uppercase()
+                } else {
+                    b
+                }
+            });
+            patterns.push(variant.collect());
+        }
+    }
+    LiteralSearch::new(&patterns)
+});
+
+/// Finds any of a few literals: Teddy when available, else an automaton.
+enum LiteralSearch {
+    Packed(aho_corasick::packed::Searcher),
+    Automaton(AhoCorasick),
+}
+
+impl LiteralSearch {
+    fn new(patterns: &[Vec<u8>]) -> LiteralSearch {
+        match aho_corasick::packed::Config::new()
+            .builder()
+            .extend(patterns)
+            .build()
+        {
+            Some(packed) => LiteralSearch::Packed(packed),
+            None => LiteralSearch::Automaton(
+                AhoCorasick::builder()
+                    .kind(Some(AhoCorasickKind::DFA))
+                    .build(patterns)
+                    .expect("valid patterns"),
+            ),
+        }
+    }
+
+    /// Whether `accept(pattern id, start)` holds for a match of the leftmost-first
+    /// non-overlapping search.
+    fn any(&self, haystack: &[u8], mut accept: impl FnMut(usize, usize) -> bool) -> bool {
+        match self {
+            LiteralSearch::Packed(p) => p
+                .find_iter(haystack)
+                .any(|m| accept(m.pattern().as_usize(), m.start())),
+            LiteralSearch::Automaton(a) => a
+                .find_iter(haystack)
+                .any(|m| accept(m.pattern().as_usize(), m.start())),
+        }
+    }
+}
 
 /// Credentials in free text redacted, everything else kept: credential-shaped strings, the
 /// credential after an authorization scheme, and values assigned to credential names. The
@@ -324,9 +415,52 @@ fn may_be_secret_name(name: &str) -> bool {
     !name.is_ascii() || NAME_PARTS.is_match(name)
 }
 
-/// Whether [`text`] would change `s`.
+/// Whether [`text`] would change `s`. Most strings of an agent's request are prose and
+/// schemas, and a few fast passes clear them; only a string where a rule could match is given
+/// to [`text`] itself:
+/// - a credential shape needs one of its prefixes, and an authorization scheme its name
+///   ([`SHAPE_OR_SCHEME`]; `ſ` by itself, see [`SCHEME_NAMES`]);
+/// - a credential assignment needs `:` or `=` after an optional quote and spaces or tabs,
+///   right after a name that holds a credential name part: the regex's name ends where the
+///   run of name characters before the separator ends, none of them can start a separator.
+///
+/// Non-overlapping matches suffice: a scheme's first letters can hide only a match that starts
+/// inside a word, where the shape rules (`\b` first, but the PEM header, which starts with
+/// `-`) cannot match; every other match is checked.
 fn text_changes(s: &str) -> bool {
-    text(s) != s
+    let bytes = s.as_bytes();
+    let shapes = SHAPE_PREFIXES.len();
+    let maybe = SHAPE_OR_SCHEME.any(bytes, |id, start| {
+        id < shapes || {
+            let word = &bytes[start..];
+            word.get(..6)
+                .is_some_and(|w| w.eq_ignore_ascii_case(b"bearer"))
+                || word
+                    .get(..5)
+                    .is_some_and(|w| w.eq_ignore_ascii_case(b"basic"))
+        }
+    }) || memchr::memchr(0xC5, bytes).is_some_and(|_| s.contains('\u{17F}'))
+        || memchr::memchr2_iter(b':', b'=', bytes).any(|sep| secret_name_before(&bytes[..sep]));
+    maybe && text(s) != s
+}
+
+/// Whether `before`, the text before a `:` or `=`, ends as [`ASSIGNMENT`]'s name and
+/// separator would (a name, an optional quote, spaces or tabs), with a credential name part
+/// in the name.
+fn secret_name_before(before: &[u8]) -> bool {
+    let is_name = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
+    let mut end = before.len();
+    while end > 0 && matches!(before[end - 1], b' ' | b'\t') {
+        end -= 1;
+    }
+    if end > 0 && matches!(before[end - 1], b'"' | b'\'') {
+        end -= 1;
+    }
+    let start = before[..end]
+        .iter()
+        .rposition(|b| !is_name(b))
+        .map_or(0, |i| i + 1);
+    start < end && NAME_PARTS.is_match(&before[start..end])
 }
 
 /// Walks a JSON document as [`redact_value`] would, answering whether anything in it would be
@@ -626,6 +760,91 @@ mod tests {
         let plain = "The tokens were counted; I like keyboards and sk- prefixes. A basic \
                      understanding of bearer tokens. The key: it is here. max_tokens: 5";
         assert_eq!(text(plain), plain);
+    }
+
+    /// Text made of the pieces the rules look for: names, separators, prefixes, schemes.
+    fn rule_pieces() -> impl Strategy<Value = String> {
+        let piece = prop::sample::select(vec![
+            "key",
+            "api_key",
+            "Token",
+            "accessToken",
+            "PASS",
+            "cache_key",
+            "=",
+            ":",
+            " ",
+            "\"",
+            "'",
+            "\t",
+            "\n",
+            ",",
+            ".",
+            "-",
+            "_",
+            "x",
+            "sk-",
+            "ghp_",
+            "eyJ",
+            "AKIA",
+            "hf_",
+            "-----BEGIN RSA PRIVATE KEY-----",
+            "Bearer ",
+            "basic ",
+            "ba\u{17F}ic ",
+            "\u{212A}ey",
+            "abcdefghijklmnopqrstu",
+            "ABCDEFGHIJKLMNOP",
+            "0123456789",
+            "[redacted]",
+            "pas",
+            "s",
+            "k-",
+            "bas",
+            "ic",
+            "bea",
+            "rer",
+            "to",
+            "ken",
+            "-----",
+        ]);
+        prop::collection::vec(piece, 0..14).prop_map(|v| v.concat())
+    }
+
+    proptest! {
+        /// The scan's one-pass prefilter never clears a text the rules would change, and
+        /// never flags one they leave alone.
+        #[test]
+        fn text_changes_is_exactly_whether_text_changes(s in rule_pieces()) {
+            prop_assert_eq!(text_changes(&s), text(&s) != s.as_str(), "{:?}", s);
+        }
+    }
+
+    #[test]
+    fn every_credential_shape_passes_the_prefilter() {
+        for secret in [
+            "sk-abcdefghijklmnop1234",
+            "ghp_abcdefghijklmnopqrstuvwx",
+            "gho_abcdefghijklmnopqrstuvwx",
+            "ghu_abcdefghijklmnopqrstuvwx",
+            "ghs_abcdefghijklmnopqrstuvwx",
+            "ghr_abcdefghijklmnopqrstuvwx",
+            "github_pat_abcdefghijklmnopqrstuvwx",
+            "hf_abcdefghijklmnopqrstuvwx",
+            "xoxb-1234567890abc",
+            "AIzaabcdefghijklmnopqrstuvwxyz0123456",
+            "AKIAABCDEFGHIJKLMNOP",
+            "ASIAABCDEFGHIJKLMNOP",
+            "glpat-abcdefghijklmnop12",
+            "rk_live_abcdefghij12",
+            "pk_test_abcdefghij12",
+            "eyJhbGciOiJIUzI1.eyJzdWIiOiIx.sig",
+            "-----BEGIN PRIVATE KEY-----\nMIIE\n-----END PRIVATE KEY-----",
+        ] {
+            let prose = format!("the value is {secret} as given");
+            assert_ne!(text(&prose), prose, "the rules miss {secret}");
+            assert!(text_changes(&prose), "the prefilter clears {secret}");
+        }
     }
 
     /// A random JSON value (no secrets of its own: lower-case letters and digits only).
