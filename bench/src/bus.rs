@@ -145,7 +145,7 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
     for s in 0..args.sessions {
         let mut batch = shape.records(&format!("bench-{s}"), s as u64 + 1);
         for r in &mut batch {
-            r.request.body = Some(tokentap_schema::RawBody::from_value(&body));
+            r.request.body = Some(tokentap_schema::RawJson::from_value(&body));
             r.request.body_bytes = args.body_bytes as u64;
             let mut line = Vec::new();
             tokentap_schema::ndjson::encode_line(r, &mut line)?;

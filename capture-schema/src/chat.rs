@@ -9,6 +9,8 @@ use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::raw_json::RawJson;
+
 /// A chat request as sent to the inference backend.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 pub struct ChatRequest {
@@ -155,9 +157,11 @@ pub struct ToolSpec {
     pub name: String,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub description: Option<String>,
-    /// JSON Schema of the arguments.
+    /// JSON Schema of the arguments, as the harness wrote it: passed to the engine as text
+    /// (agents send dozens of schemas per call; building each as a tree cost a tenth of the
+    /// proxy's time).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub parameters: Option<Value>,
+    pub parameters: Option<RawJson>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub strict: Option<bool>,
 }

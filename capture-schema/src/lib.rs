@@ -6,11 +6,13 @@
 pub mod chat;
 pub mod compact;
 pub mod ndjson;
+pub mod raw_json;
 pub mod record;
 pub mod ship;
 pub mod trajectory;
 
 pub use chat::*;
+pub use raw_json::RawJson;
 pub use record::*;
 pub use trajectory::*;
 

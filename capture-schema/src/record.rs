@@ -4,10 +4,9 @@ use std::collections::BTreeMap;
 
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
-use serde_json::value::RawValue;
-use serde_json::Value;
 
 use crate::chat::{AssistantMessage, ChatRequest, FinishReason, Usage};
+use crate::raw_json::RawJson;
 
 /// Version of the record layout; bumped on any incompatible change. Readers take every
 /// version up to this one.
@@ -167,77 +166,10 @@ pub struct HarnessRequest {
     /// between tokens as spaces, unless redaction replaced something); absent when it was not
     /// valid JSON (see `body_text`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub body: Option<RawBody>,
+    pub body: Option<RawJson>,
     /// The body as text (lossy UTF-8, at most 64 KiB) when it was not valid JSON.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub body_text: Option<String>,
-}
-
-/// A JSON body kept as its text: written into a record as it is (no tree built, no
-/// re-serialization), read back without parsing what is inside.
-///
-/// Never holds a line break: a record is one line of NDJSON, and in valid JSON a raw CR or LF
-/// can only be whitespace between tokens (inside a string it is escaped), so each becomes a
-/// space and the value is unchanged, whether the body came from a harness or from a record
-/// someone pretty-printed.
-#[derive(Debug, Clone, Serialize)]
-#[serde(transparent)]
-pub struct RawBody(Box<RawValue>);
-
-impl RawBody {
-    /// `json`, which must be one valid JSON value (checked).
-    pub fn from_json(json: String) -> Result<RawBody, serde_json::Error> {
-        RawValue::from_string(json).map(RawBody::on_one_line)
-    }
-
-    fn on_one_line(raw: Box<RawValue>) -> RawBody {
-        if memchr::memchr2(b'\n', b'\r', raw.get().as_bytes()).is_none() {
-            return RawBody(raw);
-        }
-        let one_line = raw.get().replace(['\n', '\r'], " ");
-        RawBody(
-            RawValue::from_string(one_line).expect("whitespace for whitespace keeps JSON valid"),
-        )
-    }
-
-    /// A JSON value, serialized.
-    pub fn from_value(v: &Value) -> RawBody {
-        RawBody(serde_json::value::to_raw_value(v).expect("a JSON value always serializes"))
-    }
-
-    /// The JSON text.
-    pub fn get(&self) -> &str {
-        self.0.get()
-    }
-
-    /// The body parsed (for tests and tools; the hot paths never build this tree).
-    pub fn to_value(&self) -> Value {
-        serde_json::from_str(self.get()).expect("a RawBody holds valid JSON")
-    }
-}
-
-impl<'de> Deserialize<'de> for RawBody {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<RawBody, D::Error> {
-        Box::<RawValue>::deserialize(d).map(RawBody::on_one_line)
-    }
-}
-
-/// The same JSON value: the same text (the usual case, and cheap), or text that differs only
-/// in layout.
-impl PartialEq for RawBody {
-    fn eq(&self, other: &Self) -> bool {
-        self.get() == other.get() || self.to_value() == other.to_value()
-    }
-}
-
-impl JsonSchema for RawBody {
-    fn schema_name() -> String {
-        "RawBody".into()
-    }
-
-    fn json_schema(gen: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
-        Value::json_schema(gen)
-    }
 }
 
 impl HarnessRequest {
@@ -428,6 +360,7 @@ impl ErrorKind {
 mod tests {
     use super::*;
     use crate::ndjson;
+    use serde_json::Value;
 
     /// Found by the Qwen Code over Messages end-to-end test: a harness that sends its body
     /// pretty-printed put raw line breaks into the record's line, and the spool reader saw a
@@ -435,7 +368,7 @@ mod tests {
     #[test]
     fn a_pretty_printed_body_stays_on_the_records_line_with_the_same_value() {
         let pretty = "{\r\n  \"model\": \"m\",\n  \"messages\": [\n    {\"role\": \"user\", \"content\": \"a\\nb\"}\n  ]\n}\n";
-        let body = RawBody::from_json(pretty.to_owned()).unwrap();
+        let body = RawJson::from_json(pretty.to_owned()).unwrap();
         assert!(!body.get().contains(['\n', '\r']), "{}", body.get());
         let value: Value = serde_json::from_str(pretty).unwrap();
         assert_eq!(body.to_value(), value);
@@ -453,9 +386,9 @@ mod tests {
         let read = read.body.unwrap();
         assert!(!read.get().contains(['\n', '\r']), "{}", read.get());
         assert_eq!(read, body);
-        assert_ne!(read, RawBody::from_json("{}".to_owned()).unwrap());
+        assert_ne!(read, RawJson::from_json("{}".to_owned()).unwrap());
         // Invalid JSON is still refused, line breaks or not.
-        assert!(RawBody::from_json("{\"a\":\n}".to_owned()).is_err());
-        assert!(RawBody::from_json("\"a\nb\"".to_owned()).is_err());
+        assert!(RawJson::from_json("{\"a\":\n}".to_owned()).is_err());
+        assert!(RawJson::from_json("\"a\nb\"".to_owned()).is_err());
     }
 }

@@ -18,7 +18,7 @@ use aho_corasick::{AhoCorasick, AhoCorasickKind};
 use regex::{Captures, Regex};
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
 use serde_json::{Map, Value};
-use tokentap_schema::RawBody;
+use tokentap_schema::RawJson;
 
 pub const REDACTED: &str = "[redacted]";
 
@@ -378,7 +378,7 @@ pub fn recorded_request(mut r: tokentap_schema::ChatRequest) -> tokentap_schema:
 
 /// A harness body as a record keeps it.
 pub struct RecordedBody {
-    pub body: RawBody,
+    pub body: RawJson,
     /// The harness's own bytes (nothing needed redacting): the conversation can be parsed
     /// from it again, so a record need not keep it twice.
     pub verbatim: bool,
@@ -394,7 +394,7 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
     if !needs {
         // The scan read every string as UTF-8 and the rest is JSON's ASCII.
         let text = String::from_utf8(bytes.to_vec()).ok()?;
-        if let Ok(body) = RawBody::from_json(text) {
+        if let Ok(body) = RawJson::from_json(text) {
             return Some(RecordedBody {
                 body,
                 verbatim: true,
@@ -403,7 +403,7 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
     }
     let v: Value = serde_json::from_slice(bytes).ok()?;
     Some(RecordedBody {
-        body: RawBody::from_value(&body(v)),
+        body: RawJson::from_value(&body(v)),
         verbatim: false,
     })
 }

@@ -11,7 +11,7 @@
 use std::borrow::Cow;
 
 use tokentap_schema::{
-    CaptureRecord, ChatMessage, ChatRequest, ConversationSource, Normalization, RawBody, ToolSpec,
+    CaptureRecord, ChatMessage, ChatRequest, ConversationSource, Normalization, RawJson, ToolSpec,
     WireApi,
 };
 
@@ -61,7 +61,7 @@ pub fn backend_request(record: &CaptureRecord) -> Result<Option<Cow<'_, ChatRequ
 /// normalizations.
 pub fn conversation(
     api: WireApi,
-    body: &RawBody,
+    body: &RawJson,
     normalizations: &[Normalization],
 ) -> Result<(Vec<ChatMessage>, Vec<ToolSpec>), String> {
     let codec = codec(api).ok_or("no wire API to parse the harness body with")?;

@@ -24,6 +24,7 @@ use tokentap_proxy::wire::chat_completions::ChatCompletions;
 use tokentap_proxy::wire::messages::Messages;
 use tokentap_proxy::wire::responses::Responses;
 use tokentap_proxy::wire::{ResponseMeta, WireCodec};
+use tokentap_schema::RawJson;
 
 // ---------------------------------------------------------------------------------------
 // The model of a request.
@@ -338,7 +339,7 @@ fn render(c: &Conversation, api: &str) -> (Value, ChatRequest) {
         .map(|(n, d)| ToolSpec {
             name: n.clone(),
             description: d.clone(),
-            parameters: Some(schema()),
+            parameters: Some(RawJson::from_value(&schema())),
             strict: None,
         })
         .collect();

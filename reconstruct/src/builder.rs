@@ -20,7 +20,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde_json::Value;
 use tokentap_schema::{
     AssistantMessage, CaptureRecord, ChatMessage, ConversationSource, FinishReason, Normalization,
-    RawBody, SessionStats, SplitCause, SplitPoint, Strategy, ToolSpec, Trace, TraceCall, WireApi,
+    RawJson, SessionStats, SplitCause, SplitPoint, Strategy, ToolSpec, Trace, TraceCall, WireApi,
     TRAJECTORY_SCHEMA_VERSION,
 };
 
@@ -81,7 +81,7 @@ enum TipConversation {
     /// Kept as the harness body (capture schema 2), parsed only if this tip ends a trace:
     /// most tips are merged into the next call and never shown.
     Body {
-        body: RawBody,
+        body: RawJson,
         wire_api: WireApi,
         normalizations: Vec<Normalization>,
         answer: Option<AssistantMessage>,

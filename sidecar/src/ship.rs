@@ -648,7 +648,7 @@ mod tests {
         }
         .records("old-worker", 3);
         // One record no batch of this worker can hold.
-        records[17].request.body = Some(tokentap_schema::RawBody::from_value(
+        records[17].request.body = Some(tokentap_schema::RawJson::from_value(
             &json!({"padding": "p".repeat(2 * LIMIT)}),
         ));
         let too_big = records[17].record_id.clone();

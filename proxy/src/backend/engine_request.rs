@@ -4,6 +4,7 @@
 use serde::ser::{SerializeMap, Serializer};
 use serde::Serialize;
 use serde_json::Value;
+use tokentap_schema::RawJson;
 
 use crate::canonical::{ChatMessage, ChatRequest, ContentPart, ToolCall, ToolSpec};
 
@@ -258,7 +259,7 @@ struct FunctionSpec<'a> {
     #[serde(skip_serializing_if = "Option::is_none")]
     description: Option<&'a str>,
     #[serde(skip_serializing_if = "Option::is_none")]
-    parameters: Option<&'a Value>,
+    parameters: Option<&'a RawJson>,
     #[serde(skip_serializing_if = "Option::is_none")]
     strict: Option<bool>,
 }

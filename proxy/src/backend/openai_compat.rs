@@ -427,6 +427,7 @@ mod tests {
     use crate::backend::vllm::VllmDialect;
     use crate::backend::BackendKind;
     use crate::canonical::{ChatMessage, ContentPart, Role, SamplingParams, ToolCall, ToolSpec};
+    use tokentap_schema::RawJson;
 
     /// Found by fuzz/fuzz_targets/openai_compat_chunk.rs: an id past `u32::MAX` was cast, so
     /// 15500000001954555 was recorded as token 4196569851.
@@ -696,7 +697,7 @@ mod tests {
                         f.insert("description".into(), json!(d));
                     }
                     if let Some(p) = &t.parameters {
-                        f.insert("parameters".into(), p.clone());
+                        f.insert("parameters".into(), p.to_value());
                     }
                     if let Some(s) = t.strict {
                         f.insert("strict".into(), json!(s));
@@ -816,9 +817,9 @@ mod tests {
                 ToolSpec {
                     name: "get_weather".into(),
                     description: Some("Current weather".into()),
-                    parameters: Some(
-                        json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
-                    ),
+                    parameters: Some(RawJson::from_value(
+                        &json!({"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}),
+                    )),
                     strict: Some(true),
                 },
                 ToolSpec {

@@ -2,7 +2,7 @@
 
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokentap_schema::{ErrorKind, Normalization, WireApi};
+use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
 use super::{sse_data, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
@@ -179,8 +179,9 @@ struct WireFunction {
     name: String,
     #[serde(default)]
     description: Option<String>,
+    /// Kept as text, not parsed into a tree: see [`ToolSpec::parameters`].
     #[serde(default)]
-    parameters: Option<Value>,
+    parameters: Option<RawJson>,
     #[serde(default)]
     strict: Option<bool>,
 }

@@ -48,7 +48,7 @@ use std::collections::{BTreeMap, HashSet};
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokentap_schema::{ErrorKind, Normalization, WireApi};
+use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
 use super::chat_completions::parse_json_body;
 use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
@@ -636,7 +636,7 @@ fn tools(
         specs.push(ToolSpec {
             name: c.name,
             description: c.description,
-            parameters: c.input_schema,
+            parameters: c.input_schema.as_ref().map(RawJson::from_value),
             strict: c.strict,
         });
     }
@@ -1344,7 +1344,10 @@ mod tests {
         assert_eq!(r.messages[5].joined_text(), "no such file");
         assert_eq!(r.messages[6].joined_text(), "continue");
         assert_eq!(r.tools.len(), 2);
-        assert_eq!(r.tools[0].parameters, Some(json!({"type": "object"})));
+        assert_eq!(
+            r.tools[0].parameters,
+            Some(RawJson::from_value(&json!({"type": "object"})))
+        );
         assert_eq!(r.tool_choice, Some(json!("required")));
         assert_eq!(r.extra.get("parallel_tool_calls"), Some(&json!(false)));
         let k = kinds(&p);

@@ -15,7 +15,7 @@ use std::collections::HashSet;
 use serde::de::DeserializeOwned;
 use serde::Deserialize;
 use serde_json::{json, Map, Value};
-use tokentap_schema::{ErrorKind, Normalization, WireApi};
+use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
 use super::chat_completions::{error_json, parse_json_body};
 use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
@@ -142,8 +142,9 @@ struct WireTool {
     name: Option<String>,
     #[serde(default)]
     description: Option<String>,
+    /// Kept as text, not parsed into a tree: see [`ToolSpec::parameters`].
     #[serde(default)]
-    parameters: Option<Value>,
+    parameters: Option<RawJson>,
     #[serde(default)]
     strict: Option<bool>,
     /// The functions of a `namespace` tool.
@@ -1623,7 +1624,7 @@ mod tests {
             vec![ToolSpec {
                 name: "f".into(),
                 description: None,
-                parameters: Some(json!({"type": "object"})),
+                parameters: Some(RawJson::from_value(&json!({"type": "object"}))),
                 strict: Some(true),
             }]
         );
