@@ -75,7 +75,7 @@ struct WireRequest {
     #[serde(default)]
     system: Option<Value>,
     #[serde(default)]
-    tools: Option<Vec<Value>>,
+    tools: Option<Vec<WireTool>>,
     #[serde(default)]
     tool_choice: Option<Value>,
     #[serde(default)]
@@ -155,15 +155,98 @@ struct ToolReferenceBlock {
     tool_name: String,
 }
 
+/// One entry of `tools`: a tool object's small fields as a `Value` (checked and reported as
+/// before), its `input_schema` kept as text (no tree per schema: agents send dozens); any other
+/// JSON as a `Value`, refused later with its type named.
+enum WireTool {
+    Object {
+        fields: Map<String, Value>,
+        input_schema: Option<RawJson>,
+    },
+    Other(Value),
+}
+
+impl<'de> Deserialize<'de> for WireTool {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ToolVisitor;
+        impl<'de> serde::de::Visitor<'de> for ToolVisitor {
+            type Value = WireTool;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<WireTool, A::Error> {
+                let mut fields = Map::new();
+                let mut input_schema = None;
+                while let Some(key) = map.next_key::<String>()? {
+                    if key == "input_schema" {
+                        input_schema = map.next_value::<Option<RawJson>>()?;
+                    } else {
+                        fields.insert(key, map.next_value()?);
+                    }
+                }
+                Ok(WireTool::Object {
+                    fields,
+                    input_schema,
+                })
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(self, seq: A) -> Result<WireTool, A::Error> {
+                Vec::<Value>::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(|v| WireTool::Other(Value::Array(v)))
+            }
+
+            fn visit_bool<E: serde::de::Error>(self, v: bool) -> Result<WireTool, E> {
+                Ok(WireTool::Other(Value::Bool(v)))
+            }
+
+            fn visit_i64<E: serde::de::Error>(self, v: i64) -> Result<WireTool, E> {
+                Ok(WireTool::Other(v.into()))
+            }
+
+            fn visit_u64<E: serde::de::Error>(self, v: u64) -> Result<WireTool, E> {
+                Ok(WireTool::Other(v.into()))
+            }
+
+            fn visit_f64<E: serde::de::Error>(self, v: f64) -> Result<WireTool, E> {
+                Ok(WireTool::Other(v.into()))
+            }
+
+            fn visit_str<E: serde::de::Error>(self, v: &str) -> Result<WireTool, E> {
+                Ok(WireTool::Other(v.into()))
+            }
+
+            fn visit_unit<E: serde::de::Error>(self) -> Result<WireTool, E> {
+                Ok(WireTool::Other(Value::Null))
+            }
+        }
+        d.deserialize_any(ToolVisitor)
+    }
+}
+
 #[derive(Deserialize)]
 struct CustomTool {
     name: String,
     #[serde(default)]
     description: Option<String>,
     #[serde(default)]
-    input_schema: Option<Value>,
-    #[serde(default)]
     strict: Option<bool>,
+}
+
+/// What [`json_kind`] says of a value kept as text.
+fn raw_json_kind(raw: &RawJson) -> &'static str {
+    match raw.get().as_bytes().first() {
+        Some(b'{') => "an object",
+        Some(b'[') => "an array",
+        Some(b'"') => "a string",
+        Some(b't' | b'f') => "a boolean",
+        Some(b'n') => "null",
+        _ => "a number",
+    }
 }
 
 #[derive(Deserialize)]
@@ -579,13 +662,20 @@ fn image_part(b: Value, path: &str) -> Result<ContentPart, WireError> {
 
 /// Converts `tools`; server tools are dropped (and their names returned).
 fn tools(
-    list: Vec<Value>,
+    list: Vec<WireTool>,
     normalizations: &mut Vec<Normalization>,
 ) -> Result<(Vec<ToolSpec>, Vec<String>), WireError> {
     let mut specs = Vec::new();
     let mut dropped = Vec::new();
     for (i, t) in list.into_iter().enumerate() {
         let path = format!("tools[{i}]");
+        let (t, input_schema) = match t {
+            WireTool::Object {
+                fields,
+                input_schema,
+            } => (Value::Object(fields), input_schema),
+            WireTool::Other(v) => (v, None),
+        };
         if !t.is_object() {
             return Err(WireError::at(
                 path.clone(),
@@ -622,21 +712,19 @@ fn tools(
             }
         }
         let c: CustomTool = from_value_at(t, &path)?;
-        if let Some(s) = &c.input_schema {
-            if !s.is_object() {
+        if let Some(s) = &input_schema {
+            let kind = raw_json_kind(s);
+            if kind != "an object" {
                 return Err(WireError::at(
                     format!("{path}.input_schema"),
-                    format!(
-                        "'{path}.input_schema' must be a JSON Schema object, got {}.",
-                        json_kind(s)
-                    ),
+                    format!("'{path}.input_schema' must be a JSON Schema object, got {kind}."),
                 ));
             }
         }
         specs.push(ToolSpec {
             name: c.name,
             description: c.description,
-            parameters: c.input_schema.as_ref().map(RawJson::from_value),
+            parameters: input_schema,
             strict: c.strict,
         });
     }
