@@ -189,9 +189,11 @@ struct WireFunction {
 /// Parses JSON text into `T`, naming the failing field path in the error.
 ///
 /// One pass straight from the bytes: no `Value` tree of the whole body first (it cost more
-/// than the typed parse itself on a 40 KB agent request). The errors stay those of a
-/// two-step parse: any syntax error anywhere wins over a field's wrong type, and a field's
-/// error names its path without the byte position.
+/// than the typed parse itself on a 40 KB agent request). The errors stay those of the
+/// two-step parse: a syntax error anywhere wins over a field's wrong type, and a field's error
+/// is the one the `Value` path gives (reading bytes, serde_json reports some type errors as
+/// syntax: an enum given a number is "expected value"). Both are worked out only on the error
+/// path.
 pub(crate) fn parse_json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, WireError> {
     if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
         return Err(match syntax_error(body) {
@@ -202,19 +204,32 @@ pub(crate) fn parse_json_body<T: serde::de::DeserializeOwned>(body: &[u8]) -> Re
     let mut de = serde_json::Deserializer::from_slice(body);
     match serde_path_to_error::deserialize(&mut de) {
         Ok(v) => de.end().map(|()| v).map_err(not_json),
-        Err(e) if e.inner().is_data() => Err(match syntax_error(body) {
-            Some(syntax) => not_json(syntax),
-            None => {
-                let path = e.path().to_string();
-                let inner = without_position(e.into_inner());
-                if path == "." {
-                    WireError::new(format!("Invalid request: {inner}"))
-                } else {
-                    WireError::at(path.clone(), format!("Invalid value for '{path}': {inner}"))
+        Err(direct) => {
+            if let Some(syntax) = syntax_error(body) {
+                return Err(not_json(syntax));
+            }
+            match serde_json::from_slice::<Value>(body).map(serde_path_to_error::deserialize) {
+                // The `Value` path takes what the bytes refuse: a repeated key, the last one
+                // counting (rare enough to parse twice).
+                Ok(Ok(v)) => Ok(v),
+                Ok(Err(e)) => {
+                    let path = e.path().to_string();
+                    Err(field_error(path, e.into_inner().to_string()))
+                }
+                Err(_) => {
+                    let path = direct.path().to_string();
+                    Err(field_error(path, without_position(direct.into_inner())))
                 }
             }
-        }),
-        Err(e) => Err(not_json(e.into_inner())),
+        }
+    }
+}
+
+fn field_error(path: String, inner: String) -> WireError {
+    if path == "." {
+        WireError::new(format!("Invalid request: {inner}"))
+    } else {
+        WireError::at(path.clone(), format!("Invalid value for '{path}': {inner}"))
     }
 }
 
@@ -625,6 +640,20 @@ mod tests {
             e.message.contains("messages[0].role") && e.message.contains("wizard"),
             "{e}"
         );
+        // Read from bytes, serde_json calls a number where an enum goes a syntax error
+        // ("expected value"); the body is valid JSON, so it is the field's error.
+        let e =
+            parse(json!({"model": "m", "messages": [{"role": 5, "content": "x"}]})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("messages[0].role"), "{e}");
+        assert!(e.message.contains("invalid type: integer `5`"), "{e}");
+        // A repeated key: the last one counts, as a `Value` parse had it.
+        let e = ChatCompletions
+            .parse(br#"{"model": "m", "model": 5, "messages": [{"role": "user", "content": "x"}]}"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("model"), "{e}");
+        let two =
+            br#"{"model": "a", "model": "b", "messages": [{"role": "user", "content": "x"}]}"#;
+        assert_eq!(ChatCompletions.parse(two).unwrap().request.model, "b");
         let e = parse(json!({"messages": []})).unwrap_err();
         assert!(e.message.contains("model"), "{e}");
         let e = parse(json!({"model": "m", "messages": "hi"})).unwrap_err();
