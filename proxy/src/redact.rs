@@ -227,22 +227,22 @@ const SHAPE_PREFIXES: [&str; 19] = [
 
 /// The starts of what the first two rules of [`text`] look for, for one pass over a string:
 /// [`SHAPE_PREFIXES`] as they are (that regex is case-sensitive), then the first three
-/// letters of `bearer` and `basic` in every ASCII case (pattern ids in that order). Teddy
-/// (SIMD) where the CPU has it: an automaton over every byte of every string cost more than
-/// the JSON scan itself.
+/// letters of each ASCII word of [`SCHEME_WORDS`] in every ASCII case (pattern ids in that
+/// order). Teddy (SIMD) where the CPU has it: an automaton over every byte of every string
+/// cost more than the JSON scan itself.
 static SHAPE_OR_SCHEME: LazyLock<LiteralSearch> = LazyLock::new(|| {
     let mut patterns: Vec<Vec<u8>> = SHAPE_PREFIXES
         .iter()
         .map(|p| p.as_bytes().to_vec())
         .collect();
-    for word in [b"bea", b"bas"] {
+    for word in SCHEME_WORDS.iter().filter(|w| w.is_ascii()) {
+        let start = &word.as_bytes()[..3];
         for case in 0..8u8 {
-            let variant = (0..3).map(|i| {
-                let b = word[i];
+            let variant = start.iter().enumerate().map(|(i, b)| {
                 if case & (1 << i) != 0 {
                     b.to_ascii_uppercase()
                 } else {
-                    b
+                    *b
                 }
             });
             patterns.push(variant.collect());
@@ -432,14 +432,17 @@ fn text_changes(s: &str) -> bool {
     let shapes = SHAPE_PREFIXES.len();
     let maybe = SHAPE_OR_SCHEME.any(bytes, |id, start| {
         id < shapes || {
-            let word = &bytes[start..];
-            word.get(..6)
-                .is_some_and(|w| w.eq_ignore_ascii_case(b"bearer"))
-                || word
-                    .get(..5)
-                    .is_some_and(|w| w.eq_ignore_ascii_case(b"basic"))
+            let here = &bytes[start..];
+            SCHEME_WORDS.iter().filter(|w| w.is_ascii()).any(|w| {
+                here.get(..w.len())
+                    .is_some_and(|h| h.eq_ignore_ascii_case(w.as_bytes()))
+            })
         }
-    }) || memchr::memchr(0xC5, bytes).is_some_and(|_| s.contains('\u{17F}'))
+    }) || SCHEME_WORDS
+        .iter()
+        .filter(|w| !w.is_ascii())
+        // The word's first byte, found by memchr, before the whole word is looked for.
+        .any(|w| memchr::memchr(w.as_bytes()[0], bytes).is_some_and(|_| s.contains(w)))
         || memchr::memchr2_iter(b':', b'=', bytes).any(|sep| secret_name_before(&bytes[..sep]));
     maybe && text(s) != s
 }

@@ -4,6 +4,7 @@
 
 pub mod chat_completions;
 mod error;
+mod json_body;
 pub mod messages;
 pub mod responses;
 

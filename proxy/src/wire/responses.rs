@@ -17,7 +17,8 @@ use serde::Deserialize;
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
-use super::chat_completions::{error_json, parse_json_body};
+use super::chat_completions::error_json;
+use super::json_body::parse_json_body;
 use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
