@@ -118,9 +118,12 @@ pub fn check_events(events: &[GenerationEvent], ended_ok: bool, input: &[u8]) {
 
 /// One engine target: bit 3 of byte 0 picks a whole answer (JSON) or a stream (SSE); a stream
 /// is decoded whole, cut where the input says, and (when short) byte by byte, and all three
-/// must agree.
+/// must agree. Either way the body, read as one answer, decodes the same through the fast lane
+/// as through serde_json alone.
 pub fn engine(kind: BackendKind, data: &[u8]) {
     let (flags, cuts, body) = cuts(data);
+    // The fast lane reads exactly what serde_json reads (proxy/src/backend/json_lane.rs).
+    assert!(decode::lane_agrees(body), "the fast lane and serde_json disagree");
     if flags & 1 == 0 {
         match decode::whole(kind, body) {
             Ok(events) => check_events(&events, true, body),

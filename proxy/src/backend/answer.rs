@@ -12,13 +12,20 @@
 //!
 //! Each type says what it makes of each JSON type ([`Lenient`], "absent" by default) and one
 //! visitor ([`Seed`]) drives them all.
+//!
+//! [`decode`] first tries the fast lane ([`json_lane`]): objects and arrays walked by hand, ids
+//! read by a digit loop, every other value read by serde_json in place. The lane only ever
+//! gives what serde_json gives; where it cannot tell, the whole answer goes through serde_json.
 
 use std::borrow::Cow;
 use std::fmt;
 use std::marker::PhantomData;
 
 use serde::de::{DeserializeSeed, Deserializer, MapAccess, SeqAccess, Visitor};
+use serde::Deserialize;
 use serde_json::Value;
+
+use super::json_lane::{self, Read};
 
 /// A type read from any JSON value: each method is one JSON type, and a type it does not
 /// expect gives `Default` (absent), never an error. Containers are read through (so their
@@ -55,6 +62,29 @@ pub(crate) trait Lenient<'de>: Default {
             map.next_value_seed(Seed::<Skip>::NEW)?;
         }
         Ok(Self::default())
+    }
+    /// The fast lane's reader of this type from the start of `json`, `depth` containers deep
+    /// ([`json_lane`]): the value and the bytes it took, exactly as the methods above would
+    /// make it; `None` (the default) to have serde_json read it.
+    fn lane(_json: &'de [u8], _depth: usize) -> Read<Self> {
+        None
+    }
+}
+
+/// Reads a `T` from the start of `json` in the fast lane: by its own lane reader, else by
+/// serde_json in place.
+fn lane_value<'de, T: Lenient<'de>>(json: &'de [u8], depth: usize) -> Read<T> {
+    T::lane(json, depth).or_else(|| {
+        json_lane::serde_value::<SerdeRead<T>>(json, depth).map(|(SerdeRead(v), n)| (v, n))
+    })
+}
+
+/// A `T` read by serde_json (through [`Seed`]), for `json_lane::serde_value`.
+struct SerdeRead<T>(T);
+
+impl<'de, T: Lenient<'de>> Deserialize<'de> for SerdeRead<T> {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        Seed::<T>::NEW.deserialize(d).map(SerdeRead)
     }
 }
 
@@ -116,6 +146,14 @@ impl<'de, T: Lenient<'de>> Visitor<'de> for Seed<T> {
 
 /// Decodes one JSON document (as `serde_json::from_slice` would: trailing whitespace only).
 pub(crate) fn decode<'de, T: Lenient<'de>>(json: &'de [u8]) -> serde_json::Result<T> {
+    if let Some(v) = json_lane::document(json, |json| T::lane(json, 0)) {
+        return Ok(v);
+    }
+    decode_by_serde(json)
+}
+
+/// [`decode`] without the fast lane: the reference the lane is tested against.
+pub(crate) fn decode_by_serde<'de, T: Lenient<'de>>(json: &'de [u8]) -> serde_json::Result<T> {
     let mut de = serde_json::Deserializer::from_slice(json);
     let v = Seed::<T>::NEW.deserialize(&mut de)?;
     de.end()?;
@@ -205,6 +243,9 @@ impl<'de> Lenient<'de> for Ids {
         }
         Ok(Ids(all.then_some(ids)))
     }
+    fn lane(json: &'de [u8], depth: usize) -> Read<Self> {
+        json_lane::compact_ids(json, depth).map(|(ids, n)| (Ids(Some(ids)), n))
+    }
 }
 
 /// A JSON array of `T`s; absent for any other type.
@@ -225,6 +266,15 @@ impl<'de, T: Lenient<'de>> Lenient<'de> for List<T> {
         }
         Ok(List(Some(items)))
     }
+    fn lane(json: &'de [u8], depth: usize) -> Read<Self> {
+        let mut items = Vec::new();
+        let n = json_lane::array(json, depth, |_, rest, depth| {
+            let (item, n) = lane_value::<T>(rest, depth)?;
+            items.push(item);
+            Some(n)
+        })?;
+        Some((List(Some(items)), n))
+    }
 }
 
 /// The first element of a JSON array (the rest are skipped); absent for an empty array or any
@@ -243,6 +293,19 @@ impl<'de, T: Lenient<'de>> Lenient<'de> for First<T> {
         let first = seq.next_element_seed(Seed::<T>::NEW)?;
         while seq.next_element_seed(Seed::<Skip>::NEW)?.is_some() {}
         Ok(First(first))
+    }
+    fn lane(json: &'de [u8], depth: usize) -> Read<Self> {
+        let mut first = None;
+        let n = json_lane::array(json, depth, |index, rest, depth| {
+            if index == 0 {
+                let (item, n) = lane_value::<T>(rest, depth)?;
+                first = Some(item);
+                Some(n)
+            } else {
+                lane_value::<Skip>(rest, depth).map(|(_, n)| n)
+            }
+        })?;
+        Some((First(first), n))
     }
 }
 
@@ -304,6 +367,17 @@ macro_rules! object_fields {
                     }
                 }
                 Ok(out)
+            }
+            fn lane(json: &$de [u8], depth: usize) -> Read<Self> {
+                let mut out = Self::default();
+                let n = json_lane::object(json, depth, |key, rest, depth| match key {
+                    $($key => lane_value(rest, depth).map(|(v, n)| {
+                        out.$field = v;
+                        n
+                    }),)*
+                    _ => lane_value::<Skip>(rest, depth).map(|(_, n)| n),
+                })?;
+                Some((out, n))
             }
         }
     };

@@ -9,10 +9,13 @@
 
 mod answer;
 #[cfg(test)]
+mod answer_lane_tests;
+#[cfg(test)]
 mod contract_tests;
 mod engine_request;
 mod error;
 mod interface;
+mod json_lane;
 mod llamacpp;
 mod openai_compat;
 mod sglang;
@@ -86,6 +89,18 @@ pub mod decode {
     /// Token ids from a JSON array of integers (`None` unless every element is one).
     pub fn id_array(v: Option<&Value>) -> Option<Vec<u32>> {
         answer::from_value::<Ids>(v?).0
+    }
+
+    /// Whether an answer or chunk `json` decodes the same with the fast lane as by serde_json
+    /// alone (the same fields and ids, or the same error): the lane's one promise.
+    pub fn lane_agrees(json: &[u8]) -> bool {
+        fn shown<T: std::fmt::Debug>(r: serde_json::Result<T>) -> String {
+            match r {
+                Ok(v) => format!("{v:?}"),
+                Err(e) => format!("error: {e}"),
+            }
+        }
+        shown(answer::decode::<Answer>(json)) == shown(answer::decode_by_serde::<Answer>(json))
     }
 }
 
