@@ -1,5 +1,5 @@
 //! The Messages request parser (proxy/src/wire/messages.rs), on any request body.
-//! Invariants: tokentap_fuzz::wire_request.
+//! Invariants: tokentap_fuzz::wire_request, tokentap_fuzz::recorded_body.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -8,5 +8,6 @@ use tokentap_proxy::wire::WireCodec;
 
 fuzz_target!(|data: &[u8]| {
     tokentap_fuzz::wire_request(&Messages, Messages.parse(data));
+    tokentap_fuzz::recorded_body(data);
     tokentap_fuzz::wire_request(&Messages, Messages.parse_count_tokens(data));
 });

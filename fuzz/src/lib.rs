@@ -149,6 +149,15 @@ pub fn engine(kind: BackendKind, data: &[u8]) {
     }
 }
 
+/// The invariant of the record's copy of any request body: the byte pass that lets a body be
+/// kept as it is never clears one the scan would redact (proxy/src/redact.rs).
+pub fn recorded_body(body: &[u8]) {
+    assert!(
+        tokentap_proxy::redact::byte_pass_is_sound(body),
+        "the byte pass cleared a body with something to redact"
+    );
+}
+
 /// The invariants of a wire API's request parser on any body:
 /// - a refusal renders as the API's own 400 error, valid JSON;
 /// - an accepted request is a canonical request that serializes (it is recorded) and reads

@@ -274,6 +274,16 @@ impl LiteralSearch {
         }
     }
 
+    /// The pattern id and start of the leftmost-first match starting at `from` or later.
+    fn find_from(&self, haystack: &[u8], from: usize) -> Option<(usize, usize)> {
+        let span = aho_corasick::Span::from(from..haystack.len());
+        match self {
+            LiteralSearch::Packed(p) => p.find_in(haystack, span),
+            LiteralSearch::Automaton(a) => a.find(aho_corasick::Input::new(haystack).span(span)),
+        }
+        .map(|m| (m.pattern().as_usize(), m.start()))
+    }
+
     /// Whether `accept(pattern id, start)` holds for a match of the leftmost-first
     /// non-overlapping search.
     fn any(&self, haystack: &[u8], mut accept: impl FnMut(usize, usize) -> bool) -> bool {
@@ -385,14 +395,20 @@ pub struct RecordedBody {
 }
 
 /// The JSON body `bytes` with credentials redacted as [`body`] does, built without a tree
-/// when nothing needs redacting (the usual case): one scan that visits every key and string
-/// without allocating, and the bytes kept as they are. `None` when `bytes` is not JSON.
+/// when nothing needs redacting (the usual case), and the bytes kept as they are. What is
+/// read first is the bytes themselves ([`clean_as_bytes`]: most bodies are cleared there);
+/// a body it cannot clear gets the scan that visits every key and string without
+/// allocating, and the tree walk only if that finds something. `None` when `bytes` is not
+/// JSON.
 pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
-    let mut de = serde_json::Deserializer::from_slice(bytes);
-    let needs = Scan(Under::Plain).deserialize(&mut de).ok()?;
-    de.end().ok()?;
+    let needs = !clean_as_bytes(bytes) && {
+        let mut de = serde_json::Deserializer::from_slice(bytes);
+        let needs = Scan(Under::Plain).deserialize(&mut de).ok()?;
+        de.end().ok()?;
+        needs
+    };
     if !needs {
-        // The scan read every string as UTF-8 and the rest is JSON's ASCII.
+        // Checked as UTF-8 and as JSON here: the byte pass reads neither.
         let text = String::from_utf8(bytes.to_vec()).ok()?;
         if let Ok(body) = RawJson::from_json(text) {
             return Some(RecordedBody {
@@ -406,6 +422,251 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
         body: RawJson::from_value(&body(v)),
         verbatim: false,
     })
+}
+
+/// Whether the JSON text `json` certainly holds nothing [`body`] would redact, judged from its
+/// bytes in one pass, without parsing it (a `false` says nothing: [`Scan`] then decides). The
+/// rules' cheap passes of [`text_changes`] run over the whole text at once, and every key is
+/// judged by name; what makes this sound is that a string's text and its JSON bytes differ
+/// only at escapes, and that no rule reads what an escape can stand for:
+/// - an escape stands for `"`, `\`, `/` or a control character, none of which is in a shape
+///   prefix, a scheme name or a credential name; a `\u` escape (which can stand for anything)
+///   is allowed only for a control character other than tab, and any other sends the body to
+///   the scan;
+/// - so every prefix, scheme name and `ſ` in a string is in the bytes too, and every `name:`
+///   assignment is, with its quote (`\"`) and tabs (`\t`) escaped, which the look-back reads
+///   ([`secret_name_before_in_json`]); an escape's letter only ever adds candidates;
+/// - an object key is followed by `:` and ends with an unescaped quote ([`colon_after`]); one
+///   with an escape goes to the scan, any other is its own text and is judged exactly by name
+///   (a credential name, even under a schema's `properties`, sends the body to the scan);
+///   every other `:` is in a string, as every `=` is.
+///
+/// The literal search reports every match start here (a rejected scheme match restarts one
+/// byte on): an escape's letter next to a string's text could otherwise hide a match that
+/// [`text_changes`] would see in the text.
+fn clean_as_bytes(json: &[u8]) -> bool {
+    let control_escape = |at: usize| {
+        json.get(at + 2..at + 6)
+            .and_then(|hex| std::str::from_utf8(hex).ok())
+            .and_then(|hex| u16::from_str_radix(hex, 16).ok())
+            .is_some_and(|c| c < 0x20 && c != 0x09)
+    };
+    if !memchr::memmem::find_iter(json, b"\\u").all(control_escape) {
+        return false;
+    }
+    let shapes = SHAPE_PREFIXES.len();
+    let mut from = 0;
+    while let Some((id, start)) = SHAPE_OR_SCHEME.find_from(json, from) {
+        let shape =
+            id < shapes && (SHAPE_PREFIXES[id].starts_with('-') || !word_char_before(json, start));
+        if shape || (id >= shapes && starts_with_scheme_word(&json[start..])) {
+            return false;
+        }
+        from = start + 1;
+    }
+    if SCHEME_WORDS
+        .iter()
+        .filter(|w| !w.is_ascii())
+        .any(|w| memchr::memmem::find(json, w.as_bytes()).is_some())
+    {
+        return false;
+    }
+    memchr::memchr2_iter(b':', b'=', json).all(|sep| {
+        let before = &json[..sep];
+        match colon_after(before) {
+            _ if json[sep] == b'=' => !secret_name_before_in_json(before),
+            ColonAfter::Text => !secret_name_before_in_json(before),
+            ColonAfter::PlainKey(k) => {
+                !may_be_secret_name(k) || !is_secret_name(k) || schema_parameter_name(json, sep)
+            }
+            ColonAfter::OtherKey => false,
+        }
+    })
+}
+
+/// Whether the text before `json[at]` certainly ends with an ASCII letter, digit or `_` (a
+/// word character, so no `\b` there): the byte before is one and is not an escape's letter
+/// (`\n`) or the end of a `\u` escape.
+fn word_char_before(json: &[u8], at: usize) -> bool {
+    let Some(&b) = at.checked_sub(1).and_then(|i| json.get(i)) else {
+        return false;
+    };
+    let escapes = |i: usize| quote_escaped(json, i);
+    (b.is_ascii_alphanumeric() || b == b'_')
+        && !(at >= 2 && escapes(at - 1))
+        && !(at >= 6 && json[at - 6..at - 4] == *b"\\u" && escapes(at - 5))
+}
+
+/// Whether the byte at `i` follows an odd run of backslashes (in a string: is escaped).
+fn quote_escaped(json: &[u8], i: usize) -> bool {
+    json[..i].iter().rev().take_while(|&&b| b == b'\\').count() % 2 == 1
+}
+
+/// Whether the key whose `:` is at `colon` names a parameter of a JSON Schema: its object is
+/// the value of a `properties` key whose own object is not (a parameter named `properties`
+/// would make it an ordinary object). [`Scan`] judges no name there; anything less certain
+/// (an escaped key on the way, a malformed text) is `false`.
+fn schema_parameter_name(json: &[u8], colon: usize) -> bool {
+    let Some(object) = key_open_quote(json, colon).and_then(|q| container_start(json, q)) else {
+        return false;
+    };
+    let Some(properties) = key_of_value_at(json, object).filter(|(k, _)| *k == "properties") else {
+        return false;
+    };
+    match container_start(json, properties.1) {
+        Some(outer) if json[outer] == b'{' => {
+            !matches!(key_of_value_at(json, outer), Some((k, _)) if k == "properties")
+                && value_key_is_plain(json, outer)
+        }
+        _ => false,
+    }
+}
+
+/// The opening quote of the plain key whose `:` is at `colon`.
+fn key_open_quote(json: &[u8], colon: usize) -> Option<usize> {
+    let close = json[..colon]
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))?;
+    let open = memchr::memrchr(b'"', &json[..close])?;
+    (json[close] == b'"' && !quote_escaped(json, open)).then_some(open)
+}
+
+/// Where the object or array holding the value that starts at `from` opens: back over its
+/// earlier members, strings skipped by their unescaped quotes.
+fn container_start(json: &[u8], from: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut i = from;
+    while i > 0 {
+        i -= 1;
+        match json[i] {
+            b'"' if !quote_escaped(json, i) => loop {
+                i = memchr::memrchr(b'"', &json[..i])?;
+                if !quote_escaped(json, i) {
+                    break;
+                }
+            },
+            b'}' | b']' => depth += 1,
+            b'{' | b'[' if depth == 0 => return Some(i),
+            b'{' | b'[' => depth -= 1,
+            _ => {}
+        }
+    }
+    None
+}
+
+/// The plain key (and its opening quote) whose value starts at `value`, if a key's `:` comes
+/// right before it.
+fn key_of_value_at(json: &[u8], value: usize) -> Option<(&str, usize)> {
+    let colon = json[..value]
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))?;
+    if json[colon] != b':' {
+        return None;
+    }
+    match colon_after(&json[..colon]) {
+        ColonAfter::PlainKey(k) => Some((k, key_open_quote(json, colon)?)),
+        _ => None,
+    }
+}
+
+/// Whether the object or array opening at `value` is not the value of an escaped key (which
+/// could spell `properties`).
+fn value_key_is_plain(json: &[u8], value: usize) -> bool {
+    let Some(colon) = json[..value]
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+    else {
+        return true;
+    };
+    json[colon] != b':' || matches!(colon_after(&json[..colon]), ColonAfter::PlainKey(_))
+}
+
+/// What a `:` follows in JSON text.
+enum ColonAfter<'a> {
+    /// Text inside a string (where a quote is always escaped).
+    Text,
+    /// An object key without escapes: exactly its own text.
+    PlainKey(&'a str),
+    /// An object key with an escape.
+    OtherKey,
+}
+
+/// Whether `here` starts with an ASCII word of [`SCHEME_WORDS`], in any ASCII case.
+fn starts_with_scheme_word(here: &[u8]) -> bool {
+    SCHEME_WORDS.iter().filter(|w| w.is_ascii()).any(|w| {
+        here.get(..w.len())
+            .is_some_and(|h| h.eq_ignore_ascii_case(w.as_bytes()))
+    })
+}
+
+/// What a `:` right after `before` follows: a key ends with a quote no odd run of
+/// backslashes escapes, then JSON whitespace; anything else is inside a string.
+fn colon_after(before: &[u8]) -> ColonAfter<'_> {
+    let end = before
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+        .map_or(0, |i| i + 1);
+    let escaped = |quote: usize| {
+        before[..quote]
+            .iter()
+            .rev()
+            .take_while(|&&b| b == b'\\')
+            .count()
+            % 2
+            == 1
+    };
+    if end == 0 || before[end - 1] != b'"' || escaped(end - 1) {
+        return ColonAfter::Text;
+    }
+    let close = end - 1;
+    let Some(open) = memchr::memrchr(b'"', &before[..close]) else {
+        return ColonAfter::OtherKey;
+    };
+    let key = &before[open + 1..close];
+    if key.contains(&b'\\') || escaped(open) {
+        return ColonAfter::OtherKey;
+    }
+    std::str::from_utf8(key).map_or(ColonAfter::OtherKey, ColonAfter::PlainKey)
+}
+
+/// [`secret_name_before`] on JSON text: the quote before the separator may be escaped
+/// (`\"`), and so may tabs (`\t`).
+fn secret_name_before_in_json(before: &[u8]) -> bool {
+    let is_name = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
+    let mut end = before.len();
+    loop {
+        if end >= 1 && matches!(before[end - 1], b' ' | b'\t') {
+            end -= 1;
+        } else if before[..end].ends_with(b"\\t") {
+            end -= 2;
+        } else {
+            break;
+        }
+    }
+    if before[..end].ends_with(b"\\\"") {
+        end -= 2;
+    } else if end > 0 && matches!(before[end - 1], b'"' | b'\'') {
+        end -= 1;
+    }
+    let start = before[..end]
+        .iter()
+        .rposition(|b| !is_name(b))
+        .map_or(0, |i| i + 1);
+    start < end && NAME_PARTS.is_match(&before[start..end])
+}
+
+/// For fuzzing (fuzz/): `false` only if the byte pass cleared a JSON body that the scan
+/// would redact, the one thing it must never do.
+#[doc(hidden)]
+pub fn byte_pass_is_sound(json: &[u8]) -> bool {
+    if !clean_as_bytes(json) {
+        return true;
+    }
+    let mut de = serde_json::Deserializer::from_slice(json);
+    // Not JSON: nothing is recorded from it as JSON, whatever the byte pass said.
+    Scan(Under::Plain)
+        .deserialize(&mut de)
+        .map_or(true, |needs| !needs)
 }
 
 /// Whether a name could be a credential's: the cheap test before [`is_secret_name`], which
@@ -614,6 +875,7 @@ fn redact_value(v: Value, under: Under) -> Value {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+    use proptest::strategy::ValueTree;
     use serde_json::json;
 
     #[test]
@@ -1027,5 +1289,338 @@ mod tests {
         assert!(recorded_body(b"{\"a\": 1} x").is_none());
         assert!(recorded_body(b"{\"a\": ").is_none());
         assert!(recorded_body(b"\xff").is_none());
+    }
+
+    /// A harmless text piece for [`clean_as_bytes`]'s test: words and every character an
+    /// escape can stand for.
+    fn harmless_piece() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "note",
+            "tokens",
+            "content",
+            "x",
+            "é",
+            "日本",
+            " ",
+            ":",
+            "=",
+            ",",
+            "{",
+            "}",
+            "[",
+            "]",
+            "\"",
+            "'",
+            "\t",
+            "\n",
+            "\r",
+            "\u{8}",
+            "\u{c}",
+            "\u{1b}",
+            "\\",
+            "/",
+            "0123456789",
+            "u0041",
+            "ba",
+            "ic",
+            "ASI",
+            "sk",
+            "ABCDEFGHIJKLMNOP",
+        ])
+    }
+
+    /// A piece a rule may read: a credential's name, shape, scheme or assignment, or a part.
+    fn risky_piece() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "key",
+            "api_key",
+            "Token",
+            "password",
+            "Authorization",
+            "token \\",
+            "ſ",
+            "\u{212A}ey",
+            "sk-",
+            "abcdefghijklmnopqrstu",
+            "ghp_",
+            "eyJ",
+            "AKIA",
+            "ASIA",
+            "Bearer ",
+            "basic ",
+            "bas",
+            "bea",
+            "-----BEGIN RSA PRIVATE KEY-----",
+            "password\t:x",
+            "password\":x",
+            "\"password\": \"x\"",
+            "api_key=abc",
+            "ASIAABCDEFGHIJKLMNOP",
+            "Bearer\tabcdefgh",
+            "sk-abcdefghijklmnopqrstu",
+        ])
+    }
+
+    /// An object key that may be a credential's name, or need escapes.
+    fn risky_key() -> impl Strategy<Value = &'static str> {
+        prop::sample::select(vec![
+            "api_key",
+            "apiKey",
+            "x-api-key",
+            "password",
+            "cache_key",
+            "token \\",
+            "\\token",
+            "a\"token",
+            "token\"",
+            "\"",
+            "\\",
+            "api\u{212A}ey",
+            "\u{212A}ey",
+            "note:",
+            "ſ",
+            "properties",
+            "max_tokens",
+        ])
+    }
+
+    fn harmless_text() -> impl Strategy<Value = String> {
+        prop::collection::vec(harmless_piece(), 0..6).prop_map(|p| p.concat())
+    }
+
+    /// Puts `risk` into `v` at the place `path` leads to: in a string (between harmless
+    /// text) or as a key.
+    fn plant_risk(v: &mut Value, path: &[usize], risk: &(bool, &str, String, String)) {
+        let (as_key, piece, before, after) = risk;
+        let text = format!("{before}{piece}{after}");
+        match v {
+            Value::Object(m) if !path.is_empty() && !m.is_empty() => {
+                let key = m.keys().nth(path[0] % m.len()).expect("in range").clone();
+                plant_risk(m.get_mut(&key).expect("present"), &path[1..], risk)
+            }
+            Value::Array(a) if !path.is_empty() && !a.is_empty() => {
+                let i = path[0] % a.len();
+                plant_risk(&mut a[i], &path[1..], risk)
+            }
+            Value::Object(m) if *as_key => {
+                m.insert(piece.to_string(), Value::String(before.clone()));
+            }
+            Value::Object(m) => {
+                m.insert(before.clone(), Value::String(text));
+            }
+            Value::Array(a) => a.push(Value::String(text)),
+            other => *other = Value::String(text),
+        }
+    }
+
+    /// JSON text for `v` with each string character written in one of its JSON spellings
+    /// (raw, short escape, `\u` escape, `\/`), chosen by `spelling`.
+    fn write_json_spelled(v: &Value, spelling: &mut impl Iterator<Item = u8>, out: &mut String) {
+        let string = |s: &str, out: &mut String, spelling: &mut dyn Iterator<Item = u8>| {
+            out.push('"');
+            for c in s.chars() {
+                let pick = spelling.next().unwrap_or(0);
+                let short = match c {
+                    '"' => Some("\\\""),
+                    '\\' => Some("\\\\"),
+                    '\n' => Some("\\n"),
+                    '\t' => Some("\\t"),
+                    '\r' => Some("\\r"),
+                    '\u{8}' => Some("\\b"),
+                    '\u{c}' => Some("\\f"),
+                    '/' if pick.is_multiple_of(2) => Some("\\/"),
+                    _ => None,
+                };
+                let must_escape = (c as u32) < 0x20 || c == '"' || c == '\\';
+                // `\u` for any character now and then, often for a control character.
+                let spelled_u = pick == 1 || ((c as u32) < 0x20 && pick % 4 == 1);
+                if spelled_u && (c as u32) < 0x10000 {
+                    out.push_str(&format!("\\u{:04x}", c as u32));
+                } else if let Some(e) = short.filter(|_| must_escape || pick.is_multiple_of(3)) {
+                    out.push_str(e);
+                } else if must_escape {
+                    out.push_str(&format!("\\u{:04X}", c as u32));
+                } else {
+                    out.push(c);
+                }
+            }
+            out.push('"');
+        };
+        match v {
+            Value::String(s) => string(s, out, spelling),
+            Value::Array(items) => {
+                out.push('[');
+                for (i, item) in items.iter().enumerate() {
+                    if i > 0 {
+                        out.push_str(", ");
+                    }
+                    write_json_spelled(item, spelling, out);
+                }
+                out.push(']');
+            }
+            Value::Object(m) => {
+                out.push('{');
+                for (i, (k, item)) in m.iter().enumerate() {
+                    if i > 0 {
+                        out.push(',');
+                    }
+                    string(k, out, spelling);
+                    out.push_str(if spelling.next().unwrap_or(0).is_multiple_of(2) {
+                        ":"
+                    } else {
+                        " :\t"
+                    });
+                    write_json_spelled(item, spelling, out);
+                }
+                out.push('}');
+            }
+            other => out.push_str(&other.to_string()),
+        }
+    }
+
+    /// A credential-named key at some place in and around JSON Schema `properties` (where a
+    /// parameter may be called `api_key`, and a parameter called `properties` is one too).
+    fn schema_risk() -> impl Strategy<Value = Value> {
+        let key = prop::sample::select(vec!["api_key", "token_budget", "password", "note"]);
+        let value = prop::sample::select(vec![
+            json!("abc"),
+            json!(5),
+            json!({"type": "string"}),
+            json!(null),
+            json!({}),
+        ]);
+        let shape = prop::sample::select(vec![0u8, 1, 2, 3, 4, 5, 6, 7]);
+        (key, value, shape).prop_map(|(k, v, shape)| {
+            let member = json!({ k: v });
+            match shape {
+                0 => json!({ "properties": member }),
+                1 => json!({ "properties": { "properties": member } }),
+                2 => json!({ "properties": [member] }),
+                3 => json!({ "type": "object", "properties": { "x": { "properties": member } } }),
+                4 => json!({ "api_key": { "properties": member } }),
+                // After a sibling that holds a `properties` object, the key is not in it.
+                6 => json!({ "x": { "properties": {} }, k: v }),
+                7 => json!({ "properties": { "p": { "properties": {} }, k: v } }),
+                _ => json!({ "properties": { "properties": { "properties": member } } }),
+            }
+        })
+    }
+
+    /// Puts `planted` into `v` as a member or element at the place `path` leads to.
+    fn plant_value(v: &mut Value, path: &[usize], planted: Value) {
+        match v {
+            Value::Object(m) if !path.is_empty() && !m.is_empty() => {
+                let key = m.keys().nth(path[0] % m.len()).expect("in range").clone();
+                plant_value(m.get_mut(&key).expect("present"), &path[1..], planted)
+            }
+            Value::Array(a) if !path.is_empty() && !a.is_empty() => {
+                let i = path[0] % a.len();
+                plant_value(&mut a[i], &path[1..], planted)
+            }
+            Value::Object(m) => {
+                m.insert("tool".into(), planted);
+            }
+            Value::Array(a) => a.push(planted),
+            other => *other = planted,
+        }
+    }
+
+    fn spelled_body() -> impl Strategy<Value = String> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<i32>().prop_map(Value::from),
+            harmless_text().prop_map(Value::String),
+        ];
+        let value = leaf.prop_recursive(4, 32, 5, |inner| {
+            prop_oneof![
+                prop::collection::vec(inner.clone(), 0..5).prop_map(Value::Array),
+                prop::collection::vec((harmless_text(), inner), 0..5)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        });
+        let risk = prop::option::weighted(
+            0.8,
+            (
+                prop::collection::vec(any::<usize>(), 0..5),
+                (
+                    any::<bool>(),
+                    prop_oneof![risky_piece(), risky_key()],
+                    harmless_text(),
+                    harmless_text(),
+                ),
+            ),
+        );
+        let schema = prop::option::weighted(
+            0.3,
+            (prop::collection::vec(any::<usize>(), 0..5), schema_risk()),
+        );
+        (value, risk, schema, prop::collection::vec(any::<u8>(), 64)).prop_map(
+            |(mut v, risk, schema, spelling)| {
+                if let Some((path, risk)) = risk {
+                    plant_risk(&mut v, &path, &risk);
+                }
+                if let Some((path, schema)) = schema {
+                    plant_value(&mut v, &path, schema);
+                }
+                let mut out = String::new();
+                write_json_spelled(&v, &mut spelling.into_iter().cycle(), &mut out);
+                out
+            },
+        )
+    }
+
+    fn scan(json: &[u8]) -> bool {
+        let mut de = serde_json::Deserializer::from_slice(json);
+        Scan(Under::Plain).deserialize(&mut de).expect("JSON")
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(3000))]
+
+        /// The byte pass clears a body only when the scan finds nothing to redact in it, however
+        /// its strings are spelled.
+        #[test]
+        fn a_body_clean_as_bytes_has_nothing_to_redact(json in spelled_body()) {
+            serde_json::from_str::<Value>(&json).expect("the test writes JSON");
+            if clean_as_bytes(json.as_bytes()) {
+                prop_assert!(!scan(json.as_bytes()), "cleared as bytes, but the scan redacts: {}", json);
+            }
+        }
+    }
+
+    #[test]
+    fn the_byte_pass_test_sees_both_outcomes() {
+        // Not vacuous: many generated bodies are cleared, and many redact.
+        let mut runner = proptest::test_runner::TestRunner::deterministic();
+        let (mut cleared, mut redacting) = (0, 0);
+        for _ in 0..1000 {
+            let json = spelled_body().new_tree(&mut runner).unwrap().current();
+            cleared += usize::from(clean_as_bytes(json.as_bytes()));
+            redacting += usize::from(scan(json.as_bytes()));
+        }
+        assert!(
+            cleared > 250 && redacting > 100,
+            "{cleared} cleared, {redacting} redacting"
+        );
+    }
+
+    #[test]
+    fn the_byte_pass_clears_ordinary_bodies_and_not_credentials() {
+        let ordinary = br#"{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"Read \"a.rs\":\n\tfn main() {}\u001b[0m ok"}],
+            "tools":[{"name":"f","input_schema":{"type":"object","properties":{"path":{"type":"string"}}}}]}"#;
+        assert!(clean_as_bytes(ordinary));
+        for json in [
+            r#"{"api_key":"abc"}"#,
+            r#"{"token \\":"abc"}"#,
+            r#"{"note":"see \"password\": hunter2"}"#,
+            r#"{"note":"password\t= hunter2"}"#,
+            r#"{"note":"x\bASIAABCDEFGHIJKLMNOP"}"#,
+            r#"{"note":"Bearer abcdefgh12"}"#,
+            r#"{"note":"ba\u017fic abcdefgh12"}"#,
+            r#"{"n\u006fte":"x"}"#,
+            r#"{"\u212Aey":"x"}"#,
+        ] {
+            assert!(!clean_as_bytes(json.as_bytes()), "{json}");
+        }
     }
 }

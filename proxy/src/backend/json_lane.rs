@@ -96,7 +96,10 @@ fn plain_key(json: &[u8]) -> Option<&str> {
     }
     let len = json[1..].iter().position(|&b| b == b'"')?;
     let key = &json[1..1 + len];
-    if key.iter().any(|&b| b == b'\\' || !(0x20..0x80).contains(&b)) {
+    if key
+        .iter()
+        .any(|&b| b == b'\\' || !(0x20..0x80).contains(&b))
+    {
         return None;
     }
     std::str::from_utf8(key).ok()
