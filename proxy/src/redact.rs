@@ -435,7 +435,7 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
 ///   the scan;
 /// - so every prefix, scheme name and `ſ` in a string is in the bytes too, and every `name:`
 ///   assignment is, with its quote (`\"`) and tabs (`\t`) escaped, which the look-back reads
-///   ([`secret_name_before_in_json`]); an escape's letter only ever adds candidates;
+///   ([`assigns_secret_in_json`]); an escape's letter only ever adds candidates;
 /// - an object key is followed by `:` and ends with an unescaped quote ([`colon_after`]); one
 ///   with an escape goes to the scan, any other is its own text and is judged exactly by name
 ///   (a credential name, even under a schema's `properties`, sends the body to the scan);
@@ -474,8 +474,8 @@ fn clean_as_bytes(json: &[u8]) -> bool {
     memchr::memchr2_iter(b':', b'=', json).all(|sep| {
         let before = &json[..sep];
         match colon_after(before) {
-            _ if json[sep] == b'=' => !secret_name_before_in_json(before),
-            ColonAfter::Text => !secret_name_before_in_json(before),
+            _ if json[sep] == b'=' => !assigns_secret_in_json(before),
+            ColonAfter::Text => !assigns_secret_in_json(before),
             ColonAfter::PlainKey(k) => {
                 !may_be_secret_name(k) || !is_secret_name(k) || schema_parameter_name(json, sep)
             }
@@ -629,9 +629,12 @@ fn colon_after(before: &[u8]) -> ColonAfter<'_> {
     std::str::from_utf8(key).map_or(ColonAfter::OtherKey, ColonAfter::PlainKey)
 }
 
-/// [`secret_name_before`] on JSON text: the quote before the separator may be escaped
-/// (`\"`), and so may tabs (`\t`).
-fn secret_name_before_in_json(before: &[u8]) -> bool {
+/// Whether the separator after `before` (JSON text, inside a string) ends an assignment that
+/// [`text`] redacts: the name [`ASSIGNMENT`] would capture there is a credential's. The name
+/// is read as [`secret_name_before`] reads it, with what JSON escapes: the quote before the
+/// separator may be `\"`, tabs may be `\t`, and an escape's letters (`\n` before `Signal`,
+/// `\u001b` before `password`) are not part of the name.
+fn assigns_secret_in_json(before: &[u8]) -> bool {
     let is_name = |b: &u8| b.is_ascii_alphanumeric() || matches!(b, b'_' | b'.' | b'-');
     let mut end = before.len();
     loop {
@@ -648,11 +651,28 @@ fn secret_name_before_in_json(before: &[u8]) -> bool {
     } else if end > 0 && matches!(before[end - 1], b'"' | b'\'') {
         end -= 1;
     }
-    let start = before[..end]
+    let mut start = before[..end]
         .iter()
         .rposition(|b| !is_name(b))
         .map_or(0, |i| i + 1);
-    start < end && NAME_PARTS.is_match(&before[start..end])
+    if start > 0 && quote_escaped(before, start) {
+        // The run starts with an escape's letter, or a `\u` escape's `u` and hex digits.
+        let unicode = before[start] == b'u'
+            && before
+                .get(start + 1..start + 5)
+                .is_some_and(|h| h.iter().all(u8::is_ascii_hexdigit));
+        start += if unicode { 5 } else { 1 };
+    }
+    // The regex's name starts with a letter or `_`.
+    let Some(first) = before[..end]
+        .iter()
+        .skip(start)
+        .position(|b| b.is_ascii_alphabetic() || *b == b'_')
+    else {
+        return false;
+    };
+    let name = &before[start + first..end];
+    NAME_PARTS.is_match(name) && std::str::from_utf8(name).is_ok_and(is_secret_assignment)
 }
 
 /// For fuzzing (fuzz/): `false` only if the byte pass cleared a JSON body that the scan
