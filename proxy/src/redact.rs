@@ -524,9 +524,7 @@ fn schema_parameter_name(json: &[u8], colon: usize) -> bool {
 
 /// The opening quote of the plain key whose `:` is at `colon`.
 fn key_open_quote(json: &[u8], colon: usize) -> Option<usize> {
-    let close = json[..colon]
-        .iter()
-        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))?;
+    let close = last_non_ws(&json[..colon])?;
     let open = memchr::memrchr(b'"', &json[..close])?;
     (json[close] == b'"' && !quote_escaped(json, open)).then_some(open)
 }
@@ -557,9 +555,7 @@ fn container_start(json: &[u8], from: usize) -> Option<usize> {
 /// The plain key (and its opening quote) whose value starts at `value`, if a key's `:` comes
 /// right before it.
 fn key_of_value_at(json: &[u8], value: usize) -> Option<(&str, usize)> {
-    let colon = json[..value]
-        .iter()
-        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))?;
+    let colon = last_non_ws(&json[..value])?;
     if json[colon] != b':' {
         return None;
     }
@@ -572,13 +568,17 @@ fn key_of_value_at(json: &[u8], value: usize) -> Option<(&str, usize)> {
 /// Whether the object or array opening at `value` is not the value of an escaped key (which
 /// could spell `properties`).
 fn value_key_is_plain(json: &[u8], value: usize) -> bool {
-    let Some(colon) = json[..value]
-        .iter()
-        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
-    else {
+    let Some(colon) = last_non_ws(&json[..value]) else {
         return true;
     };
     json[colon] != b':' || matches!(colon_after(&json[..colon]), ColonAfter::PlainKey(_))
+}
+
+/// Where the last byte of `bytes` that is not JSON whitespace is.
+fn last_non_ws(bytes: &[u8]) -> Option<usize> {
+    bytes
+        .iter()
+        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
 }
 
 /// What a `:` follows in JSON text.
@@ -602,19 +602,8 @@ fn starts_with_scheme_word(here: &[u8]) -> bool {
 /// What a `:` right after `before` follows: a key ends with a quote no odd run of
 /// backslashes escapes, then JSON whitespace; anything else is inside a string.
 fn colon_after(before: &[u8]) -> ColonAfter<'_> {
-    let end = before
-        .iter()
-        .rposition(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
-        .map_or(0, |i| i + 1);
-    let escaped = |quote: usize| {
-        before[..quote]
-            .iter()
-            .rev()
-            .take_while(|&&b| b == b'\\')
-            .count()
-            % 2
-            == 1
-    };
+    let end = last_non_ws(before).map_or(0, |i| i + 1);
+    let escaped = |quote: usize| quote_escaped(before, quote);
     if end == 0 || before[end - 1] != b'"' || escaped(end - 1) {
         return ColonAfter::Text;
     }
@@ -712,13 +701,7 @@ fn text_changes(s: &str) -> bool {
     let bytes = s.as_bytes();
     let shapes = SHAPE_PREFIXES.len();
     let maybe = SHAPE_OR_SCHEME.any(bytes, |id, start| {
-        id < shapes || {
-            let here = &bytes[start..];
-            SCHEME_WORDS.iter().filter(|w| w.is_ascii()).any(|w| {
-                here.get(..w.len())
-                    .is_some_and(|h| h.eq_ignore_ascii_case(w.as_bytes()))
-            })
-        }
+        id < shapes || starts_with_scheme_word(&bytes[start..])
     }) || SCHEME_WORDS
         .iter()
         .filter(|w| !w.is_ascii())
