@@ -22,7 +22,7 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::{Deserialize, Serialize};
 use tokentap_schema::{CaptureRecord, Strategy};
-use tokentap_spool::{owner_only, SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::{owner_only, Handoff, SpoolItem, SpoolPosition, SpoolReader};
 
 use crate::error::Error;
 use crate::output::{SinkMark, TraceSink};
@@ -107,6 +107,8 @@ pub struct LiveReconstructor {
     out: PathBuf,
     options: LiveOptions,
     reader: SpoolReader,
+    /// Records the spool's writer in this process handed over decoded (`tokentap worker`).
+    handoff: Option<Handoff>,
     recon: Reconstructor,
     sink: TraceSink,
     /// Finished sessions: position past their last record; only those past the last
@@ -157,6 +159,7 @@ impl LiveReconstructor {
             out: out.to_path_buf(),
             options,
             reader,
+            handoff: None,
             recon,
             sink,
             finished,
@@ -166,6 +169,13 @@ impl LiveReconstructor {
             last_checkpoint: Instant::now(),
             stats: LiveStats::default(),
         })
+    }
+
+    /// Takes records from `handoff` when the spool's writer handed them over for exactly the
+    /// line being read, instead of decoding the line again ([`Handoff`]).
+    pub fn with_handoff(mut self, handoff: Handoff) -> Self {
+        self.handoff = Some(handoff);
+        self
     }
 
     pub fn stats(&self) -> LiveStats {
@@ -185,7 +195,11 @@ impl LiveReconstructor {
         let mut read = 0;
         let mut caught_up = false;
         while read < max {
-            let Some(item) = self.reader.next_available()? else {
+            let item = match &self.handoff {
+                Some(h) => self.reader.next_available_from(h)?,
+                None => self.reader.next_available()?,
+            };
+            let Some(item) = item else {
                 caught_up = true;
                 break;
             };

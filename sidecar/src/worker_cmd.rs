@@ -29,9 +29,16 @@ use tokentap_rollout::bearer::{self, BearerToken};
 use tokentap_schema::ship::{
     decode_batch, DecodedBatch, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH,
 };
-use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter};
+use tokentap_spool::{
+    FsyncPolicy, Handoff, HandoffStats, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter,
+};
 
 use crate::reconstruct_cmd::StrategyArg;
+
+/// Line bytes of received records kept decoded for reconstruction (eight of the shippers'
+/// default 8 MiB batches). Reconstruction keeps up with ingest, so the queue is nearly
+/// always short; past this it decodes from the spool and memory stays bounded.
+const HANDOFF_BYTES: u64 = 64 << 20;
 
 #[derive(Args)]
 #[command(after_help = "Examples:
@@ -112,6 +119,7 @@ struct WorkerMetrics {
     merge_ratio: Gauge,
     violations: IntCounter,
     backlog: IntGauge,
+    handed_over: IntCounter,
     ingest_lag: Histogram,
 }
 
@@ -175,14 +183,22 @@ impl WorkerMetrics {
                 "tokentap_worker_reconstruct_backlog_records",
                 "Records durable in the worker's spool but not yet reconstructed",
             ),
+            handed_over: counter(
+                "tokentap_worker_records_handed_over_total",
+                "Records reconstruction took as ingest had decoded them (the rest it decoded \
+                 from the spool: a replay after a restart, or a backlog past the handoff's size)",
+            ),
             merge_ratio,
             ingest_lag,
             registry,
         }
     }
 
-    /// Brings the reconstruction figures up to `s` (counters only move forward).
-    fn observe(&self, s: &LiveStats, last: &mut LiveStats) {
+    /// Brings the reconstruction figures up to `s` and `handoff` (counters only move
+    /// forward).
+    fn observe(&self, s: &LiveStats, last: &mut LiveStats, handoff: &HandoffStats) {
+        self.handed_over
+            .inc_by(handoff.taken.saturating_sub(self.handed_over.get()));
         self.reconstructed
             .inc_by(s.records.saturating_sub(last.records));
         self.sessions_finished
@@ -203,6 +219,8 @@ struct Ingest {
     seen: RecentIds,
     /// Records made durable since start (for the backlog gauge).
     accepted: u64,
+    /// The durable records, decoded, for reconstruction to take instead of decoding them again.
+    handoff: Handoff,
 }
 
 #[derive(Clone)]
@@ -256,20 +274,23 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     .with_context(|| format!("opening the worker's spool at {}", spool.display()))?;
     tracing::info!(records = seen.len(), spool = %spool.display(), "worker spool opened");
     let metrics = Arc::new(WorkerMetrics::new());
+    let handoff = Handoff::new(HANDOFF_BYTES);
     let ingest = Arc::new(Mutex::new(Ingest {
         writer,
         seen,
         accepted: 0,
+        handoff: handoff.clone(),
     }));
 
     let stop = Arc::new(AtomicBool::new(false));
     let live = LiveReconstructor::open(&spool, &args.out, args.live.options())
-        .with_context(|| format!("opening the output at {}", args.out.display()))?;
+        .with_context(|| format!("opening the output at {}", args.out.display()))?
+        .with_handoff(handoff.clone());
     let live_thread = {
         let (stop, metrics, ingest) = (stop.clone(), metrics.clone(), ingest.clone());
         std::thread::Builder::new()
             .name("reconstruct".into())
-            .spawn(move || reconstruct_loop(live, &stop, &metrics, &ingest))?
+            .spawn(move || reconstruct_loop(live, &stop, &metrics, &ingest, &handoff))?
     };
 
     let state = AppState {
@@ -327,12 +348,13 @@ fn reconstruct_loop(
     stop: &AtomicBool,
     metrics: &WorkerMetrics,
     ingest: &Mutex<Ingest>,
+    handoff: &Handoff,
 ) -> anyhow::Result<()> {
     let mut last = LiveStats::default();
     let result = live.run(
         |_| stop.load(Ordering::Relaxed),
         |s| {
-            metrics.observe(s, &mut last);
+            metrics.observe(s, &mut last, &handoff.stats());
             let accepted = ingest.lock().map_or(0, |i| i.accepted);
             metrics
                 .backlog
@@ -385,19 +407,25 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
                 fresh.push(r);
             }
         }
-        if !fresh.is_empty() {
-            // Durable before the ack: the proxy moves its cursor past these on a 200.
-            ingest.writer.append_batch(&fresh)?;
-            ingest.writer.sync()?;
+        if fresh.is_empty() {
+            return Ok(ack);
         }
-        ack.accepted = fresh.len() as u64;
+        let ids: Vec<String> = fresh.iter().map(|r| r.record_id.clone()).collect();
+        let ended: Vec<u64> = fresh.iter().map(|r| r.ended_at_unix_ms).collect();
+        // Durable before the ack: the proxy moves its cursor past these on a 200.
+        let Ingest {
+            writer, handoff, ..
+        } = &mut *ingest;
+        handoff.append(writer, fresh)?;
+        writer.sync()?;
+        ack.accepted = ids.len() as u64;
         ingest.accepted += ack.accepted;
-        for r in &fresh {
+        for ended_at in ended {
             metrics
                 .ingest_lag
-                .observe(received_at.saturating_sub(r.ended_at_unix_ms) as f64 / 1000.0);
+                .observe(received_at.saturating_sub(ended_at) as f64 / 1000.0);
         }
-        ingest.seen.extend(fresh.into_iter().map(|r| r.record_id));
+        ingest.seen.extend(ids);
         Ok(ack)
     })
     .await;

@@ -11,6 +11,7 @@
 //!   commit, segment rolling, fsync per [`FsyncPolicy`], torn-tail repair on open.
 //! - [`SpoolReader`]: streaming reader, resumable from a [`SpoolPosition`], with a follow mode.
 //! - [`tail`], [`find`], [`stats`]: one-shot queries for the CLI.
+//! - [`Handoff`]: records a process just appended, passed decoded to its own reader.
 //!
 //! Invariant everything relies on: a line is a record only once its `\n` is written. A crash
 //! can leave at most one unterminated line, at the end of the last segment; readers report it
@@ -26,6 +27,7 @@ mod cursor;
 pub mod downstream;
 mod error;
 mod fsync;
+mod handoff;
 mod lock;
 pub mod owner_only;
 mod query;
@@ -36,6 +38,7 @@ mod writer;
 
 pub use error::SpoolError;
 pub use fsync::{parse_duration, FsyncPolicy, ParseFsyncPolicyError};
+pub use handoff::{Handoff, HandoffStats, LineAt};
 pub use lock::LOCK_FILE_NAME;
 pub use query::{bytes_after, find, stats, tail, SpoolStats};
 pub use reader::{SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};

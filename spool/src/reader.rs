@@ -12,6 +12,7 @@ use tokentap_schema::ndjson::decode_line;
 use tokentap_schema::CaptureRecord;
 
 use crate::cursor::SegmentCursor;
+use crate::handoff::{Handoff, LineAt};
 use crate::segment::{list_segments, segment_path};
 use crate::SpoolError;
 
@@ -184,15 +185,39 @@ impl SpoolReader {
         self.next_item(true)
     }
 
+    /// [`Self::next_available`], taking a line's record from `handoff` when one was handed
+    /// for exactly that line (same position and length) instead of decoding it.
+    pub fn next_available_from(
+        &mut self,
+        handoff: &Handoff,
+    ) -> Result<Option<SpoolItem>, SpoolError> {
+        self.next_item_from(true, Some(handoff))
+    }
+
     fn next_item(&mut self, follow: bool) -> Result<Option<SpoolItem>, SpoolError> {
+        self.next_item_from(follow, None)
+    }
+
+    fn next_item_from(
+        &mut self,
+        follow: bool,
+        handoff: Option<&Handoff>,
+    ) -> Result<Option<SpoolItem>, SpoolError> {
         Ok(self.next_event(follow)?.map(|event| match event {
-            Event::Line(position) => match decode_line::<CaptureRecord>(self.line()) {
-                Ok(record) => SpoolItem::Record(SpoolEntry { position, record }),
-                Err(e) => SpoolItem::Corrupt {
+            Event::Line(position) => {
+                let line = LineAt {
                     position,
-                    error: e.to_string(),
-                },
-            },
+                    len: self.line().len() as u64 + 1,
+                };
+                let handed = handoff.and_then(|h| h.take(line));
+                match handed.map_or_else(|| decode_line::<CaptureRecord>(self.line()), Ok) {
+                    Ok(record) => SpoolItem::Record(SpoolEntry { position, record }),
+                    Err(e) => SpoolItem::Corrupt {
+                        position,
+                        error: e.to_string(),
+                    },
+                }
+            }
             Event::Unterminated { position, len } => SpoolItem::Corrupt {
                 position,
                 error: format!(

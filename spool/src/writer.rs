@@ -9,6 +9,7 @@ use std::time::Instant;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::CaptureRecord;
 
+use crate::handoff::LineAt;
 use crate::lock::SpoolLock;
 use crate::owner_only;
 use crate::recovery::truncate_torn_tail;
@@ -158,10 +159,47 @@ impl SpoolWriter {
     /// exactly the same records to keep what readers may have glimpsed before a cut (the same
     /// bytes at the same offset) valid.
     pub fn append_batch(&mut self, records: &[CaptureRecord]) -> Result<u64, SpoolError> {
-        // Encode everything first: a record that fails to serialize writes nothing.
+        self.encode_and_write(records, |_| {})
+    }
+
+    /// [`Self::append_batch`], returning where each record's line was written (for a
+    /// [`crate::Handoff`]).
+    pub fn append_batch_at(
+        &mut self,
+        records: &[CaptureRecord],
+    ) -> Result<Vec<LineAt>, SpoolError> {
+        let mut lens = Vec::with_capacity(records.len());
+        self.encode_and_write(records, |len| lens.push(len))?;
+        // The batch went to one segment and ends where the writer now stands.
+        let end = self.position();
+        let mut offset = end.offset - lens.iter().sum::<u64>();
+        Ok(lens
+            .into_iter()
+            .map(|len| {
+                let at = LineAt {
+                    position: SpoolPosition {
+                        segment: end.segment,
+                        offset,
+                    },
+                    len,
+                };
+                offset += len;
+                at
+            })
+            .collect())
+    }
+
+    /// Encodes every record first (one that fails to serialize writes nothing), telling
+    /// `line_len` each line's length, then writes them with one `write`.
+    fn encode_and_write(
+        &mut self,
+        records: &[CaptureRecord],
+        mut line_len: impl FnMut(u64),
+    ) -> Result<u64, SpoolError> {
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         for record in records {
+            let start = buf.len();
             if let Err(source) = encode_line(record, &mut buf) {
                 self.buf = buf;
                 return Err(SpoolError::Serialize {
@@ -170,6 +208,7 @@ impl SpoolWriter {
                     source,
                 });
             }
+            line_len((buf.len() - start) as u64);
         }
         let result = self.write_lines(&buf);
         self.buf = buf;

@@ -14,8 +14,8 @@ use tokentap_schema::{
 };
 use tokentap_spool::segment::{list_segments, segment_path};
 use tokentap_spool::{
-    find, stats, tail, FsyncPolicy, SpoolConfig, SpoolEntry, SpoolError, SpoolItem, SpoolPosition,
-    SpoolReader, SpoolStats, SpoolWriter,
+    find, stats, tail, FsyncPolicy, Handoff, HandoffStats, LineAt, SpoolConfig, SpoolEntry,
+    SpoolError, SpoolItem, SpoolPosition, SpoolReader, SpoolStats, SpoolWriter,
 };
 
 /// A minimal valid record; `payload` bytes of body text make its line longer.
@@ -707,4 +707,131 @@ fn spool_files_are_owner_only() {
     fs::set_permissions(&old, fs::Permissions::from_mode(0o755)).unwrap();
     write_records(&old, config(1 << 20), &[record(0, 10)]);
     assert_eq!(mode(&old), 0o700);
+}
+
+/// Reads everything now available, taking records from `handoff` where it can.
+fn read_available_from(reader: &mut SpoolReader, handoff: &Handoff) -> Vec<SpoolEntry> {
+    let mut out = Vec::new();
+    while let Some(item) = reader.next_available_from(handoff).unwrap() {
+        let SpoolItem::Record(e) = item else {
+            panic!("not a record: {item:?}")
+        };
+        out.push(e);
+    }
+    out
+}
+
+#[test]
+fn a_handoff_gives_the_reader_each_record_as_its_line_holds_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Small segments: batches roll, and positions cross segments.
+    let mut w = SpoolWriter::open(tmp.path(), config(2_000)).unwrap();
+    let handoff = Handoff::new(1 << 20);
+    let mut reader = SpoolReader::open(tmp.path()).unwrap();
+    let mut want = Vec::new();
+    let mut got = Vec::new();
+    for b in 0..6u64 {
+        let batch: Vec<_> = (0..3)
+            .map(|i| record(b * 3 + i, 300 + 50 * i as usize))
+            .collect();
+        want.extend(batch.clone());
+        handoff.append(&mut w, batch).unwrap();
+        // The reader keeps up with some batches and lags behind others.
+        if b % 2 == 1 {
+            got.extend(read_available_from(&mut reader, &handoff));
+        }
+    }
+    got.extend(read_available_from(&mut reader, &handoff));
+    let read_plain: Vec<SpoolEntry> = read_all(tmp.path())
+        .into_iter()
+        .map(|i| match i {
+            SpoolItem::Record(e) => e,
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(
+        got, read_plain,
+        "handed records equal the decoded lines, at their positions"
+    );
+    assert_eq!(records_of(&read_all(tmp.path())), want);
+    assert!(list_segments(tmp.path()).unwrap().len() > 3);
+    assert_eq!(
+        handoff.stats(),
+        HandoffStats {
+            taken: 18,
+            refused: 0
+        },
+        "every line's record came from the handoff"
+    );
+}
+
+#[test]
+fn a_handoff_never_stands_in_for_a_line_it_was_not_given_for() {
+    let tmp = tempfile::tempdir().unwrap();
+    let other = tempfile::tempdir().unwrap();
+    let handoff = Handoff::new(1 << 20);
+    // Records handed for one spool, while the reader reads another whose lines start at the
+    // same positions but are longer: none may be taken.
+    let mut w = SpoolWriter::open(tmp.path(), config(1 << 20)).unwrap();
+    handoff
+        .append(&mut w, (0..4).map(|i| record(i, 100)).collect())
+        .unwrap();
+    let longer: Vec<_> = (0..4).map(|i| record(i, 101)).collect();
+    write_records(other.path(), config(1 << 20), &longer);
+    let mut reader = SpoolReader::open(other.path()).unwrap();
+    let got = read_available_from(&mut reader, &handoff);
+    assert_eq!(
+        got.into_iter().map(|e| e.record).collect::<Vec<_>>(),
+        longer
+    );
+    assert_eq!(handoff.stats().taken, 0);
+
+    // A batch past the handoff's size is refused whole and read from its lines.
+    let small = Handoff::new(2_000);
+    let third = tempfile::tempdir().unwrap();
+    let mut w = SpoolWriter::open(third.path(), config(1 << 20)).unwrap();
+    small
+        .append(&mut w, (0..2).map(|i| record(i, 100)).collect())
+        .unwrap();
+    let big: Vec<_> = (2..6).map(|i| record(i, 500)).collect();
+    small.append(&mut w, big).unwrap();
+    let mut reader = SpoolReader::open(third.path()).unwrap();
+    let got = read_available_from(&mut reader, &small);
+    assert_eq!(
+        got.into_iter().map(|e| e.record).collect::<Vec<_>>(),
+        (0..6)
+            .map(|i| record(i, if i < 2 { 100 } else { 500 }))
+            .collect::<Vec<_>>()
+    );
+    assert_eq!(
+        small.stats(),
+        HandoffStats {
+            taken: 2,
+            refused: 4
+        }
+    );
+}
+
+#[test]
+fn append_batch_at_says_where_each_line_starts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = SpoolWriter::open(tmp.path(), config(1_500)).unwrap();
+    let mut at = Vec::new();
+    for b in 0..4u64 {
+        let batch: Vec<_> = (0..2)
+            .map(|i| record(b * 2 + i, 200 * (i as usize + 1)))
+            .collect();
+        at.extend(w.append_batch_at(&batch).unwrap());
+    }
+    let lines: Vec<LineAt> = read_all(tmp.path())
+        .into_iter()
+        .map(|i| match i {
+            SpoolItem::Record(e) => LineAt {
+                position: e.position,
+                len: line_of(&e.record).len() as u64,
+            },
+            other => panic!("{other:?}"),
+        })
+        .collect();
+    assert_eq!(at, lines);
 }

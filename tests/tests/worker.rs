@@ -230,6 +230,24 @@ async fn the_worker_acks_new_duplicate_and_rejected_lines_and_ship_resumes() {
     assert!(ship.stdout.contains("6 duplicates"), "{}", ship.stdout);
     let stored = read_spool(&dir.path().join("out/spool"));
     assert_eq!(stored.len(), 6);
+
+    // Each record was decoded once, at ingest: reconstruction took all six as ingest had
+    // decoded them, not from their spool lines.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while worker
+        .metric("tokentap_worker_records_reconstructed_total")
+        .await
+        != Some(6.0)
+    {
+        assert!(Instant::now() < deadline, "{}", worker.log_tail(20));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        worker
+            .metric("tokentap_worker_records_handed_over_total")
+            .await,
+        Some(6.0)
+    );
 }
 
 /// A redelivery that certainly happens: the proxy is killed (SIGKILL) after the worker acked
