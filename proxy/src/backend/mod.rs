@@ -19,6 +19,8 @@ mod json_lane;
 mod llamacpp;
 mod openai_compat;
 mod sglang;
+#[cfg(test)]
+mod sse_reader_tests;
 mod vllm;
 
 pub use error::{error_chain, BackendError};

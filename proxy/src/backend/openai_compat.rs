@@ -6,7 +6,6 @@
 use std::time::Duration;
 
 use async_stream::try_stream;
-use eventsource_stream::Eventsource;
 use futures::StreamExt;
 use serde_json::{Map, Value};
 
@@ -234,7 +233,10 @@ where
     S: futures::Stream<Item = Result<bytes::Bytes, reqwest::Error>> + Send + 'static,
 {
     Box::pin(try_stream! {
-        let mut events = std::pin::pin!(body.eventsource());
+        // sse-stream reads each chunk once (a 60 KB first event with 10,000 prompt ids is
+        // copied once into its data; eventsource-stream copied the rest of the buffer after
+        // every line it parsed).
+        let mut events = std::pin::pin!(sse_stream::SseByteStream::new(body));
         let mut finish: Option<FinishReason> = None;
         let mut usage: Option<Usage> = None;
         let mut tracker = TokenTracker::default();
@@ -242,14 +244,16 @@ where
             let next = tokio::time::timeout(idle, events.next()).await
                 .map_err(|_| BackendError::Timeout(format!("no data from the backend for {idle:?}")))?;
             let Some(event) = next else { break };
-            let event = event.map_err(|e| match e {
+            let event = event.map_err(|e| match &e {
                 // The client's read timeout fired mid-stream: the engine went quiet.
-                eventsource_stream::EventStreamError::Transport(t) if t.is_timeout() => {
+                sse_stream::Error::Body(t)
+                    if t.downcast_ref::<reqwest::Error>().is_some_and(reqwest::Error::is_timeout) =>
+                {
                     BackendError::Timeout(format!("no data from the backend for {idle:?}: {t}"))
                 }
                 e => BackendError::Protocol(format!("reading the event stream: {e}")),
             })?;
-            let data = event.data.trim();
+            let data = event.data.as_deref().unwrap_or_default().trim();
             if data.is_empty() {
                 continue;
             }
