@@ -63,6 +63,10 @@ pub struct ShipLimits {
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DecodedBatch {
     pub records: Vec<CaptureRecord>,
+    /// Where each of `records` is in the body: its line, without the newline. The worker
+    /// stores these bytes as they came (they decoded to the record) rather than encoding the
+    /// record again.
+    pub lines: Vec<std::ops::Range<usize>>,
     pub ack: ShipAck,
 }
 
@@ -74,7 +78,10 @@ pub const MAX_ACK_ERRORS: usize = 5;
 /// fails: a batch's bytes come from the network.
 pub fn decode_batch(body: &[u8]) -> DecodedBatch {
     let mut out = DecodedBatch::default();
+    let mut start = 0;
     for (i, line) in body.split(|b| *b == b'\n').enumerate() {
+        let span = start..start + line.len();
+        start = span.end + 1;
         if line.iter().all(u8::is_ascii_whitespace) {
             continue;
         }
@@ -82,6 +89,7 @@ pub fn decode_batch(body: &[u8]) -> DecodedBatch {
             Ok(r) => match refusal(&r) {
                 None => {
                     out.records.push(r);
+                    out.lines.push(span);
                     continue;
                 }
                 Some(why) => why,

@@ -2,7 +2,8 @@
 //! `tokentap_schema::ship::decode_batch` on any body.
 //! Invariants: every non-blank line is either a record the worker takes or named in the ack,
 //! exactly once, in order; what is taken passes the worker's refusal check and re-encodes to
-//! the same record; the ack's error list is capped; the ack round-trips as JSON (the shipper
+//! the same record, and its line (which the worker stores as it came) is one line that
+//! decodes to that record; the ack's error list is capped; the ack round-trips as JSON (the shipper
 //! reads it).
 #![no_main]
 
@@ -34,7 +35,12 @@ fuzz_target!(|data: &[u8]| {
         assert!(!line.iter().all(u8::is_ascii_whitespace));
         assert!(!r.reason.is_empty());
     }
-    for record in &batch.records {
+    assert_eq!(batch.lines.len(), batch.records.len());
+    for (record, span) in batch.records.iter().zip(&batch.lines) {
+        let line = &data[span.clone()];
+        assert!(!line.contains(&b'\n'), "one line");
+        let stored: CaptureRecord = decode_line(line).expect("the stored line decodes");
+        assert_eq!(&stored, record);
         assert_eq!(refusal(record), None);
         let mut out = Vec::new();
         encode_line(record, &mut out).expect("a record encodes");

@@ -196,7 +196,7 @@ impl LiveReconstructor {
         let mut caught_up = false;
         while read < max {
             let item = match &self.handoff {
-                Some(h) => self.reader.next_available_from(h)?,
+                Some(h) => self.reader.next_available_with(|line| h.take(line))?,
                 None => self.reader.next_available()?,
             };
             let Some(item) = item else {

@@ -391,7 +391,11 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
     };
     let received_at = unix_ms();
     // Decoding lives in the schema crate (fuzzed there: fuzz/fuzz_targets/ship_batch.rs).
-    let DecodedBatch { records, mut ack } = decode_batch(&body);
+    let DecodedBatch {
+        records,
+        lines,
+        mut ack,
+    } = decode_batch(&body);
     let metrics = state.metrics.clone();
     let ingest = state.ingest.clone();
     let result = tokio::task::spawn_blocking(move || -> anyhow::Result<ShipAck> {
@@ -399,12 +403,14 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
             .lock()
             .map_err(|_| anyhow::anyhow!("ingest lock poisoned"))?;
         let mut fresh = Vec::with_capacity(records.len());
+        let mut fresh_lines: Vec<&[u8]> = Vec::with_capacity(records.len());
         let mut batch_ids = HashSet::new();
-        for r in records {
+        for (r, line) in records.into_iter().zip(lines) {
             if ingest.seen.contains(&r.record_id) || !batch_ids.insert(r.record_id.clone()) {
                 ack.duplicates += 1;
             } else {
                 fresh.push(r);
+                fresh_lines.push(&body[line]);
             }
         }
         if fresh.is_empty() {
@@ -412,11 +418,12 @@ async fn receive(State(state): State<AppState>, body: Result<Bytes, BytesRejecti
         }
         let ids: Vec<String> = fresh.iter().map(|r| r.record_id.clone()).collect();
         let ended: Vec<u64> = fresh.iter().map(|r| r.ended_at_unix_ms).collect();
-        // Durable before the ack: the proxy moves its cursor past these on a 200.
+        // Durable before the ack: the proxy moves its cursor past these on a 200. Stored as
+        // they came: each line decoded to its record, so encoding it again would only cost.
         let Ingest {
             writer, handoff, ..
         } = &mut *ingest;
-        handoff.append(writer, fresh)?;
+        handoff.append_encoded(writer, fresh, &fresh_lines)?;
         writer.sync()?;
         ack.accepted = ids.len() as u64;
         ingest.accepted += ack.accepted;

@@ -30,6 +30,10 @@ pub enum SpoolError {
         #[source]
         source: serde_json::Error,
     },
+    /// A line given to `SpoolWriter::append_encoded_at` holds a newline (it would be read as
+    /// two lines); nothing of its batch was written.
+    #[error("line {index} of a batch for spool {} holds a newline: not one record's line", dir.display())]
+    NotOneLine { dir: PathBuf, index: usize },
     /// `SpoolReader::open_at` was given a position that is not the start of a line.
     #[error("invalid spool position {segment}:{offset} in {}: {reason}", dir.display())]
     InvalidPosition {

@@ -1,5 +1,6 @@
 //! Records a process has just appended, handed to a reader of the same spool in that process
-//! already decoded, so that a record received decoded is not decoded again from its line.
+//! already decoded, so that a record received decoded is not decoded again from its line
+//! (`reader.next_available_with(|line| handoff.take(line))`).
 //!
 //! `tokentap worker` decodes every record it receives (to validate and de-duplicate it),
 //! appends it to its spool, and reconstructs from that spool. Without a handoff its
@@ -16,15 +17,7 @@ use std::sync::{Arc, Mutex};
 
 use tokentap_schema::CaptureRecord;
 
-use crate::{SpoolError, SpoolPosition, SpoolWriter};
-
-/// Where a record's line was written: its start and its length, newline included. What
-/// [`crate::SpoolWriter::append_batch_at`] returns for each record.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct LineAt {
-    pub position: SpoolPosition,
-    pub len: u64,
-}
+use crate::{LineAt, SpoolError, SpoolWriter};
 
 /// A bounded queue of decoded records in spool order, shared by one writer side and one
 /// reader side (cheap to clone: both hold the same queue).
@@ -81,8 +74,29 @@ impl Handoff {
         writer: &mut SpoolWriter,
         records: Vec<CaptureRecord>,
     ) -> Result<u64, SpoolError> {
+        self.queue_written(records, |records| writer.append_batch_at(records))
+    }
+
+    /// [`Self::append`] for records whose lines the caller holds as they came
+    /// ([`SpoolWriter::append_encoded_at`]): `encoded[i]` is the line `records[i]` was
+    /// decoded from.
+    pub fn append_encoded(
+        &self,
+        writer: &mut SpoolWriter,
+        records: Vec<CaptureRecord>,
+        encoded: &[&[u8]],
+    ) -> Result<u64, SpoolError> {
+        debug_assert_eq!(records.len(), encoded.len());
+        self.queue_written(records, |_| writer.append_encoded_at(encoded))
+    }
+
+    fn queue_written(
+        &self,
+        records: Vec<CaptureRecord>,
+        write: impl FnOnce(&[CaptureRecord]) -> Result<Vec<LineAt>, SpoolError>,
+    ) -> Result<u64, SpoolError> {
         let mut q = self.lock();
-        let lines = writer.append_batch_at(&records)?;
+        let lines = write(&records)?;
         let bytes: u64 = lines.iter().map(|l| l.len).sum();
         if q.bytes + bytes > self.shared.capacity_bytes {
             self.shared
@@ -96,8 +110,9 @@ impl Handoff {
     }
 
     /// The decoded record of the line at `line`, if one was handed for exactly it. Entries
-    /// before it are dropped: the reader has passed them (it decoded them itself).
-    pub(crate) fn take(&self, line: LineAt) -> Option<CaptureRecord> {
+    /// before it are dropped: the reader has passed them (it decoded them itself). For
+    /// [`crate::SpoolReader::next_available_with`].
+    pub fn take(&self, line: LineAt) -> Option<CaptureRecord> {
         let mut q = self.lock();
         while let Some((at, _)) = q.entries.front() {
             if at.position > line.position {

@@ -38,10 +38,10 @@ mod writer;
 
 pub use error::SpoolError;
 pub use fsync::{parse_duration, FsyncPolicy, ParseFsyncPolicyError};
-pub use handoff::{Handoff, HandoffStats, LineAt};
+pub use handoff::{Handoff, HandoffStats};
 pub use lock::LOCK_FILE_NAME;
 pub use query::{bytes_after, find, stats, tail, SpoolStats};
-pub use reader::{SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};
+pub use reader::{LineAt, SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};
 pub use writer::{SpoolConfig, SpoolWriter, DEFAULT_SEGMENT_MAX_BYTES};
 
 #[doc(no_inline)]

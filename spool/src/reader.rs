@@ -12,7 +12,6 @@ use tokentap_schema::ndjson::decode_line;
 use tokentap_schema::CaptureRecord;
 
 use crate::cursor::SegmentCursor;
-use crate::handoff::{Handoff, LineAt};
 use crate::segment::{list_segments, segment_path};
 use crate::SpoolError;
 
@@ -31,6 +30,15 @@ impl fmt::Display for SpoolPosition {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}:{}", self.segment, self.offset)
     }
+}
+
+/// Where a record's line is: its start and its length, newline included. What
+/// [`crate::SpoolWriter::append_batch_at`] returns for each record, and what
+/// [`SpoolReader::next_available_with`] asks about.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LineAt {
+    pub position: SpoolPosition,
+    pub len: u64,
 }
 
 /// A record and where its line starts.
@@ -185,31 +193,31 @@ impl SpoolReader {
         self.next_item(true)
     }
 
-    /// [`Self::next_available`], taking a line's record from `handoff` when one was handed
-    /// for exactly that line (same position and length) instead of decoding it.
-    pub fn next_available_from(
+    /// [`Self::next_available`], asking `handed` for each line's record first (a
+    /// [`crate::Handoff`]'s `take`: the record its writer queued for exactly that line) and
+    /// decoding the line only when it has none.
+    pub fn next_available_with(
         &mut self,
-        handoff: &Handoff,
+        mut handed: impl FnMut(LineAt) -> Option<CaptureRecord>,
     ) -> Result<Option<SpoolItem>, SpoolError> {
-        self.next_item_from(true, Some(handoff))
+        self.next_item_with(true, &mut handed)
     }
 
     fn next_item(&mut self, follow: bool) -> Result<Option<SpoolItem>, SpoolError> {
-        self.next_item_from(follow, None)
+        self.next_item_with(follow, &mut |_| None)
     }
 
-    fn next_item_from(
+    fn next_item_with(
         &mut self,
         follow: bool,
-        handoff: Option<&Handoff>,
+        handed: &mut dyn FnMut(LineAt) -> Option<CaptureRecord>,
     ) -> Result<Option<SpoolItem>, SpoolError> {
         Ok(self.next_event(follow)?.map(|event| match event {
             Event::Line(position) => {
-                let line = LineAt {
+                let handed = handed(LineAt {
                     position,
                     len: self.line().len() as u64 + 1,
-                };
-                let handed = handoff.and_then(|h| h.take(line));
+                });
                 match handed.map_or_else(|| decode_line::<CaptureRecord>(self.line()), Ok) {
                     Ok(record) => SpoolItem::Record(SpoolEntry { position, record }),
                     Err(e) => SpoolItem::Corrupt {

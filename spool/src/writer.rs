@@ -9,12 +9,11 @@ use std::time::Instant;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::CaptureRecord;
 
-use crate::handoff::LineAt;
 use crate::lock::SpoolLock;
 use crate::owner_only;
 use crate::recovery::truncate_torn_tail;
 use crate::segment::{list_segments, segment_path};
-use crate::{FsyncPolicy, SpoolError, SpoolPosition};
+use crate::{FsyncPolicy, LineAt, SpoolError, SpoolPosition};
 
 /// Default size past which the writer starts a new segment: 64 MiB.
 pub const DEFAULT_SEGMENT_MAX_BYTES: u64 = 64 * 1024 * 1024;
@@ -159,7 +158,8 @@ impl SpoolWriter {
     /// exactly the same records to keep what readers may have glimpsed before a cut (the same
     /// bytes at the same offset) valid.
     pub fn append_batch(&mut self, records: &[CaptureRecord]) -> Result<u64, SpoolError> {
-        self.encode_and_write(records, |_| {})
+        let lines = self.append_batch_at(records)?;
+        Ok(lines.iter().map(|l| l.len).sum())
     }
 
     /// [`Self::append_batch`], returning where each record's line was written (for a
@@ -168,8 +168,57 @@ impl SpoolWriter {
         &mut self,
         records: &[CaptureRecord],
     ) -> Result<Vec<LineAt>, SpoolError> {
-        let mut lens = Vec::with_capacity(records.len());
-        self.encode_and_write(records, |len| lens.push(len))?;
+        let dir = self.dir.clone();
+        self.write_batch_at(records.len(), |i, buf| {
+            encode_line(&records[i], buf).map_err(|source| SpoolError::Serialize {
+                dir: dir.clone(),
+                record_id: records[i].record_id.clone(),
+                source,
+            })
+        })
+    }
+
+    /// Appends records already encoded: each of `lines` is one record's JSON as a reader
+    /// decodes it (the caller decoded it: `tokentap worker` stores received lines as they
+    /// came), without its newline. A line holding a newline would be two lines to a reader,
+    /// so the batch is refused whole ([`SpoolError::NotOneLine`]). Otherwise as
+    /// [`Self::append_batch_at`].
+    pub fn append_encoded_at(&mut self, lines: &[&[u8]]) -> Result<Vec<LineAt>, SpoolError> {
+        let dir = self.dir.clone();
+        self.write_batch_at(lines.len(), |i, buf| {
+            if memchr::memchr(b'\n', lines[i]).is_some() {
+                return Err(SpoolError::NotOneLine {
+                    dir: dir.clone(),
+                    index: i,
+                });
+            }
+            buf.extend_from_slice(lines[i]);
+            buf.push(b'\n');
+            Ok(())
+        })
+    }
+
+    /// Puts `n` lines into the buffer with `line` (one that fails writes nothing), then
+    /// writes them with one `write`; returns where each line was written.
+    fn write_batch_at(
+        &mut self,
+        n: usize,
+        mut line: impl FnMut(usize, &mut Vec<u8>) -> Result<(), SpoolError>,
+    ) -> Result<Vec<LineAt>, SpoolError> {
+        let mut buf = std::mem::take(&mut self.buf);
+        buf.clear();
+        let mut lens = Vec::with_capacity(n);
+        for i in 0..n {
+            let start = buf.len();
+            if let Err(e) = line(i, &mut buf) {
+                self.buf = buf;
+                return Err(e);
+            }
+            lens.push((buf.len() - start) as u64);
+        }
+        let result = self.write_lines(&buf);
+        self.buf = buf;
+        result?;
         // The batch went to one segment and ends where the writer now stands.
         let end = self.position();
         let mut offset = end.offset - lens.iter().sum::<u64>();
@@ -187,32 +236,6 @@ impl SpoolWriter {
                 at
             })
             .collect())
-    }
-
-    /// Encodes every record first (one that fails to serialize writes nothing), telling
-    /// `line_len` each line's length, then writes them with one `write`.
-    fn encode_and_write(
-        &mut self,
-        records: &[CaptureRecord],
-        mut line_len: impl FnMut(u64),
-    ) -> Result<u64, SpoolError> {
-        let mut buf = std::mem::take(&mut self.buf);
-        buf.clear();
-        for record in records {
-            let start = buf.len();
-            if let Err(source) = encode_line(record, &mut buf) {
-                self.buf = buf;
-                return Err(SpoolError::Serialize {
-                    dir: self.dir.clone(),
-                    record_id: record.record_id.clone(),
-                    source,
-                });
-            }
-            line_len((buf.len() - start) as u64);
-        }
-        let result = self.write_lines(&buf);
-        self.buf = buf;
-        result
     }
 
     fn write_lines(&mut self, lines: &[u8]) -> Result<u64, SpoolError> {

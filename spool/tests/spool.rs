@@ -114,6 +114,17 @@ fn records_of(items: &[SpoolItem]) -> Vec<CaptureRecord> {
         .collect()
 }
 
+/// The entries of items that must all be records.
+fn entries_of(items: Vec<SpoolItem>) -> Vec<SpoolEntry> {
+    items
+        .into_iter()
+        .map(|i| match i {
+            SpoolItem::Record(e) => e,
+            other => panic!("unexpected {other:?}"),
+        })
+        .collect()
+}
+
 fn write_records(dir: &Path, cfg: SpoolConfig, records: &[CaptureRecord]) {
     let mut w = SpoolWriter::open(dir, cfg).unwrap();
     for r in records {
@@ -157,14 +168,7 @@ fn round_trip_across_segment_rolls() {
         assert!(len > 0 && len <= max, "segment {seq} has {len} bytes");
     }
 
-    let items = read_all(&dir);
-    let entries: Vec<SpoolEntry> = items
-        .into_iter()
-        .map(|i| match i {
-            SpoolItem::Record(e) => e,
-            other => panic!("unexpected {other:?}"),
-        })
-        .collect();
+    let entries = entries_of(read_all(&dir));
     assert_eq!(
         entries.iter().map(|e| &e.record).collect::<Vec<_>>(),
         records.iter().collect::<Vec<_>>()
@@ -712,7 +716,7 @@ fn spool_files_are_owner_only() {
 /// Reads everything now available, taking records from `handoff` where it can.
 fn read_available_from(reader: &mut SpoolReader, handoff: &Handoff) -> Vec<SpoolEntry> {
     let mut out = Vec::new();
-    while let Some(item) = reader.next_available_from(handoff).unwrap() {
+    while let Some(item) = reader.next_available_with(|l| handoff.take(l)).unwrap() {
         let SpoolItem::Record(e) = item else {
             panic!("not a record: {item:?}")
         };
@@ -742,13 +746,7 @@ fn a_handoff_gives_the_reader_each_record_as_its_line_holds_it() {
         }
     }
     got.extend(read_available_from(&mut reader, &handoff));
-    let read_plain: Vec<SpoolEntry> = read_all(tmp.path())
-        .into_iter()
-        .map(|i| match i {
-            SpoolItem::Record(e) => e,
-            other => panic!("{other:?}"),
-        })
-        .collect();
+    let read_plain = entries_of(read_all(tmp.path()));
     assert_eq!(
         got, read_plain,
         "handed records equal the decoded lines, at their positions"
@@ -823,15 +821,58 @@ fn append_batch_at_says_where_each_line_starts() {
             .collect();
         at.extend(w.append_batch_at(&batch).unwrap());
     }
-    let lines: Vec<LineAt> = read_all(tmp.path())
+    let lines: Vec<LineAt> = entries_of(read_all(tmp.path()))
         .into_iter()
-        .map(|i| match i {
-            SpoolItem::Record(e) => LineAt {
-                position: e.position,
-                len: line_of(&e.record).len() as u64,
-            },
-            other => panic!("{other:?}"),
+        .map(|e| LineAt {
+            position: e.position,
+            len: line_of(&e.record).len() as u64,
         })
         .collect();
     assert_eq!(at, lines);
+}
+
+#[test]
+fn lines_appended_as_they_came_are_read_as_their_records() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut w = SpoolWriter::open(tmp.path(), config(1_500)).unwrap();
+    let handoff = Handoff::new(1 << 20);
+    let records: Vec<_> = (0..6).map(|i| record(i, 100 * (i as usize + 1))).collect();
+    // Received lines need not be this writer's encoding: spaces, a CR before the newline.
+    let received: Vec<Vec<u8>> = records
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let mut line = serde_json::to_vec_pretty(r).unwrap();
+            line.retain(|b| *b != b'\n');
+            if i % 2 == 0 {
+                line.push(b'\r');
+            }
+            line
+        })
+        .collect();
+    for pair in records.chunks(2).zip(received.chunks(2)) {
+        let lines: Vec<&[u8]> = pair.1.iter().map(Vec::as_slice).collect();
+        handoff
+            .append_encoded(&mut w, pair.0.to_vec(), &lines)
+            .unwrap();
+    }
+    let mut reader = SpoolReader::open(tmp.path()).unwrap();
+    let handed = read_available_from(&mut reader, &handoff);
+    assert_eq!(handoff.stats().taken, 6);
+    let decoded = entries_of(read_all(tmp.path()));
+    assert_eq!(
+        handed, decoded,
+        "each line decodes to the record handed for it"
+    );
+    assert_eq!(
+        decoded.into_iter().map(|e| e.record).collect::<Vec<_>>(),
+        records
+    );
+
+    // A "line" holding a newline would be two lines to a reader: the batch is refused whole.
+    let before = w.position();
+    let two = [received[0].as_slice(), b"{}\n{}".as_slice()];
+    let e = w.append_encoded_at(&two).unwrap_err();
+    assert!(matches!(e, SpoolError::NotOneLine { index: 1, .. }), "{e}");
+    assert_eq!(w.position(), before, "nothing of it written");
 }
