@@ -168,10 +168,9 @@ impl SpoolWriter {
         &mut self,
         records: &[CaptureRecord],
     ) -> Result<Vec<LineAt>, SpoolError> {
-        let dir = self.dir.clone();
-        self.write_batch_at(records.len(), |i, buf| {
+        self.write_batch_at(records.len(), |i, buf, dir| {
             encode_line(&records[i], buf).map_err(|source| SpoolError::Serialize {
-                dir: dir.clone(),
+                dir: dir.to_owned(),
                 record_id: records[i].record_id.clone(),
                 source,
             })
@@ -184,11 +183,10 @@ impl SpoolWriter {
     /// so the batch is refused whole ([`SpoolError::NotOneLine`]). Otherwise as
     /// [`Self::append_batch_at`].
     pub fn append_encoded_at(&mut self, lines: &[&[u8]]) -> Result<Vec<LineAt>, SpoolError> {
-        let dir = self.dir.clone();
-        self.write_batch_at(lines.len(), |i, buf| {
+        self.write_batch_at(lines.len(), |i, buf, dir| {
             if memchr::memchr(b'\n', lines[i]).is_some() {
                 return Err(SpoolError::NotOneLine {
-                    dir: dir.clone(),
+                    dir: dir.to_owned(),
                     index: i,
                 });
             }
@@ -198,19 +196,20 @@ impl SpoolWriter {
         })
     }
 
-    /// Puts `n` lines into the buffer with `line` (one that fails writes nothing), then
-    /// writes them with one `write`; returns where each line was written.
+    /// Puts `n` lines into the buffer with `line` (given the spool's directory for its error;
+    /// one that fails writes nothing), then writes them with one `write`; returns where each
+    /// line was written.
     fn write_batch_at(
         &mut self,
         n: usize,
-        mut line: impl FnMut(usize, &mut Vec<u8>) -> Result<(), SpoolError>,
+        mut line: impl FnMut(usize, &mut Vec<u8>, &Path) -> Result<(), SpoolError>,
     ) -> Result<Vec<LineAt>, SpoolError> {
         let mut buf = std::mem::take(&mut self.buf);
         buf.clear();
         let mut lens = Vec::with_capacity(n);
         for i in 0..n {
             let start = buf.len();
-            if let Err(e) = line(i, &mut buf) {
+            if let Err(e) = line(i, &mut buf, &self.dir) {
                 self.buf = buf;
                 return Err(e);
             }
