@@ -7,6 +7,7 @@
 
 use std::fs::{File, TryLockError};
 use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
 
 use crate::SpoolError;
 
@@ -39,13 +40,29 @@ impl SpoolLock {
             }
             Err(e) => return Err(SpoolError::io("open lock file", &path)(e)),
         };
-        match file.try_lock() {
-            Ok(()) => Ok(SpoolLock { _file: file }),
-            Err(TryLockError::WouldBlock) => Err(SpoolError::Locked {
-                dir: dir.to_owned(),
-                lock: path,
-            }),
-            Err(TryLockError::Error(e)) => Err(SpoolError::io("lock", path)(e)),
+        // A lock its writer let go of can still be held for a moment: a `flock` belongs to the
+        // open file, and a child process forked (by any thread) while the writer held it keeps
+        // a copy of the descriptor until it execs. So a writer reopening its spool while the
+        // process starts a program (a harness, `mount`) could be refused by itself; a real
+        // second writer holds on, and is refused after the grace period.
+        let deadline = Instant::now() + RELEASE_GRACE;
+        loop {
+            match file.try_lock() {
+                Ok(()) => return Ok(SpoolLock { _file: file }),
+                Err(TryLockError::WouldBlock) if Instant::now() < deadline => {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
+                Err(TryLockError::WouldBlock) => {
+                    return Err(SpoolError::Locked {
+                        dir: dir.to_owned(),
+                        lock: path,
+                    })
+                }
+                Err(TryLockError::Error(e)) => return Err(SpoolError::io("lock", path)(e)),
+            }
         }
     }
 }
+
+/// How long a held lock is tried again before the writer is refused.
+const RELEASE_GRACE: Duration = Duration::from_millis(250);

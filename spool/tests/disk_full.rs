@@ -127,7 +127,7 @@ fn a_batch_that_half_fits_leaves_nothing_and_is_written_once_when_space_returns(
         assert!(w.append_batch(&batch).is_err());
         assert_eq!(spool_ids(&dir), ids(0..3));
 
-        fs::remove_file(filler).unwrap();
+        fs.remove_filler(filler);
         w.append_batch(&batch).unwrap();
         w.append_batch(&[record(13, 10)]).unwrap();
         assert_eq!(spool_ids(&dir), ids(0..14), "{fsync}: each record once");
@@ -149,7 +149,7 @@ fn remains_of_a_failed_append_are_cut_before_the_next_one() {
     w.append(&record(0, 10)).unwrap();
     let filler = fs.fill();
     assert!(w.append(&record(1, 5000)).is_err());
-    fs::remove_file(filler).unwrap();
+    fs.remove_filler(filler);
     // What a failed cut would have left: the writer let go of the file and must not trust it.
     let seg = segment_path(&dir, 0);
     let mut f = OpenOptions::new().append(true).open(&seg).unwrap();
@@ -181,7 +181,7 @@ fn a_spool_remounted_read_only_fails_with_erofs_and_recovers_when_writable_again
     assert_eq!(os_error(&e), Some(libc::EROFS), "{e}");
     assert!(e.to_string().contains("Read-only file system"), "{e}");
     fs.remount("rw");
-    fs::remove_file(filler).unwrap();
+    fs.remove_filler(filler);
     w.append(&record(1, 10)).unwrap();
     assert_eq!(spool_ids(&dir), ids(0..2));
 }
@@ -213,7 +213,7 @@ fn a_segment_roll_that_fails_is_retried_without_losing_or_repeating_lines() {
             "a full disk, whether the write or the roll hit it: {e}"
         );
     }
-    fs::remove_file(filler).unwrap();
+    fs.remove_filler(filler);
     w.append_batch(&batch).unwrap();
     assert_eq!(spool_ids(&dir), ids(0..next + 3));
     assert!(list_segments(&dir).unwrap().len() >= 2);

@@ -72,6 +72,34 @@ impl Tmpfs {
         }
     }
 
+    /// Removes a filler and waits until its space is free again. An unlinked file's space
+    /// returns when its last descriptor closes, and a child process forked meanwhile by any
+    /// thread of the test binary (another test mounting its tmpfs) holds a copy of every
+    /// descriptor until it execs.
+    pub fn remove_filler(&self, filler: PathBuf) {
+        let before = self.free_bytes();
+        std::fs::remove_file(&filler).expect("removing the filler");
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while self.free_bytes() <= before {
+            assert!(
+                Instant::now() < deadline,
+                "the filler's space never came back"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+
+    /// Bytes free on the file system (`statvfs`).
+    fn free_bytes(&self) -> u64 {
+        use std::os::unix::ffi::OsStrExt;
+        let path = std::ffi::CString::new(self.path().as_os_str().as_bytes()).expect("no NUL");
+        // SAFETY: statvfs writes only into the struct it is given; `path` is NUL-terminated.
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        let rc = unsafe { libc::statvfs(path.as_ptr(), &mut st) };
+        assert_eq!(rc, 0, "statvfs: {}", std::io::Error::last_os_error());
+        st.f_bfree as u64 * st.f_frsize as u64
+    }
+
     /// Fills the file system to the last byte with a filler file; its path.
     pub fn fill(&self) -> PathBuf {
         self.fill_leaving(0)
