@@ -377,6 +377,20 @@ fn a_second_writer_is_refused_until_the_first_closes() {
     SpoolWriter::open(tmp.path(), config(1 << 20)).unwrap();
 }
 
+/// A lock let go of a moment after the next writer asked (as when a child process forked
+/// while the first writer held it execs a moment later) is taken, not refused.
+#[test]
+fn a_writer_waits_a_moment_for_a_lock_being_let_go() {
+    let tmp = tempfile::tempdir().unwrap();
+    let first = SpoolWriter::open(tmp.path(), config(1 << 20)).unwrap();
+    let letting_go = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        drop(first);
+    });
+    SpoolWriter::open(tmp.path(), config(1 << 20)).expect("taken once let go");
+    letting_go.join().unwrap();
+}
+
 #[test]
 fn open_at_resumes_from_a_saved_position() {
     let tmp = tempfile::tempdir().unwrap();
