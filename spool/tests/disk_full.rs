@@ -3,70 +3,17 @@
 //! nothing is ever torn or duplicated. Mounting needs root: without it these tests fail under
 //! `TOKENTAP_REQUIRE_PRIVILEGED=1` (CI) and say they skipped otherwise.
 
-use std::collections::BTreeMap;
+mod common;
+
 use std::fs::{self, OpenOptions};
 use std::io::Write;
 use std::path::Path;
 
+use common::record;
 use tokentap_e2e::privileged;
 use tokentap_e2e::tmpfs::{self, Tmpfs};
-use tokentap_schema::{
-    BackendInfo, BackendKind, CaptureRecord, HarnessRequest, SessionSource, Timings,
-    TokenProvenance, TokenSource, WireApi, CAPTURE_SCHEMA_VERSION,
-};
 use tokentap_spool::segment::{list_segments, segment_path};
 use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolError, SpoolItem, SpoolReader, SpoolWriter};
-
-fn record(i: u64, payload: usize) -> CaptureRecord {
-    CaptureRecord {
-        schema_version: CAPTURE_SCHEMA_VERSION,
-        record_id: format!("0190aaaa-0000-7000-8000-{i:012x}"),
-        session_id: "session-1".into(),
-        session_source: SessionSource::Header,
-        seq: i,
-        started_at_unix_ms: 1_700_000_000_000 + i,
-        ended_at_unix_ms: 1_700_000_000_100 + i,
-        wire_api: WireApi::ChatCompletions,
-        request: HarnessRequest {
-            method: "POST".into(),
-            path: "/v1/chat/completions".into(),
-            query: None,
-            headers: BTreeMap::new(),
-            body_bytes: payload as u64,
-            body: None,
-            body_text: Some("x".repeat(payload)),
-        },
-        backend_request: None,
-        backend_conversation: Default::default(),
-        normalizations: Vec::new(),
-        backend: BackendInfo {
-            kind: BackendKind::Vllm,
-            url: "http://127.0.0.1:8000".into(),
-            model: "m".into(),
-            policy_version: None,
-            synthetic_stream: false,
-        },
-        prompt_token_ids: None,
-        completion_token_ids: None,
-        logprobs: None,
-        token_provenance: TokenProvenance {
-            prompt: TokenSource::Unavailable,
-            completion: TokenSource::Unavailable,
-            gaps: Vec::new(),
-        },
-        finish_reason: None,
-        message: None,
-        usage: None,
-        timings: Timings {
-            time_to_first_token_ms: None,
-            total_ms: 1.0,
-            backend_ms: 1.0,
-            proxy_overhead_ms: 0.0,
-        },
-        response_status: 200,
-        error: None,
-    }
-}
 
 fn os_error(e: &SpoolError) -> Option<i32> {
     match e {

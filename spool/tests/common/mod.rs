@@ -1,5 +1,8 @@
 //! What the spool's test binaries share: a record to write, and reading a spool back.
 
+// Each test binary compiles this module and uses part of it.
+#![allow(dead_code)]
+
 use std::collections::BTreeMap;
 use std::path::Path;
 
