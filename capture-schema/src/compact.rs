@@ -94,7 +94,7 @@ fn compact_text(prefix: &str, bytes: &[u8], quote: &str) -> String {
 
 /// A compact field as the JSON string it is, written as is. Neither the prefixes nor base64
 /// have a character JSON escapes, and serde_json would look at each of a 40 KB id list's bytes
-/// to find that out (15 µs a record; checking the JSON here takes 3).
+/// to find that out: 15 µs a record, against about 5 for the check `RawValue` makes.
 fn compact_json(prefix: &str, bytes: &[u8]) -> Box<RawValue> {
     RawValue::from_string(compact_text(prefix, bytes, "\""))
         .expect("a quoted prefix and base64 are a JSON string")

@@ -159,9 +159,9 @@ impl SpoolWriter {
         })
     }
 
-    /// How much of what it wrote the writer leaves in the page cache: the last `bytes` (a
-    /// whole segment or more once a segment was rolled), or, with `None`, all of it, for the
-    /// kernel to reclaim when it wants. A spool is written once and read soon after, and
+    /// How much of what it wrote the writer leaves in the page cache: about the last `bytes`
+    /// (up to twice that after a segment roll, until the new segment holds `bytes` of its
+    /// own), or, with `None`, all of it, for the kernel to reclaim when it wants. A spool is written once and read soon after, and
     /// at 2,500 calls/s it writes 200 MB/s: left to the kernel, it fills the node's memory
     /// with pages nobody reads again, pushing out what the engine and harnesses use, and every
     /// write lands on a page the kernel had to find and clear. Released pages are fsynced
@@ -435,7 +435,8 @@ impl SpoolWriter {
                 drop_cached(&file, from, 0);
             }
         }
-        // Whole pages only: the page holding the keep window's first byte stays.
+        // In whole mebibytes: the kernel drops only whole pages (and whole large folios),
+        // and one call per mebibyte written is plenty.
         let upto = synced_len.saturating_sub(keep) & !(RELEASE_ALIGN - 1);
         if upto > self.released {
             if let Some(file) = &self.file {
