@@ -161,13 +161,15 @@ impl SpoolWriter {
 
     /// How much of what it wrote the writer leaves in the page cache: about the last `bytes`
     /// (up to twice that after a segment roll, until the new segment holds `bytes` of its
-    /// own), or, with `None`, all of it, for the kernel to reclaim when it wants. A spool is written once and read soon after, and
-    /// at 2,500 calls/s it writes 200 MB/s: left to the kernel, it fills the node's memory
-    /// with pages nobody reads again, pushing out what the engine and harnesses use, and every
-    /// write lands on a page the kernel had to find and clear. Released pages are fsynced
-    /// ones (`posix_fadvise(DONTNEED)` after a sync), so under [`FsyncPolicy::Never`] nothing
-    /// is released. A reader further behind than `bytes` reads from the disk instead; nothing
-    /// else changes. Default: [`DEFAULT_PAGE_CACHE_KEEP_BYTES`].
+    /// own), or, with `None`, all of it, for the kernel to reclaim when it wants.
+    ///
+    /// A spool is written once and read soon after, and at 2,500 calls/s it writes 200 MB/s:
+    /// left to the kernel, it fills the node's memory with pages nobody reads again, pushing
+    /// out what the engine and harnesses use, and every write lands on a page the kernel had
+    /// to find and clear. Released pages are fsynced ones (`posix_fadvise(DONTNEED)` after a
+    /// sync), so under [`FsyncPolicy::Never`] nothing is released. A reader further behind
+    /// than `bytes` reads from the disk instead; nothing else changes. Default:
+    /// [`DEFAULT_PAGE_CACHE_KEEP_BYTES`].
     pub fn keep_in_page_cache(&mut self, bytes: Option<u64>) {
         self.page_cache_keep = bytes;
     }

@@ -1,6 +1,6 @@
-//! What a durable spool writer leaves in the page cache. A test binary of its own: it runs
-//! `fincore`, and a child process forked while another test holds a spool's lock would
-//! hold that lock until it execs, failing the other test's next open.
+//! What a durable spool writer leaves in the page cache. A test binary of its own: it starts
+//! `fincore` many times, and each child process holds a copy of every descriptor of the
+//! binary (other tests' spool locks and files) until it execs.
 
 mod common;
 
