@@ -42,7 +42,9 @@ pub use handoff::{Handoff, HandoffStats};
 pub use lock::LOCK_FILE_NAME;
 pub use query::{bytes_after, find, stats, tail, SpoolStats};
 pub use reader::{LineAt, SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};
-pub use writer::{SpoolConfig, SpoolWriter, DEFAULT_SEGMENT_MAX_BYTES};
+pub use writer::{
+    SpoolConfig, SpoolWriter, DEFAULT_PAGE_CACHE_KEEP_BYTES, DEFAULT_SEGMENT_MAX_BYTES,
+};
 
 #[doc(no_inline)]
 pub use tokentap_schema::CaptureRecord;
