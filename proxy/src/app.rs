@@ -782,7 +782,7 @@ impl CaptureService {
     ) -> bool {
         for event in collect_events(events, call).await {
             match event {
-                Ok(e) => call.generation.push(&e),
+                Ok(e) => call.generation.push(e),
                 Err(e) => return self.fail(http, codec, call, CallError::from(&e)).await,
             }
         }

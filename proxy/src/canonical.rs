@@ -72,22 +72,21 @@ pub struct GenerationAccumulator {
 }
 
 impl GenerationAccumulator {
-    pub fn push(&mut self, event: &GenerationEvent) {
+    /// Takes `event` by value: the prompt's ids (tens of KB) move onto the record uncopied.
+    pub fn push(&mut self, event: GenerationEvent) {
         match event {
-            GenerationEvent::Delta(d) => self.push_delta(d),
+            GenerationEvent::Delta(d) => self.push_delta(&d),
             GenerationEvent::SampledTokens { ids, logprobs } => {
                 self.saw_sampled_tokens = true;
-                self.completion_ids.extend_from_slice(ids);
-                self.logprobs.extend_from_slice(logprobs);
+                self.completion_ids.extend_from_slice(&ids);
+                self.logprobs.extend_from_slice(&logprobs);
             }
-            GenerationEvent::PromptTokens { ids, source } => {
-                self.prompt = Some((ids.clone(), *source))
-            }
-            GenerationEvent::Gap(g) => self.gaps.push(g.clone()),
+            GenerationEvent::PromptTokens { ids, source } => self.prompt = Some((ids, source)),
+            GenerationEvent::Gap(g) => self.gaps.push(g),
             GenerationEvent::Finished {
                 finish_reason,
                 usage,
-            } => self.finish = Some((*finish_reason, *usage)),
+            } => self.finish = Some((finish_reason, usage)),
         }
     }
 

@@ -91,7 +91,6 @@ async fn relay(
         let mut finished = false;
         match event {
             Ok(event) => {
-                call.generation.push(&event);
                 match &event {
                     GenerationEvent::Delta(d) if !d.is_empty() => {
                         renderer.delta(d, &mut out);
@@ -106,6 +105,7 @@ async fn relay(
                     }
                     _ => {}
                 }
+                call.generation.push(event);
             }
             Err(e) => {
                 let err = CallError::from(&e);
@@ -175,7 +175,7 @@ pub async fn collect_events(
 /// Accumulates what is left of `events` on the record, without answering anyone.
 async fn drain_into(events: GenerationStream, call: &mut CallCapture) {
     for event in collect_events(events, call).await.into_iter().flatten() {
-        call.generation.push(&event);
+        call.generation.push(event);
     }
 }
 

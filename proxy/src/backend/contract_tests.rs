@@ -443,7 +443,7 @@ async fn generate(
 fn fold(events: &[GenerationEvent]) -> GenerationAccumulator {
     let mut acc = GenerationAccumulator::default();
     for e in events {
-        acc.push(e);
+        acc.push(e.clone());
     }
     acc
 }

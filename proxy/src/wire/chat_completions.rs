@@ -698,7 +698,7 @@ mod tests {
     #[test]
     fn a_whole_answer_with_only_tool_calls_has_null_content() {
         let mut g = GenerationAccumulator::default();
-        g.push(&crate::canonical::GenerationEvent::Delta(Delta {
+        g.push(crate::canonical::GenerationEvent::Delta(Delta {
             tool_calls: vec![ToolCallDelta {
                 index: 0,
                 id: Some("c".into()),
@@ -707,7 +707,7 @@ mod tests {
             }],
             ..Default::default()
         }));
-        g.push(&crate::canonical::GenerationEvent::Finished {
+        g.push(crate::canonical::GenerationEvent::Finished {
             finish_reason: FinishReason::ToolCalls,
             usage: None,
         });

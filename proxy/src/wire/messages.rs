@@ -1630,7 +1630,7 @@ mod tests {
 
     fn acc(events: Vec<GenerationEvent>) -> GenerationAccumulator {
         let mut g = GenerationAccumulator::default();
-        for e in &events {
+        for e in events {
             g.push(e);
         }
         g

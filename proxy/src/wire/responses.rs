@@ -1698,7 +1698,7 @@ mod tests {
     fn accumulate(events: &[GenerationEvent]) -> GenerationAccumulator {
         let mut g = GenerationAccumulator::default();
         for e in events {
-            g.push(e);
+            g.push(e.clone());
         }
         g
     }
