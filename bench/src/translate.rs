@@ -136,7 +136,7 @@ pub fn run(args: TranslateBenchArgs) -> anyhow::Result<()> {
     let events = generation(args.deltas);
     let mut acc = GenerationAccumulator::default();
     for e in &events {
-        acc.push(e);
+        acc.push(e.clone());
     }
     println!(
         "tokentap bench translate — per call, single thread, {} iterations after warm-up; answer = {} text deltas + 1 tool call",
