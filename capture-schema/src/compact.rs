@@ -70,23 +70,19 @@ pub fn encode_ids(ids: &[u32]) -> String {
 
 /// Each id as a LEB128 varint.
 fn varints(ids: &[u32]) -> Vec<u8> {
-    // Each id is written into a five-byte window of a buffer sized for the longest ids: one
-    // bounds check an id instead of a capacity check a byte (14 against 20 µs for 10,000 ids).
-    let mut bytes = vec![0u8; ids.len() * MAX_VARINT];
-    let mut at = 0;
+    // A plain byte loop into a growing Vec. Writing each id into a five-byte window of a
+    // buffer sized and zeroed up front ran faster alone (14 against 20 µs for 10,000 ids), but
+    // in the proxy that 50 KB zeroed allocation came from fresh pages each time (page faults
+    // and TLB shootdowns): 0.04 ms a call more CPU in all.
+    let mut bytes = Vec::with_capacity(ids.len() * 3);
     for &id in ids {
-        let out = &mut bytes[at..at + MAX_VARINT];
         let mut v = id;
-        let mut n = 0;
         while v >= 0x80 {
-            out[n] = (v as u8) | 0x80;
+            bytes.push((v as u8) | 0x80);
             v >>= 7;
-            n += 1;
         }
-        out[n] = v as u8;
-        at += n + 1;
+        bytes.push(v as u8);
     }
-    bytes.truncate(at);
     bytes
 }
 
