@@ -325,7 +325,7 @@ fn record_of(
             }),
         },
     ] {
-        call.generation.push(&e);
+        call.generation.push(e);
     }
     call.response_status = 200;
     call.into_record()

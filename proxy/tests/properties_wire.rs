@@ -886,9 +886,9 @@ proptest! {
         let ds = deltas(&g, &cuts);
         let mut acc = GenerationAccumulator::default();
         for d in &ds {
-            acc.push(&GenerationEvent::Delta(d.clone()));
+            acc.push(GenerationEvent::Delta(d.clone()));
         }
-        acc.push(&GenerationEvent::Finished { finish_reason: g.finish, usage: Some(g.usage) });
+        acc.push(GenerationEvent::Finished { finish_reason: g.finish, usage: Some(g.usage) });
         let calls: Vec<(String, Value)> = g.calls.iter().map(|(_, n, a)| (n.clone(), a.clone())).collect();
 
         for api in ["chat", "responses", "messages"] {

@@ -195,12 +195,12 @@ fn a_whole_answer_is_the_completed_response_of_the_stream() {
     // render_whole and the stream's response.completed describe the same answer.
     let mut g = tokentap_proxy::canonical::GenerationAccumulator::default();
     for piece in ["Hello ", "from ", "mock. "] {
-        g.push(&tokentap_proxy::canonical::GenerationEvent::Delta(Delta {
+        g.push(tokentap_proxy::canonical::GenerationEvent::Delta(Delta {
             content: Some(piece.into()),
             ..Default::default()
         }));
     }
-    g.push(&tokentap_proxy::canonical::GenerationEvent::Finished {
+    g.push(tokentap_proxy::canonical::GenerationEvent::Finished {
         finish_reason: FinishReason::Stop,
         usage: usage(),
     });
