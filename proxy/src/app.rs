@@ -750,7 +750,8 @@ impl CaptureService {
                 let events = match mode {
                     CallMode::Streaming => events,
                     CallMode::Whole => {
-                        let replay = collect_events(events, call).await;
+                        let mut events = events;
+                        let replay = collect_events(&mut events, call).await;
                         Box::pin(futures::stream::iter(replay))
                     }
                 };
@@ -780,7 +781,8 @@ impl CaptureService {
         events: GenerationStream,
         call: &mut CallCapture,
     ) -> bool {
-        for event in collect_events(events, call).await {
+        let mut events = events;
+        for event in collect_events(&mut events, call).await {
             match event {
                 Ok(e) => call.generation.push(e),
                 Err(e) => return self.fail(http, codec, call, CallError::from(&e)).await,

@@ -10,7 +10,7 @@ use std::future::Future;
 use std::time::Instant;
 
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use pingora::http::ResponseHeader;
 use pingora::protocols::http::ServerSession;
 use tokentap_schema::ErrorKind;
@@ -62,6 +62,9 @@ pub async fn relay_stream_holding_end(
     relay(sink, renderer, events, call, true).await
 }
 
+/// Past this many rendered bytes a write goes out even while the engine has more ready.
+const MAX_UNWRITTEN: usize = 64 * 1024;
+
 async fn relay(
     sink: &mut impl AnswerSink,
     mut renderer: Box<dyn StreamRenderer>,
@@ -79,16 +82,23 @@ async fn relay(
     if !sink.send_head(head).await {
         return (client_gone(call), None);
     }
-    // Whether the frames with the terminal event have been written: from then on the harness
-    // has its answer, whatever happens to the connection.
-    let mut delivered = false;
-    // Whether the terminal event's frames are being held back (`hold_end`).
-    let mut holding = false;
+    let mut relayed = Relayed::default();
     loop {
-        let Some(event) = next_event(&mut events, call).await else {
-            break;
+        // Events the engine has already sent are rendered together and written at once (each
+        // write of a chunked body is flushed: a syscall per event otherwise). Nothing waits on
+        // them: before waiting for the engine, what is rendered is written.
+        let next = match ready_event(&mut events, call) {
+            Some(next) => next,
+            None => {
+                if !relayed.holding && !out.is_empty() {
+                    if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
+                        return (reusable, None);
+                    }
+                }
+                next_event(&mut events, call).await
+            }
         };
-        let mut finished = false;
+        let Some(event) = next else { break };
         match event {
             Ok(event) => {
                 match &event {
@@ -100,8 +110,17 @@ async fn relay(
                         finish_reason,
                         usage,
                     } => {
+                        if hold_end && !out.is_empty() {
+                            // What precedes the terminal event goes now; the rest is held.
+                            if let Err(reusable) =
+                                relayed.write(sink, &mut out, &mut events, call).await
+                            {
+                                return (reusable, None);
+                            }
+                        }
                         renderer.finish(*finish_reason, *usage, &mut out);
-                        finished = true;
+                        relayed.rendered_end = true;
+                        relayed.holding = hold_end;
                     }
                     _ => {}
                 }
@@ -109,33 +128,31 @@ async fn relay(
             }
             Err(e) => {
                 let err = CallError::from(&e);
-                if !delivered && !holding {
+                if !relayed.rendered_end {
                     renderer.error(&err, &mut out);
                 }
                 call.error = Some(err);
                 break;
             }
         }
-        holding |= hold_end && finished;
-        if !out.is_empty()
-            && !holding
-            && !sink
-                .send_body(Bytes::from(std::mem::take(&mut out)), false)
-                .await
-        {
-            if finished || delivered {
-                // Keep the bookkeeping that follows the answer (prompt ids) on the record.
-                drain_into(events, call).await;
+        if !relayed.holding && out.len() >= MAX_UNWRITTEN {
+            if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
+                return (reusable, None);
             }
-            return (if delivered { false } else { client_gone(call) }, None);
         }
-        delivered |= finished;
     }
-    if holding {
+    if relayed.holding {
         return (call.error.is_none(), Some(Bytes::from(out)));
     }
-    if !sink.send_body(Bytes::from(out), true).await {
-        if delivered {
+    // The terminal event's frames go in a write of their own, before the stream's end marker:
+    // a harness that closes once it has read them (Codex) had a complete call.
+    if !out.is_empty() {
+        if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
+            return (reusable, None);
+        }
+    }
+    if !sink.send_body(Bytes::new(), true).await {
+        if relayed.delivered {
             tracing::debug!("the harness closed the connection after the terminal event");
         } else if call.error.is_none() {
             client_gone(call);
@@ -143,6 +160,58 @@ async fn relay(
         return (false, None);
     }
     (call.error.is_none(), None)
+}
+
+/// How far a streamed answer has got to the harness.
+#[derive(Default)]
+struct Relayed {
+    /// The terminal event's frames are rendered (written or not).
+    rendered_end: bool,
+    /// The terminal event's frames were written: from then on the harness has its answer,
+    /// whatever happens to the connection.
+    delivered: bool,
+    /// The terminal event's frames are held back for the caller (`hold_end`).
+    holding: bool,
+}
+
+impl Relayed {
+    /// Writes what is rendered. When the harness is gone, keeps what the engine sends after
+    /// an answer it rendered whole (the prompt ids) on the record and returns `Err` with
+    /// whether the connection can serve another request.
+    async fn write(
+        &mut self,
+        sink: &mut impl AnswerSink,
+        out: &mut Vec<u8>,
+        events: &mut GenerationStream,
+        call: &mut CallCapture,
+    ) -> Result<(), bool> {
+        if sink
+            .send_body(Bytes::from(std::mem::take(out)), false)
+            .await
+        {
+            self.delivered |= self.rendered_end;
+            return Ok(());
+        }
+        if self.rendered_end {
+            drain_into(events, call).await;
+        }
+        Err(if self.delivered {
+            false
+        } else {
+            client_gone(call)
+        })
+    }
+}
+
+/// The generation's next event if the engine has already sent it, without waiting.
+fn ready_event(
+    events: &mut GenerationStream,
+    call: &mut CallCapture,
+) -> Option<Option<Result<GenerationEvent, BackendError>>> {
+    let t = Instant::now();
+    let next = events.next().now_or_never();
+    call.backend_time += t.elapsed();
+    next
 }
 
 /// The next event of a generation, counting the wait as the engine's time.
@@ -158,11 +227,11 @@ async fn next_event(
 
 /// The whole generation, up to and including its first error.
 pub async fn collect_events(
-    mut events: GenerationStream,
+    events: &mut GenerationStream,
     call: &mut CallCapture,
 ) -> Vec<Result<GenerationEvent, BackendError>> {
     let mut all = Vec::new();
-    while let Some(e) = next_event(&mut events, call).await {
+    while let Some(e) = next_event(events, call).await {
         let failed = e.is_err();
         all.push(e);
         if failed {
@@ -173,7 +242,7 @@ pub async fn collect_events(
 }
 
 /// Accumulates what is left of `events` on the record, without answering anyone.
-async fn drain_into(events: GenerationStream, call: &mut CallCapture) {
+async fn drain_into(events: &mut GenerationStream, call: &mut CallCapture) {
     for event in collect_events(events, call).await.into_iter().flatten() {
         call.generation.push(event);
     }
@@ -206,6 +275,8 @@ mod tests {
     /// connection would.
     struct Harness {
         written: Vec<u8>,
+        /// Each accepted write's bytes, in order (the empty end of the stream left out).
+        writes: Vec<String>,
         refuse: fn(&[u8], bool) -> bool,
         refused: bool,
     }
@@ -214,6 +285,7 @@ mod tests {
         fn new(refuse: fn(&[u8], bool) -> bool) -> Harness {
             Harness {
                 written: Vec::new(),
+                writes: Vec::new(),
                 refuse,
                 refused: false,
             }
@@ -236,6 +308,10 @@ mod tests {
                 return false;
             }
             self.written.extend_from_slice(&data);
+            if !data.is_empty() {
+                self.writes
+                    .push(String::from_utf8_lossy(&data).into_owned());
+            }
             true
         }
     }
@@ -302,6 +378,84 @@ mod tests {
 
     fn the_terminal_event(data: &[u8], _: bool) -> bool {
         String::from_utf8_lossy(data).contains("[DONE]")
+    }
+
+    /// Events the engine sent together go to the harness in one write; an event still to
+    /// come never holds back what is already rendered.
+    #[tokio::test]
+    async fn events_that_arrived_together_are_written_together() {
+        let mut harness = Harness::new(|_, _| false);
+        let mut call = call();
+        assert!(relay_stream(&mut harness, renderer(), answer(), &mut call).await);
+        // "h", "i" and the finish were ready at once; the prompt ids came 20 ms later.
+        let first = harness
+            .writes
+            .iter()
+            .position(|w| w.contains("\"h\""))
+            .expect("h written");
+        let write = &harness.writes[first];
+        assert!(
+            write.contains("\"i\"") && write.contains("[DONE]"),
+            "{write}"
+        );
+        assert_eq!(harness.writes.len(), first + 1, "{:?}", harness.writes);
+        assert_eq!(call.into_record().prompt_token_ids, Some(vec![1, 2, 3]));
+    }
+
+    #[tokio::test]
+    async fn rendered_events_are_written_before_waiting_for_the_next() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        use std::sync::Arc;
+
+        /// Sets `seen` once a write with "h" reaches the harness.
+        struct Watching {
+            inner: Harness,
+            seen: Arc<AtomicBool>,
+        }
+        impl AnswerSink for Watching {
+            async fn send_head(&mut self, head: ResponseHeader) -> bool {
+                self.inner.send_head(head).await
+            }
+            async fn send_body(&mut self, data: Bytes, end: bool) -> bool {
+                if String::from_utf8_lossy(&data).contains("\"h\"") {
+                    self.seen.store(true, Ordering::SeqCst);
+                }
+                self.inner.send_body(data, end).await
+            }
+        }
+
+        let seen = Arc::new(AtomicBool::new(false));
+        let flag = Arc::clone(&seen);
+        // The engine sends its next event only once the harness has the first: a relay that
+        // waited for more before writing would wait forever.
+        let events: GenerationStream = Box::pin(
+            futures::stream::iter(vec![Ok(GenerationEvent::Delta(Delta {
+                content: Some("h".into()),
+                ..Default::default()
+            }))])
+            .chain(futures::stream::once(async move {
+                while !flag.load(Ordering::SeqCst) {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Ok(GenerationEvent::Finished {
+                    finish_reason: FinishReason::Stop,
+                    usage: None,
+                })
+            })),
+        );
+        let mut harness = Watching {
+            inner: Harness::new(|_, _| false),
+            seen,
+        };
+        let mut call = call();
+        let relayed = tokio::time::timeout(
+            Duration::from_secs(5),
+            relay_stream(&mut harness, renderer(), events, &mut call),
+        )
+        .await
+        .expect("the first event was written without waiting for the second");
+        assert!(relayed);
+        assert!(harness.inner.text().ends_with("data: [DONE]\n\n"));
     }
 
     #[tokio::test]

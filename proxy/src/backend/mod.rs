@@ -14,6 +14,7 @@ mod answer_lane_tests;
 mod contract_tests;
 mod engine_request;
 mod error;
+mod http1_engine;
 mod interface;
 mod json_lane;
 mod llamacpp;

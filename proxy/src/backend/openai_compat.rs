@@ -3,9 +3,12 @@
 //! `answer`) into generation events, and leaves where token data lives to each engine's
 //! [`TokenDialect`].
 
+use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_stream::try_stream;
+use bytes::Bytes;
 use futures::StreamExt;
 use serde_json::{Map, Value};
 
@@ -13,6 +16,7 @@ use super::answer::{self, decode, Answer, Choice, Ids, LogprobEntry, Message};
 use super::engine_request::{to_bytes, EngineRequest, TokenParam};
 use super::error::truncate;
 use super::error::BackendError;
+use super::http1_engine::{self, Http1Engine};
 use super::interface::{BackendConfig, CallMode, GenerationStream};
 use crate::canonical::{
     ChatRequest, Delta, FinishReason, GenerationEvent, TokenField, TokenGap, TokenSource,
@@ -26,6 +30,8 @@ pub(crate) struct EngineClient {
     base: String,
     api_key: Option<String>,
     idle_timeout: Duration,
+    /// Chat answers of an `http://` engine, read in the task that relays them.
+    http1: Option<Arc<Http1Engine>>,
 }
 
 impl EngineClient {
@@ -50,6 +56,7 @@ impl EngineClient {
             base,
             api_key: config.api_key.clone(),
             idle_timeout: config.idle_timeout,
+            http1: Http1Engine::for_engine(config).map(Arc::new),
         })
     }
 
@@ -158,16 +165,31 @@ pub(crate) async fn generate<D: TokenDialect>(
         stream,
         token_data: dialect.request_token_data(stream),
     })?;
-    let resp = client.post("/v1/chat/completions", body).await?;
+    const PATH: &str = "/v1/chat/completions";
+    if let Some(http1) = &client.http1 {
+        let answer = http1.post(PATH, body).await?;
+        return Ok(match mode {
+            CallMode::Whole => whole_events(http1_engine::read_whole(answer), dialect),
+            CallMode::Streaming => stream_events(answer, dialect, client.idle_timeout),
+        });
+    }
+    let resp = client.post(PATH, body).await?;
     Ok(match mode {
-        CallMode::Whole => whole_events(resp, dialect),
+        CallMode::Whole => whole_events(
+            async move { resp.bytes().await.map_err(BackendError::from_reqwest) },
+            dialect,
+        ),
         CallMode::Streaming => stream_events(resp.bytes_stream(), dialect, client.idle_timeout),
     })
 }
 
-fn whole_events<D: TokenDialect>(resp: reqwest::Response, dialect: D) -> GenerationStream {
+/// The generation events of the whole answer `body` will be.
+fn whole_events<D: TokenDialect>(
+    body: impl Future<Output = Result<Bytes, BackendError>> + Send + 'static,
+    dialect: D,
+) -> GenerationStream {
     Box::pin(try_stream! {
-        let body = resp.bytes().await.map_err(BackendError::from_reqwest)?;
+        let body = body.await?;
         for event in whole_answer_events(&body, &dialect)? {
             yield event;
         }
@@ -227,10 +249,11 @@ fn compact_json(json: &[u8]) -> String {
 }
 
 /// The generation events of a streamed answer, read as SSE from the answer's body chunks.
-pub(crate) fn stream_events<D, S>(body: S, dialect: D, idle: Duration) -> GenerationStream
+pub(crate) fn stream_events<D, S, E>(body: S, dialect: D, idle: Duration) -> GenerationStream
 where
     D: TokenDialect,
-    S: futures::Stream<Item = Result<bytes::Bytes, reqwest::Error>> + Send + 'static,
+    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Send + 'static,
+    E: std::error::Error + Send + Sync + 'static,
 {
     Box::pin(try_stream! {
         // sse-stream reads each chunk once (a 60 KB first event with 10,000 prompt ids is
@@ -246,8 +269,7 @@ where
             let Some(event) = next else { break };
             let event = event.map_err(|e| match &e {
                 // The client's read timeout fired mid-stream: the engine went quiet.
-                sse_stream::Error::Body(t)
-                    if t.downcast_ref::<reqwest::Error>().is_some_and(reqwest::Error::is_timeout) =>
+                sse_stream::Error::Body(t) if is_timeout(t.as_ref()) =>
                 {
                     BackendError::Timeout(format!("no data from the backend for {idle:?}: {t}"))
                 }
@@ -305,6 +327,15 @@ where
             yield GenerationEvent::Gap(gap);
         }
     })
+}
+
+/// Whether a body read failed because the engine went quiet (reqwest's read timeout, or
+/// Pingora's).
+fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
+    e.downcast_ref::<reqwest::Error>()
+        .is_some_and(reqwest::Error::is_timeout)
+        || e.downcast_ref::<std::io::Error>()
+            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
 }
 
 /// Notices token data the engine failed to send, so the record can say so.

@@ -1,0 +1,546 @@
+//! An engine's chat answers over plain HTTP/1, read in the task that relays them.
+//!
+//! reqwest (hyper) reads an answer in a connection task of its own and hands the body to the
+//! reader over a one-slot channel: each chunk of a streamed answer costs a task switch, and the
+//! relay never sees two events at once, so it writes each to the harness in a flushed write of
+//! its own (12 `sendto`s for a 12-event answer). Pingora's HTTP/1 client (the crate that serves
+//! the harness) reads in the caller's task instead: the chunks the engine has already sent are
+//! parsed from one buffer, the relay finds them ready, and writes them together.
+//!
+//! Whole answers come this way too (no connection task to hand their chunks over). Only
+//! `http://` engines take this path (Pingora is built without TLS here); HTTPS engines, and the
+//! side endpoints (`/tokenize`, `/v1/models`, ...), keep reqwest.
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use futures::StreamExt;
+use futures::stream::BoxStream;
+use pingora::connectors::http::v1::Connector;
+use pingora::connectors::ConnectorOptions;
+use pingora::http::RequestHeader;
+use pingora::protocols::http::v1::client::HttpSession;
+use pingora::upstreams::peer::HttpPeer;
+use pingora::{Error as PingoraError, ErrorType};
+
+use super::error::{error_chain, BackendError};
+use super::interface::BackendConfig;
+
+/// How long an idle connection to the engine is kept for the next call (reqwest's default).
+const POOL_IDLE: Duration = Duration::from_secs(90);
+/// The most idle connections kept (as reqwest's pool was set: one per harness connection the
+/// proxy serves at once, and more).
+const POOL_SIZE: usize = 1024;
+/// How long a resolved engine address is used before it is looked up again.
+const ADDRESS_TTL: Duration = Duration::from_secs(5);
+/// The most of an error answer read, for its message.
+const MAX_ERROR_BODY: usize = 1 << 20;
+
+/// The most of a whole answer read: far past any context's prompt ids (a 1M-token prompt's
+/// are about 8 MB), short of what a runaway engine could make the proxy hold.
+const MAX_WHOLE_ANSWER: usize = 256 << 20;
+
+/// An answer's body, as it arrives.
+pub(crate) type AnswerBody = BoxStream<'static, Result<Bytes, std::io::Error>>;
+
+/// One `http://` engine, with a pool of kept-alive connections.
+pub(crate) struct Http1Engine {
+    connector: Arc<Connector>,
+    /// `host[:port]` of the engine's URL, for the Host header.
+    authority: String,
+    address: EngineAddress,
+    authorization: Option<String>,
+    connect_timeout: Duration,
+    idle_timeout: Duration,
+}
+
+/// Where the engine is: an IP literal, or a host name looked up again every [`ADDRESS_TTL`]
+/// (a Service's address may change under a long run).
+enum EngineAddress {
+    Literal(SocketAddr),
+    Name {
+        host: String,
+        port: u16,
+        looked_up: Mutex<Option<(Instant, Arc<[SocketAddr]>)>>,
+    },
+}
+
+impl Http1Engine {
+    /// The engine at `config.url`, if that is an `http://` URL.
+    pub(crate) fn for_engine(config: &BackendConfig) -> Option<Http1Engine> {
+        let url = reqwest::Url::parse(&config.url).ok()?;
+        if url.scheme() != "http" {
+            return None;
+        }
+        let port = url.port_or_known_default()?;
+        let host = url.host_str()?;
+        // An IPv6 literal is bracketed in a URL.
+        let literal = host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .parse::<IpAddr>();
+        let address = match literal {
+            Ok(ip) => EngineAddress::Literal(SocketAddr::new(ip, port)),
+            Err(_) => EngineAddress::Name {
+                host: host.to_owned(),
+                port,
+                looked_up: Mutex::new(None),
+            },
+        };
+        let authority = match url.port() {
+            Some(p) => format!("{host}:{p}"),
+            None => host.to_owned(),
+        };
+        Some(Http1Engine {
+            connector: Arc::new(Connector::new(Some(ConnectorOptions::new(POOL_SIZE)))),
+            authority,
+            address,
+            authorization: config.api_key.as_ref().map(|k| format!("Bearer {k}")),
+            connect_timeout: config.connect_timeout,
+            idle_timeout: config.idle_timeout,
+        })
+    }
+
+    /// POSTs `body` (JSON) to `path` and returns the answer's body as it arrives. A non-2xx
+    /// answer is a classified [`BackendError`].
+    pub(crate) async fn post(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<AnswerBody, BackendError> {
+        let addresses = self.addresses().await?;
+        let mut refused = None;
+        for &addr in addresses.iter() {
+            let peer = self.peer(addr);
+            match self.request(&peer, path, &body).await {
+                Ok(session) => {
+                    return answer_body(session, Arc::clone(&self.connector), peer).await
+                }
+                // A name with several addresses: the next one may take the call.
+                Err(e) if is_connect_error(&e) => refused = Some(e),
+                Err(e) => return Err(classify(&e)),
+            }
+        }
+        Err(refused.map_or_else(
+            || BackendError::Unavailable(format!("{} has no address", self.authority)),
+            |e| classify(&e),
+        ))
+    }
+
+    /// Sends the request on a kept-alive connection or a new one and reads the answer's head.
+    /// A kept-alive connection the engine closed meanwhile fails before any answer; the request
+    /// then goes out again on another connection.
+    async fn request(
+        &self,
+        peer: &HttpPeer,
+        path: &str,
+        body: &[u8],
+    ) -> pingora::Result<HttpSession> {
+        loop {
+            let (mut session, reused) = self.connector.get_http_session(peer).await?;
+            // The wait for the answer's head and for each chunk after it, as reqwest's read
+            // timeout was (Pingora's connector leaves these to the caller).
+            session.read_timeout = Some(self.idle_timeout);
+            session.write_timeout = Some(self.idle_timeout);
+            match self.send(&mut session, path, body).await {
+                Ok(()) => return Ok(session),
+                Err(e) if reused && stale(&e) => continue,
+                Err(e) => return Err(e),
+            }
+        }
+    }
+
+    async fn send(
+        &self,
+        session: &mut HttpSession,
+        path: &str,
+        body: &[u8],
+    ) -> pingora::Result<()> {
+        let mut req = RequestHeader::build("POST", path.as_bytes(), Some(5))?;
+        req.insert_header("host", &self.authority)?;
+        req.insert_header("content-type", "application/json")?;
+        req.insert_header("content-length", body.len().to_string())?;
+        if let Some(auth) = &self.authorization {
+            req.insert_header("authorization", auth)?;
+        }
+        session.write_request_header(Box::new(req)).await?;
+        session.write_body(body).await?;
+        session.finish_body().await?;
+        session.read_response().await?;
+        Ok(())
+    }
+
+    /// The engine's addresses, looked up again once they are [`ADDRESS_TTL`] old.
+    async fn addresses(&self) -> Result<Arc<[SocketAddr]>, BackendError> {
+        let (host, port, looked_up) = match &self.address {
+            EngineAddress::Literal(addr) => return Ok(Arc::from([*addr])),
+            EngineAddress::Name {
+                host,
+                port,
+                looked_up,
+            } => (host, port, looked_up),
+        };
+        if let Some((at, addrs)) = &*looked_up.lock().expect("not poisoned") {
+            if at.elapsed() < ADDRESS_TTL {
+                return Ok(Arc::clone(addrs));
+            }
+        }
+        let addrs: Arc<[SocketAddr]> = tokio::net::lookup_host((host.as_str(), *port))
+            .await
+            .map_err(|e| BackendError::Unavailable(format!("looking up {host}: {e}")))?
+            .collect();
+        *looked_up.lock().expect("not poisoned") = Some((Instant::now(), Arc::clone(&addrs)));
+        Ok(addrs)
+    }
+
+    /// A peer at `addr` with the call's timeouts.
+    fn peer(&self, addr: SocketAddr) -> HttpPeer {
+        let mut peer = HttpPeer::new(addr, false, String::new());
+        peer.options.connection_timeout = Some(self.connect_timeout);
+        peer.options.idle_timeout = Some(POOL_IDLE);
+        peer
+    }
+}
+
+/// The body of an answer whose head `session` has read: an error status is the classified
+/// error; a kept-alive connection goes back to the pool once the body is read to its end.
+async fn answer_body(
+    mut session: HttpSession,
+    pool: Arc<Connector>,
+    peer: HttpPeer,
+) -> Result<AnswerBody, BackendError> {
+    let status = session.get_status().map_or(0, |s| s.as_u16());
+    if !(200..300).contains(&status) {
+        let body = error_body(&mut session).await;
+        return Err(BackendError::from_status(status, &body));
+    }
+    Ok(Box::pin(futures::stream::unfold(
+        Some((session, pool, peer)),
+        |state| async move {
+            let (mut session, pool, peer) = state?;
+            match session.read_body_bytes().await {
+                Ok(Some(chunk)) => Some((Ok(chunk), Some((session, pool, peer)))),
+                Ok(None) => {
+                    pool.release_http_session(session, &peer, Some(POOL_IDLE))
+                        .await;
+                    None
+                }
+                Err(e) => Some((Err(io_error(&e)), None)),
+            }
+        },
+    )))
+}
+
+/// Whether a kept-alive connection failed because the engine had closed it (not a timeout:
+/// an engine that hangs is not asked twice).
+fn stale(e: &PingoraError) -> bool {
+    matches!(
+        e.etype(),
+        ErrorType::ConnectionClosed | ErrorType::ReadError | ErrorType::WriteError
+    )
+}
+
+/// Whether no connection could be made (the request was never sent).
+fn is_connect_error(e: &PingoraError) -> bool {
+    matches!(
+        e.etype(),
+        ErrorType::ConnectRefused
+            | ErrorType::ConnectNoRoute
+            | ErrorType::ConnectTimedout
+            | ErrorType::ConnectError
+    )
+}
+
+/// A whole answer's body, read to its end (at most [`MAX_WHOLE_ANSWER`]).
+pub(crate) async fn read_whole(mut answer: AnswerBody) -> Result<Bytes, BackendError> {
+    let mut whole = BytesMut::new();
+    while let Some(chunk) = answer.next().await {
+        let chunk = chunk.map_err(|e| match e.kind() {
+            std::io::ErrorKind::TimedOut => BackendError::Timeout(e.to_string()),
+            _ => BackendError::Unavailable(e.to_string()),
+        })?;
+        if whole.len() + chunk.len() > MAX_WHOLE_ANSWER {
+            return Err(BackendError::Protocol(format!(
+                "the answer is larger than {} MiB",
+                MAX_WHOLE_ANSWER >> 20
+            )));
+        }
+        whole.extend_from_slice(&chunk);
+    }
+    Ok(whole.freeze())
+}
+
+/// The start of an error answer's body, for its message.
+async fn error_body(session: &mut HttpSession) -> String {
+    let mut body = Vec::new();
+    while body.len() < MAX_ERROR_BODY {
+        match session.read_body_ref().await {
+            Ok(Some(chunk)) => body.extend_from_slice(chunk),
+            _ => break,
+        }
+    }
+    body.truncate(MAX_ERROR_BODY);
+    String::from_utf8_lossy(&body).into_owned()
+}
+
+/// A Pingora error as the engine failure it is.
+fn classify(e: &PingoraError) -> BackendError {
+    match e.etype() {
+        ErrorType::ConnectTimedout | ErrorType::ReadTimedout | ErrorType::WriteTimedout => {
+            BackendError::Timeout(error_chain(e))
+        }
+        ErrorType::InvalidHTTPHeader => BackendError::Protocol(error_chain(e)),
+        _ => BackendError::Unavailable(error_chain(e)),
+    }
+}
+
+/// A body read error, for the event-stream reader (which tells a timeout by its kind).
+fn io_error(e: &PingoraError) -> std::io::Error {
+    let kind = match e.etype() {
+        ErrorType::ReadTimedout => std::io::ErrorKind::TimedOut,
+        _ => std::io::ErrorKind::Other,
+    };
+    std::io::Error::new(kind, error_chain(e))
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use tokentap_schema::BackendKind;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    use tokio::net::{TcpListener, TcpStream};
+
+    use super::*;
+
+    const ANSWER: &str = "data: {\"a\":1}\n\ndata: [DONE]\n\n";
+
+    /// What the scripted engine does with the n-th request (from 0) on a connection.
+    #[derive(Clone, Copy)]
+    enum Script {
+        /// Answers every request with [`ANSWER`], chunked, and keeps the connection.
+        Answer,
+        /// Answers the first request, then closes the connection on reading the next one.
+        AnswerOnceThenClose,
+        /// Closes the connection on reading a request.
+        Close,
+        /// Reads the request and never answers.
+        Hang,
+        /// Answers 500 with an OpenAI-shaped error.
+        Fail,
+    }
+
+    struct Engine {
+        url: String,
+        connections: Arc<AtomicUsize>,
+        requests: Arc<Mutex<Vec<String>>>,
+    }
+
+    async fn engine(script: Script, host: &str) -> Engine {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{host}:{}", listener.local_addr().unwrap().port());
+        let connections = Arc::new(AtomicUsize::new(0));
+        let requests = Arc::new(Mutex::new(Vec::new()));
+        let (c, r) = (Arc::clone(&connections), Arc::clone(&requests));
+        tokio::spawn(async move {
+            loop {
+                let (conn, _) = listener.accept().await.unwrap();
+                c.fetch_add(1, Ordering::SeqCst);
+                tokio::spawn(serve(conn, script, Arc::clone(&r)));
+            }
+        });
+        Engine {
+            url,
+            connections,
+            requests,
+        }
+    }
+
+    async fn serve(mut conn: TcpStream, script: Script, requests: Arc<Mutex<Vec<String>>>) {
+        let mut buf = Vec::new();
+        for n in 0.. {
+            let Some(request) = read_request(&mut conn, &mut buf).await else {
+                return;
+            };
+            requests.lock().unwrap().push(request);
+            match (script, n) {
+                (Script::Answer, _) | (Script::AnswerOnceThenClose, 0) => {
+                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                                transfer-encoding: chunked\r\n\r\n";
+                    let mut out = head.to_owned();
+                    // One chunk per event, all sent at once.
+                    for event in ANSWER.split_inclusive("\n\n") {
+                        out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+                    }
+                    out.push_str("0\r\n\r\n");
+                    conn.write_all(out.as_bytes()).await.unwrap();
+                }
+                (Script::Fail, _) => {
+                    let body = r#"{"error":{"message":"engine fell over","code":500}}"#;
+                    let out = format!(
+                        "HTTP/1.1 500 Internal Server Error\r\ncontent-type: application/json\r\n\
+                         content-length: {}\r\n\r\n{body}",
+                        body.len()
+                    );
+                    conn.write_all(out.as_bytes()).await.unwrap();
+                }
+                (Script::Hang, _) => std::future::pending::<()>().await,
+                _ => return, // closes
+            }
+        }
+    }
+
+    /// One request (head and content-length body) as text, or `None` at the connection's end.
+    async fn read_request(conn: &mut TcpStream, buf: &mut Vec<u8>) -> Option<String> {
+        loop {
+            if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                let len: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length: "))
+                    .map_or(0, |v| v.trim().parse().unwrap());
+                if buf.len() >= end + 4 + len {
+                    let request: Vec<u8> = buf.drain(..end + 4 + len).collect();
+                    return Some(String::from_utf8_lossy(&request).into_owned());
+                }
+            }
+            let mut chunk = [0; 4096];
+            match conn.read(&mut chunk).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    }
+
+    fn client(url: &str, idle: Duration) -> Http1Engine {
+        Http1Engine::for_engine(&BackendConfig {
+            kind: BackendKind::Vllm,
+            url: url.to_owned(),
+            api_key: Some("sk-engine".into()),
+            ca_roots: Vec::new(),
+            connect_timeout: Duration::from_secs(2),
+            idle_timeout: idle,
+        })
+        .expect("an http:// engine")
+    }
+
+    async fn call(client: &Http1Engine) -> Result<String, BackendError> {
+        let body = client
+            .post("/v1/chat/completions", br#"{"stream":true}"#.to_vec())
+            .await?;
+        let chunks: Vec<_> = body.collect().await;
+        let mut text = Vec::new();
+        for chunk in chunks {
+            text.extend_from_slice(&chunk.map_err(|e| BackendError::Protocol(e.to_string()))?);
+        }
+        Ok(String::from_utf8(text).unwrap())
+    }
+
+    #[tokio::test]
+    async fn streamed_answers_come_whole_over_one_kept_alive_connection() {
+        let engine = engine(Script::Answer, "127.0.0.1").await;
+        let client = client(&engine.url, Duration::from_secs(5));
+        for _ in 0..3 {
+            assert_eq!(call(&client).await.unwrap(), ANSWER);
+        }
+        assert_eq!(engine.connections.load(Ordering::SeqCst), 1);
+        let requests = engine.requests.lock().unwrap();
+        let port = engine.url.rsplit(':').next().unwrap();
+        for r in requests.iter() {
+            assert!(
+                r.starts_with("POST /v1/chat/completions HTTP/1.1\r\n"),
+                "{r}"
+            );
+            let lower = r.to_lowercase();
+            assert!(
+                lower.contains(&format!("\r\nhost: 127.0.0.1:{port}\r\n")),
+                "{r}"
+            );
+            assert!(
+                lower.contains("\r\ncontent-type: application/json\r\n"),
+                "{r}"
+            );
+            assert!(
+                lower.contains("\r\nauthorization: bearer sk-engine\r\n"),
+                "{r}"
+            );
+            assert!(r.ends_with("\r\n\r\n{\"stream\":true}"), "{r}");
+        }
+    }
+
+    /// The engine may close a kept-alive connection just as the next call is sent on it: that
+    /// call goes out again on a new connection, and succeeds.
+    #[tokio::test]
+    async fn a_kept_alive_connection_the_engine_closed_is_replaced() {
+        let engine = engine(Script::AnswerOnceThenClose, "127.0.0.1").await;
+        let client = client(&engine.url, Duration::from_secs(5));
+        assert_eq!(call(&client).await.unwrap(), ANSWER);
+        assert_eq!(call(&client).await.unwrap(), ANSWER);
+        assert_eq!(engine.connections.load(Ordering::SeqCst), 2);
+    }
+
+    /// A new connection the engine closes without answering is an unavailable engine, asked
+    /// once.
+    #[tokio::test]
+    async fn an_engine_that_closes_without_answering_is_unavailable() {
+        let engine = engine(Script::Close, "127.0.0.1").await;
+        let err = call(&client(&engine.url, Duration::from_secs(5)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, BackendError::Unavailable(_)), "{err:?}");
+        assert_eq!(engine.connections.load(Ordering::SeqCst), 1);
+    }
+
+    #[tokio::test]
+    async fn an_engine_that_never_answers_times_out() {
+        let engine = engine(Script::Hang, "127.0.0.1").await;
+        let started = Instant::now();
+        let err = call(&client(&engine.url, Duration::from_millis(300)))
+            .await
+            .unwrap_err();
+        assert!(matches!(err, BackendError::Timeout(_)), "{err:?}");
+        assert!(started.elapsed() < Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn an_error_answer_is_classified_with_its_message() {
+        let engine = engine(Script::Fail, "127.0.0.1").await;
+        let err = call(&client(&engine.url, Duration::from_secs(5)))
+            .await
+            .unwrap_err();
+        match err {
+            BackendError::Status { status, message } => {
+                assert_eq!((status, message.as_str()), (500, "engine fell over"));
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn an_engine_named_by_host_name_is_looked_up() {
+        let engine = engine(Script::Answer, "localhost").await;
+        assert_eq!(
+            call(&client(&engine.url, Duration::from_secs(5)))
+                .await
+                .unwrap(),
+            ANSWER
+        );
+    }
+
+    #[tokio::test]
+    async fn https_engines_are_left_to_reqwest() {
+        for url in ["https://127.0.0.1:8443", "unix:/run/engine.sock"] {
+            let config = BackendConfig {
+                kind: BackendKind::Vllm,
+                url: url.into(),
+                api_key: None,
+                ca_roots: Vec::new(),
+                connect_timeout: Duration::from_secs(1),
+                idle_timeout: Duration::from_secs(1),
+            };
+            assert!(Http1Engine::for_engine(&config).is_none(), "{url}");
+        }
+    }
+}
