@@ -16,8 +16,8 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use bytes::{Bytes, BytesMut};
-use futures::StreamExt;
 use futures::stream::BoxStream;
+use futures::StreamExt;
 use pingora::connectors::http::v1::Connector;
 use pingora::connectors::ConnectorOptions;
 use pingora::http::RequestHeader;
@@ -105,11 +105,7 @@ impl Http1Engine {
 
     /// POSTs `body` (JSON) to `path` and returns the answer's body as it arrives. A non-2xx
     /// answer is a classified [`BackendError`].
-    pub(crate) async fn post(
-        &self,
-        path: &str,
-        body: Vec<u8>,
-    ) -> Result<AnswerBody, BackendError> {
+    pub(crate) async fn post(&self, path: &str, body: Vec<u8>) -> Result<AnswerBody, BackendError> {
         let addresses = self.addresses().await?;
         let mut refused = None;
         for &addr in addresses.iter() {
