@@ -91,8 +91,8 @@ async fn relay(
             Some(next) => next,
             None => {
                 if !relayed.holding && !out.is_empty() {
-                    if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
-                        return (reusable, None);
+                    if !relayed.write(sink, &mut out, &mut events, call).await {
+                        return (false, None);
                     }
                 }
                 next_event(&mut events, call).await
@@ -112,10 +112,8 @@ async fn relay(
                     } => {
                         if hold_end && !out.is_empty() {
                             // What precedes the terminal event goes now; the rest is held.
-                            if let Err(reusable) =
-                                relayed.write(sink, &mut out, &mut events, call).await
-                            {
-                                return (reusable, None);
+                            if !relayed.write(sink, &mut out, &mut events, call).await {
+                                return (false, None);
                             }
                         }
                         renderer.finish(*finish_reason, *usage, &mut out);
@@ -136,8 +134,8 @@ async fn relay(
             }
         }
         if !relayed.holding && out.len() >= MAX_UNWRITTEN {
-            if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
-                return (reusable, None);
+            if !relayed.write(sink, &mut out, &mut events, call).await {
+                return (false, None);
             }
         }
     }
@@ -147,8 +145,8 @@ async fn relay(
     // The terminal event's frames go in a write of their own, before the stream's end marker:
     // a harness that closes once it has read them (Codex) had a complete call.
     if !out.is_empty() {
-        if let Err(reusable) = relayed.write(sink, &mut out, &mut events, call).await {
-            return (reusable, None);
+        if !relayed.write(sink, &mut out, &mut events, call).await {
+            return (false, None);
         }
     }
     if !sink.send_body(Bytes::new(), true).await {
@@ -175,31 +173,30 @@ struct Relayed {
 }
 
 impl Relayed {
-    /// Writes what is rendered. When the harness is gone, keeps what the engine sends after
-    /// an answer it rendered whole (the prompt ids) on the record and returns `Err` with
-    /// whether the connection can serve another request.
+    /// Writes what is rendered; `false` when the harness is gone. Then the record says so
+    /// (unless the harness had its answer, or the engine's error is the record's error), and
+    /// keeps what the engine sends after an answer rendered whole (the prompt ids).
     async fn write(
         &mut self,
         sink: &mut impl AnswerSink,
         out: &mut Vec<u8>,
         events: &mut GenerationStream,
         call: &mut CallCapture,
-    ) -> Result<(), bool> {
+    ) -> bool {
         if sink
             .send_body(Bytes::from(std::mem::take(out)), false)
             .await
         {
             self.delivered |= self.rendered_end;
-            return Ok(());
+            return true;
         }
         if self.rendered_end {
             drain_into(events, call).await;
         }
-        Err(if self.delivered {
-            false
-        } else {
-            client_gone(call)
-        })
+        if !self.delivered && call.error.is_none() {
+            client_gone(call);
+        }
+        false
     }
 }
 
@@ -537,6 +534,25 @@ mod tests {
             Some(vec![1, 2, 3]),
             "what the engine sent after the answer is still recorded"
         );
+    }
+
+    /// The engine fails and the harness is gone before its error frame is written: the
+    /// engine's failure is the record's error, not a disconnect.
+    #[tokio::test]
+    async fn an_engine_failure_stays_the_error_when_its_error_frame_finds_the_harness_gone() {
+        let events: GenerationStream = Box::pin(futures::stream::iter(vec![
+            Ok(GenerationEvent::Delta(Delta {
+                content: Some("h".into()),
+                ..Default::default()
+            })),
+            Err(BackendError::Protocol("engine went away".into())),
+        ]));
+        let mut harness = Harness::new(|data, _| String::from_utf8_lossy(data).contains("error"));
+        let mut call = call();
+        assert!(!relay_stream(&mut harness, renderer(), events, &mut call).await);
+        assert!(harness.refused, "the error frame was refused");
+        let err = call.error.as_ref().expect("an error");
+        assert_eq!(err.kind, ErrorKind::BackendError, "{err:?}");
     }
 
     #[tokio::test]
