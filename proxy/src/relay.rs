@@ -90,10 +90,11 @@ async fn relay(
         let next = match ready_event(&mut events, call) {
             Some(next) => next,
             None => {
-                if !relayed.holding && !out.is_empty() {
-                    if !relayed.write(sink, &mut out, &mut events, call).await {
-                        return (false, None);
-                    }
+                if !relayed.holding
+                    && !out.is_empty()
+                    && !relayed.write(sink, &mut out, &mut events, call).await
+                {
+                    return (false, None);
                 }
                 next_event(&mut events, call).await
             }
@@ -110,11 +111,12 @@ async fn relay(
                         finish_reason,
                         usage,
                     } => {
-                        if hold_end && !out.is_empty() {
-                            // What precedes the terminal event goes now; the rest is held.
-                            if !relayed.write(sink, &mut out, &mut events, call).await {
-                                return (false, None);
-                            }
+                        // What precedes the terminal event goes now; the rest is held.
+                        if hold_end
+                            && !out.is_empty()
+                            && !relayed.write(sink, &mut out, &mut events, call).await
+                        {
+                            return (false, None);
                         }
                         renderer.finish(*finish_reason, *usage, &mut out);
                         relayed.rendered_end = true;
@@ -133,10 +135,11 @@ async fn relay(
                 break;
             }
         }
-        if !relayed.holding && out.len() >= MAX_UNWRITTEN {
-            if !relayed.write(sink, &mut out, &mut events, call).await {
-                return (false, None);
-            }
+        if !relayed.holding
+            && out.len() >= MAX_UNWRITTEN
+            && !relayed.write(sink, &mut out, &mut events, call).await
+        {
+            return (false, None);
         }
     }
     if relayed.holding {
@@ -144,10 +147,8 @@ async fn relay(
     }
     // The terminal event's frames go in a write of their own, before the stream's end marker:
     // a harness that closes once it has read them (Codex) had a complete call.
-    if !out.is_empty() {
-        if !relayed.write(sink, &mut out, &mut events, call).await {
-            return (false, None);
-        }
+    if !out.is_empty() && !relayed.write(sink, &mut out, &mut events, call).await {
+        return (false, None);
     }
     if !sink.send_body(Bytes::new(), true).await {
         if relayed.delivered {
