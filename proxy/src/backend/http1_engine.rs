@@ -50,6 +50,8 @@ pub(crate) struct Http1Engine {
     connector: Arc<Connector>,
     /// `host[:port]` of the engine's URL, for the Host header.
     authority: String,
+    /// The URL's path, which request paths go under (a trailing `/v1` removed, as for reqwest).
+    prefix: String,
     address: EngineAddress,
     authorization: Option<String>,
     connect_timeout: Duration,
@@ -71,9 +73,11 @@ impl Http1Engine {
     /// The engine at `config.url`, if that is an `http://` URL.
     pub(crate) fn for_engine(config: &BackendConfig) -> Option<Http1Engine> {
         let url = reqwest::Url::parse(&config.url).ok()?;
-        if url.scheme() != "http" {
+        if url.scheme() != "http" || url.query().is_some() {
             return None;
         }
+        let prefix = url.path().trim_end_matches('/');
+        let prefix = prefix.strip_suffix("/v1").unwrap_or(prefix).to_owned();
         let port = url.port_or_known_default()?;
         let host = url.host_str()?;
         // An IPv6 literal is bracketed in a URL.
@@ -96,6 +100,7 @@ impl Http1Engine {
         Some(Http1Engine {
             connector: Arc::new(Connector::new(Some(ConnectorOptions::new(POOL_SIZE)))),
             authority,
+            prefix,
             address,
             authorization: config.api_key.as_ref().map(|k| format!("Bearer {k}")),
             connect_timeout: config.connect_timeout,
@@ -154,6 +159,7 @@ impl Http1Engine {
         path: &str,
         body: &[u8],
     ) -> pingora::Result<()> {
+        let path = format!("{}{path}", self.prefix);
         let mut req = RequestHeader::build("POST", path.as_bytes(), Some(5))?;
         req.insert_header("host", &self.authority)?;
         req.insert_header("content-type", "application/json")?;
@@ -523,6 +529,23 @@ mod tests {
                 .unwrap(),
             ANSWER
         );
+    }
+
+    /// Request paths go under the URL's path, a trailing `/v1` removed (as reqwest's were).
+    #[tokio::test]
+    async fn requests_go_under_the_engine_urls_path() {
+        let engine = engine(Script::Answer, "127.0.0.1").await;
+        for (suffix, expect) in [
+            ("/v1", "POST /v1/chat/completions "),
+            ("/", "POST /v1/chat/completions "),
+            ("/engines/a/v1/", "POST /engines/a/v1/chat/completions "),
+            ("/engines/a", "POST /engines/a/v1/chat/completions "),
+        ] {
+            let client = client(&format!("{}{suffix}", engine.url), Duration::from_secs(5));
+            assert_eq!(call(&client).await.unwrap(), ANSWER);
+            let last = engine.requests.lock().unwrap().last().cloned().unwrap();
+            assert!(last.starts_with(expect), "{suffix}: {last}");
+        }
     }
 
     #[tokio::test]
