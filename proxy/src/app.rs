@@ -739,7 +739,7 @@ impl CaptureService {
             .generate(call.backend_request.as_ref().expect("set above"), mode)
             .await;
         call.backend_time += t.elapsed();
-        let events = match started {
+        let mut events = match started {
             Ok(events) => events,
             Err(e) => return self.fail(http, codec, call, CallError::from(&e)).await,
         };
@@ -750,7 +750,6 @@ impl CaptureService {
                 let events = match mode {
                     CallMode::Streaming => events,
                     CallMode::Whole => {
-                        let mut events = events;
                         let replay = collect_events(&mut events, call).await;
                         Box::pin(futures::stream::iter(replay))
                     }
@@ -778,10 +777,9 @@ impl CaptureService {
         http: &mut ServerSession,
         codec: &dyn WireCodec,
         meta: &ResponseMeta,
-        events: GenerationStream,
+        mut events: GenerationStream,
         call: &mut CallCapture,
     ) -> bool {
-        let mut events = events;
         for event in collect_events(&mut events, call).await {
             match event {
                 Ok(e) => call.generation.push(e),

@@ -82,7 +82,10 @@ async fn relay(
     if !sink.send_head(head).await {
         return (client_gone(call), None);
     }
-    let mut relayed = Relayed::default();
+    let mut relayed = Relayed {
+        hold_end,
+        ..Relayed::default()
+    };
     loop {
         // Events the engine has already sent are rendered together and written at once (each
         // write of a chunked body is flushed: a syscall per event otherwise). Nothing waits on
@@ -90,7 +93,7 @@ async fn relay(
         let next = match ready_event(&mut events, call) {
             Some(next) => next,
             None => {
-                if !relayed.holding
+                if !relayed.holding()
                     && !out.is_empty()
                     && !relayed.write(sink, &mut out, &mut events, call).await
                 {
@@ -120,7 +123,6 @@ async fn relay(
                         }
                         renderer.finish(*finish_reason, *usage, &mut out);
                         relayed.rendered_end = true;
-                        relayed.holding = hold_end;
                     }
                     _ => {}
                 }
@@ -135,14 +137,14 @@ async fn relay(
                 break;
             }
         }
-        if !relayed.holding
+        if !relayed.holding()
             && out.len() >= MAX_UNWRITTEN
             && !relayed.write(sink, &mut out, &mut events, call).await
         {
             return (false, None);
         }
     }
-    if relayed.holding {
+    if relayed.holding() {
         return (call.error.is_none(), Some(Bytes::from(out)));
     }
     // The terminal event's frames go in a write of their own, before the stream's end marker:
@@ -169,11 +171,16 @@ struct Relayed {
     /// The terminal event's frames were written: from then on the harness has its answer,
     /// whatever happens to the connection.
     delivered: bool,
-    /// The terminal event's frames are held back for the caller (`hold_end`).
-    holding: bool,
+    /// The terminal event's frames are to be held back for the caller.
+    hold_end: bool,
 }
 
 impl Relayed {
+    /// Whether the terminal event's frames (and what follows them) are being held back.
+    fn holding(&self) -> bool {
+        self.hold_end && self.rendered_end
+    }
+
     /// Writes what is rendered; `false` when the harness is gone. Then the record says so
     /// (unless the harness had its answer, or the engine's error is the record's error), and
     /// keeps what the engine sends after an answer rendered whole (the prompt ids).
@@ -370,6 +377,17 @@ mod tests {
         Box::pin(head.chain(late_prompt))
     }
 
+    /// "h", then the engine fails.
+    fn text_then_engine_failure() -> GenerationStream {
+        Box::pin(futures::stream::iter(vec![
+            Ok(GenerationEvent::Delta(Delta {
+                content: Some("h".into()),
+                ..Default::default()
+            })),
+            Err(BackendError::Protocol("engine went away".into())),
+        ]))
+    }
+
     fn the_end(_: &[u8], end: bool) -> bool {
         end
     }
@@ -541,13 +559,7 @@ mod tests {
     /// engine's failure is the record's error, not a disconnect.
     #[tokio::test]
     async fn an_engine_failure_stays_the_error_when_its_error_frame_finds_the_harness_gone() {
-        let events: GenerationStream = Box::pin(futures::stream::iter(vec![
-            Ok(GenerationEvent::Delta(Delta {
-                content: Some("h".into()),
-                ..Default::default()
-            })),
-            Err(BackendError::Protocol("engine went away".into())),
-        ]));
+        let events = text_then_engine_failure();
         let mut harness = Harness::new(|data, _| String::from_utf8_lossy(data).contains("error"));
         let mut call = call();
         assert!(!relay_stream(&mut harness, renderer(), events, &mut call).await);
@@ -558,13 +570,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_engine_failure_stays_the_error_when_the_harness_is_also_gone() {
-        let events: GenerationStream = Box::pin(futures::stream::iter(vec![
-            Ok(GenerationEvent::Delta(Delta {
-                content: Some("h".into()),
-                ..Default::default()
-            })),
-            Err(BackendError::Protocol("engine went away".into())),
-        ]));
+        let events = text_then_engine_failure();
         let mut harness = Harness::new(the_end);
         let mut call = call();
         assert!(!relay_stream(&mut harness, renderer(), events, &mut call).await);

@@ -61,7 +61,7 @@ pub(crate) struct Http1Engine {
 /// Where the engine is: an IP literal, or a host name looked up again every [`ADDRESS_TTL`]
 /// (a Service's address may change under a long run).
 enum EngineAddress {
-    Literal(SocketAddr),
+    Literal(Arc<[SocketAddr]>),
     Name {
         host: String,
         port: u16,
@@ -86,7 +86,7 @@ impl Http1Engine {
             .trim_end_matches(']')
             .parse::<IpAddr>();
         let address = match literal {
-            Ok(ip) => EngineAddress::Literal(SocketAddr::new(ip, port)),
+            Ok(ip) => EngineAddress::Literal(Arc::from([SocketAddr::new(ip, port)])),
             Err(_) => EngineAddress::Name {
                 host: host.to_owned(),
                 port,
@@ -177,7 +177,7 @@ impl Http1Engine {
     /// The engine's addresses, looked up again once they are [`ADDRESS_TTL`] old.
     async fn addresses(&self) -> Result<Arc<[SocketAddr]>, BackendError> {
         let (host, port, looked_up) = match &self.address {
-            EngineAddress::Literal(addr) => return Ok(Arc::from([*addr])),
+            EngineAddress::Literal(addr) => return Ok(Arc::clone(addr)),
             EngineAddress::Name {
                 host,
                 port,
@@ -197,11 +197,10 @@ impl Http1Engine {
         Ok(addrs)
     }
 
-    /// A peer at `addr` with the call's timeouts.
+    /// A peer at `addr` with the connect timeout (the pool's idle time is given on release).
     fn peer(&self, addr: SocketAddr) -> HttpPeer {
         let mut peer = HttpPeer::new(addr, false, String::new());
         peer.options.connection_timeout = Some(self.connect_timeout);
-        peer.options.idle_timeout = Some(POOL_IDLE);
         peer
     }
 }
@@ -440,6 +439,13 @@ mod tests {
         Ok(String::from_utf8(text).unwrap())
     }
 
+    /// One call to an engine following `script`, which must fail; the engine and the error.
+    async fn failed_call(script: Script, idle: Duration) -> (Engine, BackendError) {
+        let engine = engine(script, "127.0.0.1").await;
+        let err = call(&client(&engine.url, idle)).await.unwrap_err();
+        (engine, err)
+    }
+
     #[tokio::test]
     async fn streamed_answers_come_whole_over_one_kept_alive_connection() {
         let engine = engine(Script::Answer, "127.0.0.1").await;
@@ -487,31 +493,22 @@ mod tests {
     /// once.
     #[tokio::test]
     async fn an_engine_that_closes_without_answering_is_unavailable() {
-        let engine = engine(Script::Close, "127.0.0.1").await;
-        let err = call(&client(&engine.url, Duration::from_secs(5)))
-            .await
-            .unwrap_err();
+        let (engine, err) = failed_call(Script::Close, Duration::from_secs(5)).await;
         assert!(matches!(err, BackendError::Unavailable(_)), "{err:?}");
         assert_eq!(engine.connections.load(Ordering::SeqCst), 1);
     }
 
     #[tokio::test]
     async fn an_engine_that_never_answers_times_out() {
-        let engine = engine(Script::Hang, "127.0.0.1").await;
         let started = Instant::now();
-        let err = call(&client(&engine.url, Duration::from_millis(300)))
-            .await
-            .unwrap_err();
+        let (_, err) = failed_call(Script::Hang, Duration::from_millis(300)).await;
         assert!(matches!(err, BackendError::Timeout(_)), "{err:?}");
         assert!(started.elapsed() < Duration::from_secs(5));
     }
 
     #[tokio::test]
     async fn an_error_answer_is_classified_with_its_message() {
-        let engine = engine(Script::Fail, "127.0.0.1").await;
-        let err = call(&client(&engine.url, Duration::from_secs(5)))
-            .await
-            .unwrap_err();
+        let (_, err) = failed_call(Script::Fail, Duration::from_secs(5)).await;
         match err {
             BackendError::Status { status, message } => {
                 assert_eq!((status, message.as_str()), (500, "engine fell over"));
