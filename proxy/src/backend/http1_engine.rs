@@ -318,11 +318,20 @@ mod tests {
 
     const ANSWER: &str = "data: {\"a\":1}\n\ndata: [DONE]\n\n";
 
+    /// A streamed chat answer as vLLM sends it (one token, finished).
+    const CHAT_ANSWER: &str = "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"hi\"},\
+                               \"finish_reason\":\"stop\"}]}\n\ndata: [DONE]\n\n";
+
     /// What the scripted engine does with the n-th request (from 0) on a connection.
     #[derive(Clone, Copy)]
     enum Script {
         /// Answers every request with [`ANSWER`], chunked, and keeps the connection.
         Answer,
+        /// Answers every request with [`CHAT_ANSWER`], the body's last chunk sent with it.
+        Chat,
+        /// Answers every request with [`CHAT_ANSWER`], the body's last chunk sent 50 ms after
+        /// the events (as an engine's server does once the generator behind the body ends).
+        ChatEndLater,
         /// Answers the first request, then closes the connection on reading the next one.
         AnswerOnceThenClose,
         /// Closes the connection on reading a request.
@@ -368,15 +377,21 @@ mod tests {
             requests.lock().unwrap().push(request);
             match (script, n) {
                 (Script::Answer, _) | (Script::AnswerOnceThenClose, 0) => {
-                    let head = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
-                                transfer-encoding: chunked\r\n\r\n";
-                    let mut out = head.to_owned();
-                    // One chunk per event, all sent at once.
-                    for event in ANSWER.split_inclusive("\n\n") {
-                        out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
-                    }
-                    out.push_str("0\r\n\r\n");
-                    conn.write_all(out.as_bytes()).await.unwrap();
+                    conn.write_all(chunked(ANSWER, true).as_bytes())
+                        .await
+                        .unwrap();
+                }
+                (Script::Chat, _) => {
+                    conn.write_all(chunked(CHAT_ANSWER, true).as_bytes())
+                        .await
+                        .unwrap();
+                }
+                (Script::ChatEndLater, _) => {
+                    conn.write_all(chunked(CHAT_ANSWER, false).as_bytes())
+                        .await
+                        .unwrap();
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    conn.write_all(b"0\r\n\r\n").await.unwrap();
                 }
                 (Script::Fail, _) => {
                     let body = r#"{"error":{"message":"engine fell over","code":500}}"#;
@@ -391,6 +406,21 @@ mod tests {
                 _ => return, // closes
             }
         }
+    }
+
+    /// An SSE answer's head and its events, one chunk each, with the body's last chunk if
+    /// `end`.
+    fn chunked(answer: &str, end: bool) -> String {
+        let mut out = "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n\
+                       transfer-encoding: chunked\r\n\r\n"
+            .to_owned();
+        for event in answer.split_inclusive("\n\n") {
+            out.push_str(&format!("{:x}\r\n{event}\r\n", event.len()));
+        }
+        if end {
+            out.push_str("0\r\n\r\n");
+        }
+        out
     }
 
     /// One request (head and content-length body) as text, or `None` at the connection's end.
@@ -475,6 +505,40 @@ mod tests {
                 "{r}"
             );
             assert!(r.ends_with("\r\n\r\n{\"stream\":true}"), "{r}");
+        }
+    }
+
+    /// The relay stops reading an answer's events at the terminal one and drops the stream:
+    /// the connection still goes back to the pool, whether the body's last chunk came with
+    /// `[DONE]` or after it. (Each call had opened a new connection, one `connect` per call.)
+    #[tokio::test]
+    async fn a_streamed_answer_read_to_its_finish_returns_its_connection() {
+        use crate::backend::openai_compat::stream_events;
+        use crate::backend::vllm::VllmDialect;
+        use crate::canonical::GenerationEvent;
+
+        for (script, settle) in [(Script::Chat, 0), (Script::ChatEndLater, 300)] {
+            let engine = engine(script, "127.0.0.1").await;
+            let client = client(&engine.url, Duration::from_secs(5));
+            for _ in 0..3 {
+                let body = client
+                    .post("/v1/chat/completions", br#"{"stream":true}"#.to_vec())
+                    .await
+                    .unwrap();
+                let mut events = stream_events(body, VllmDialect, Duration::from_secs(5));
+                loop {
+                    match events.next().await {
+                        Some(Ok(GenerationEvent::Finished { .. })) => break,
+                        Some(Ok(_)) => {}
+                        other => panic!("{other:?}"),
+                    }
+                }
+                drop(events);
+                // The body's end is 50 ms behind [DONE] in the second script.
+                tokio::time::sleep(Duration::from_millis(settle)).await;
+            }
+            let n = engine.connections.load(Ordering::SeqCst);
+            assert_eq!(n, 1, "{} connections", n);
         }
     }
 

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use async_stream::try_stream;
 use bytes::Bytes;
-use futures::StreamExt;
+use futures::{FutureExt, StreamExt};
 use serde_json::{Map, Value};
 
 use super::answer::{self, decode, Answer, Choice, Ids, LogprobEntry, Message};
@@ -259,7 +259,7 @@ where
         // sse-stream reads each chunk once (a 60 KB first event with 10,000 prompt ids is
         // copied once into its data; eventsource-stream copied the rest of the buffer after
         // every line it parsed).
-        let mut events = std::pin::pin!(sse_stream::SseByteStream::new(body));
+        let mut events = Box::pin(sse_stream::SseByteStream::new(body));
         let mut finish: Option<FinishReason> = None;
         let mut usage: Option<Usage> = None;
         let mut tracker = TokenTracker::default();
@@ -280,6 +280,7 @@ where
                 continue;
             }
             if data == "[DONE]" {
+                finish_body(events);
                 break;
             }
             let mut chunk: Answer = decode(data.as_bytes()).map_err(|e| {
@@ -328,6 +329,29 @@ where
         }
     })
 }
+
+/// Reads an answer's body past its `[DONE]` to the body's end, so that its kept-alive
+/// connection goes back to the engine client's pool: a body dropped before its end takes its
+/// connection with it, and the next call would open a new one (the reader of the events stops
+/// at the terminal event, and never asks for the end). The end (a chunked body's last chunk)
+/// has usually arrived with `[DONE]` and is read at once; otherwise a task waits for it, at most
+/// [`DRAIN_AFTER_DONE`]: the generation is over, so nothing is cancelled by waiting.
+fn finish_body<S>(mut events: std::pin::Pin<Box<S>>)
+where
+    S: futures::Stream + Send + 'static,
+{
+    if let Some(None) = events.next().now_or_never() {
+        return;
+    }
+    tokio::spawn(async move {
+        let drain = async { while events.next().await.is_some() {} };
+        let _ = tokio::time::timeout(DRAIN_AFTER_DONE, drain).await;
+    });
+}
+
+/// How long an answer's body is read after its `[DONE]` for the body's end (an engine that
+/// keeps the body open past it loses the connection instead).
+const DRAIN_AFTER_DONE: Duration = Duration::from_secs(1);
 
 /// Whether a body read failed because the engine went quiet (reqwest's read timeout, or
 /// Pingora's).
