@@ -299,8 +299,53 @@ pub(crate) enum TokenizeTools<'a> {
     Extra(&'a Value),
 }
 
-/// `body` as JSON bytes.
-pub(crate) fn to_bytes<T: Serialize>(body: &T) -> Result<Vec<u8>, super::BackendError> {
-    serde_json::to_vec(body)
-        .map_err(|e| super::BackendError::Protocol(format!("serializing the engine request: {e}")))
+/// `body` as JSON bytes, written into a buffer of `size_hint` bytes to start with (a 40 KB
+/// conversation written into an empty buffer was grown and copied a dozen times).
+pub(crate) fn to_bytes<T: Serialize>(
+    body: &T,
+    size_hint: usize,
+) -> Result<Vec<u8>, super::BackendError> {
+    let mut out = Vec::with_capacity(size_hint);
+    serde_json::to_writer(&mut out, body).map_err(|e| {
+        super::BackendError::Protocol(format!("serializing the engine request: {e}"))
+    })?;
+    Ok(out)
+}
+
+/// About how many bytes `request` takes as JSON: its texts and schemas, which are nearly all
+/// of it, a sixteenth more of text for its escapes (newlines and quotes are a few percent of
+/// a prompt), and a little for each message's and tool's keys. `extra` is not counted: a
+/// request with a large one grows its buffer.
+pub(crate) fn json_size_hint(request: &ChatRequest) -> usize {
+    let messages: usize = request
+        .messages
+        .iter()
+        .map(|m| {
+            let content: usize = m
+                .content
+                .iter()
+                .map(|p| match p {
+                    ContentPart::Text { text } => text.len() + text.len() / 16 + 32,
+                    ContentPart::ImageUrl { url, .. } => url.len() + 64,
+                })
+                .sum();
+            let calls: usize = m
+                .tool_calls
+                .iter()
+                .map(|c| c.id.len() + c.name.len() + c.arguments.len() + 64)
+                .sum();
+            content + calls + m.reasoning.as_ref().map_or(0, String::len) + 64
+        })
+        .sum();
+    let tools: usize = request
+        .tools
+        .iter()
+        .map(|t| {
+            t.name.len()
+                + t.description.as_ref().map_or(0, String::len)
+                + t.parameters.as_ref().map_or(0, |p| p.get().len())
+                + 64
+        })
+        .sum();
+    messages + tools + 1024
 }

@@ -13,7 +13,7 @@ use futures::StreamExt;
 use serde_json::{json, Value};
 
 use super::answer::{Answer, Choice};
-use super::engine_request::{to_bytes, EngineRequest, TokenParam};
+use super::engine_request::{json_size_hint, to_bytes, EngineRequest, TokenParam};
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
@@ -65,11 +65,14 @@ impl TokenDialect for LlamaCppDialect {
 
 /// The request as the server's `/apply-template` takes it: the chat request, unstreamed.
 fn template_body(request: &ChatRequest) -> Result<Vec<u8>, BackendError> {
-    to_bytes(&EngineRequest {
-        request,
-        stream: false,
-        token_data: &[],
-    })
+    to_bytes(
+        &EngineRequest {
+            request,
+            stream: false,
+            token_data: &[],
+        },
+        json_size_hint(request),
+    )
 }
 
 /// Renders and tokenizes the request with the server's own template and tokenizer.
@@ -85,7 +88,9 @@ async fn template_prompt_ids(
             BackendError::Protocol("/apply-template answered without `prompt`".into())
         })?;
     let tokenize = json!({"content": prompt, "add_special": true, "parse_special": true});
-    let tokens = client.post_json("/tokenize", to_bytes(&tokenize)?).await?;
+    let tokens = client
+        .post_json("/tokenize", to_bytes(&tokenize, prompt.len() + 64)?)
+        .await?;
     openai_compat::id_array(tokens.get("tokens"))
         .ok_or_else(|| BackendError::Protocol("/tokenize answered without integer `tokens`".into()))
 }

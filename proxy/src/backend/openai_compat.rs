@@ -13,7 +13,7 @@ use futures::{FutureExt, StreamExt};
 use serde_json::{Map, Value};
 
 use super::answer::{self, decode, Answer, Choice, Ids, LogprobEntry, Message};
-use super::engine_request::{to_bytes, EngineRequest, TokenParam};
+use super::engine_request::{json_size_hint, to_bytes, EngineRequest, TokenParam};
 use super::error::truncate;
 use super::error::BackendError;
 use super::http1_engine::{self, Http1Engine};
@@ -160,11 +160,14 @@ pub(crate) async fn generate<D: TokenDialect>(
     mode: CallMode,
 ) -> Result<GenerationStream, BackendError> {
     let stream = mode == CallMode::Streaming;
-    let body = to_bytes(&EngineRequest {
-        request,
-        stream,
-        token_data: dialect.request_token_data(stream),
-    })?;
+    let body = to_bytes(
+        &EngineRequest {
+            request,
+            stream,
+            token_data: dialect.request_token_data(stream),
+        },
+        json_size_hint(request),
+    )?;
     const PATH: &str = "/v1/chat/completions";
     if let Some(http1) = &client.http1 {
         let answer = http1.post(PATH, body).await?;
@@ -942,14 +945,19 @@ mod tests {
             for mode in [CallMode::Streaming, CallMode::Whole] {
                 for (kind, token_data) in &dialects {
                     let stream = mode == CallMode::Streaming;
-                    let bytes = to_bytes(&EngineRequest {
-                        request,
-                        stream,
-                        token_data: token_data(stream),
-                    })
+                    let bytes = to_bytes(
+                        &EngineRequest {
+                            request,
+                            stream,
+                            token_data: token_data(stream),
+                        },
+                        json_size_hint(request),
+                    )
                     .unwrap();
                     let new: Value = serde_json::from_slice(&bytes).unwrap();
                     assert_eq!(new, map_built_body(request, mode, kind), "{kind} {mode:?}");
+                    // The buffer was big enough from the start (not grown and copied).
+                    assert!(bytes.len() <= json_size_hint(request), "{}", bytes.len());
                     let keys = keys(&bytes);
                     let mut unique = keys.clone();
                     unique.sort();
@@ -963,11 +971,14 @@ mod tests {
         }
         // Sampling values are written so they read back exactly.
         let new: Value = serde_json::from_slice(
-            &to_bytes(&EngineRequest {
-                request: &rich,
-                stream: false,
-                token_data: &[],
-            })
+            &to_bytes(
+                &EngineRequest {
+                    request: &rich,
+                    stream: false,
+                    token_data: &[],
+                },
+                0,
+            )
             .unwrap(),
         )
         .unwrap();
@@ -991,7 +1002,7 @@ mod tests {
             }
             old.insert("add_generation_prompt".into(), json!(true));
             let new: Value =
-                serde_json::from_slice(&to_bytes(&TokenizeChat::new(request)).unwrap()).unwrap();
+                serde_json::from_slice(&to_bytes(&TokenizeChat::new(request), 0).unwrap()).unwrap();
             assert_eq!(new, Value::Object(old));
         }
     }

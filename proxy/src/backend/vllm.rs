@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use serde_json::Value;
 
 use super::answer::{Answer, Choice, LogprobEntry};
-use super::engine_request::{to_bytes, TokenParam, TokenizeChat};
+use super::engine_request::{json_size_hint, to_bytes, TokenParam, TokenizeChat};
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, EngineClient, TokenDialect};
@@ -30,7 +30,7 @@ impl VllmBackend {
 
     /// `POST /tokenize` with chat messages: the served template applied, then tokenized.
     async fn tokenize_chat(&self, request: &ChatRequest) -> Result<Value, BackendError> {
-        let body = to_bytes(&TokenizeChat::new(request))?;
+        let body = to_bytes(&TokenizeChat::new(request), json_size_hint(request))?;
         self.client.post_json("/tokenize", body).await
     }
 }
