@@ -13,13 +13,13 @@
 use std::collections::HashSet;
 
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
 use super::chat_completions::error_json;
 use super::json_body::parse_json_body;
-use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
+use super::{CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
@@ -451,7 +451,7 @@ impl WireCodec for Responses {
         let body = response_object(
             meta,
             Terminal::from(finish).status(),
-            output,
+            &output,
             Some(usage_json(usage.unwrap_or_default())),
             Terminal::from(finish).incomplete_details(),
             Value::Null,
@@ -1012,38 +1012,114 @@ impl Terminal {
 
 /// The `response` object. Request echoes (tools, sampling, …) carry neutral defaults: the
 /// renderer does not see the request.
-fn response_object(
-    meta: &ResponseMeta,
-    status: &str,
-    output: Vec<Value>,
+fn response_object<'a>(
+    meta: &'a ResponseMeta,
+    status: &'a str,
+    output: &'a [Value],
     usage: Option<Value>,
     incomplete_details: Value,
     error: Value,
-) -> Value {
-    json!({
-        "id": meta.id,
-        "object": "response",
-        "created_at": meta.created,
-        "status": status,
-        "error": error,
-        "incomplete_details": incomplete_details,
-        "instructions": null,
-        "max_output_tokens": null,
-        "model": meta.model,
-        "output": output,
-        "parallel_tool_calls": true,
-        "previous_response_id": null,
-        "reasoning": {"effort": null, "summary": null},
-        "store": false,
-        "temperature": null,
-        "text": {"format": {"type": "text"}},
-        "tool_choice": "auto",
-        "tools": [],
-        "top_p": null,
-        "truncation": "disabled",
-        "metadata": {},
-        "usage": usage,
-    })
+) -> ResponseObject<'a> {
+    ResponseObject {
+        id: &meta.id,
+        object: "response",
+        created_at: meta.created,
+        status,
+        error,
+        incomplete_details,
+        instructions: None,
+        max_output_tokens: None,
+        model: &meta.model,
+        output,
+        parallel_tool_calls: true,
+        previous_response_id: None,
+        reasoning: ReasoningEcho {
+            effort: None,
+            summary: None,
+        },
+        store: false,
+        temperature: None,
+        text: TextEcho {
+            format: TextFormat { kind: "text" },
+        },
+        tool_choice: "auto",
+        tools: [],
+        top_p: None,
+        truncation: "disabled",
+        metadata: Metadata {},
+        usage,
+    }
+}
+
+/// The `response` object as it is written (a typed struct: it goes out two or three times in
+/// every streamed answer, and building it as a `Value` tree each time was a tenth of the
+/// renderer's cost). Fields in the order OpenAI writes them.
+#[derive(Serialize)]
+struct ResponseObject<'a> {
+    id: &'a str,
+    object: &'static str,
+    created_at: u64,
+    status: &'a str,
+    error: Value,
+    incomplete_details: Value,
+    instructions: Option<()>,
+    max_output_tokens: Option<()>,
+    model: &'a str,
+    output: &'a [Value],
+    parallel_tool_calls: bool,
+    previous_response_id: Option<()>,
+    reasoning: ReasoningEcho,
+    store: bool,
+    temperature: Option<()>,
+    text: TextEcho,
+    tool_choice: &'static str,
+    tools: [(); 0],
+    top_p: Option<()>,
+    truncation: &'static str,
+    metadata: Metadata,
+    usage: Option<Value>,
+}
+
+#[derive(Serialize)]
+struct ReasoningEcho {
+    effort: Option<()>,
+    summary: Option<()>,
+}
+
+#[derive(Serialize)]
+struct TextEcho {
+    format: TextFormat,
+}
+
+#[derive(Serialize)]
+struct TextFormat {
+    #[serde(rename = "type")]
+    kind: &'static str,
+}
+
+#[derive(Serialize)]
+struct Metadata {}
+
+/// The payload of the `response.*` lifecycle events.
+#[derive(Serialize)]
+struct ResponseEvent<'a> {
+    response: &'a ResponseObject<'a>,
+}
+
+/// The payload of a text delta event (`response.output_text.delta`,
+/// `response.reasoning_summary_text.delta`, `response.function_call_arguments.delta`): the
+/// events every sampled token makes, written from borrowed fields.
+#[derive(Serialize)]
+struct DeltaEvent<'a> {
+    item_id: &'a str,
+    output_index: usize,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    content_index: Option<u32>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    summary_index: Option<u32>,
+    delta: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    logprobs: Option<[(); 0]>,
 }
 
 /// The `error` of a failed response: OpenAI's error codes where one applies.
@@ -1057,6 +1133,36 @@ fn failed_error(e: &CallError) -> Value {
         (_, None) => "server_error",
     };
     json!({"code": code, "message": e.message})
+}
+
+/// Appends one `event:`/`data:` frame of the typed stream; `type` and `sequence_number` (the
+/// next of `sequence`) lead the payload, then `fields` (a JSON object), written in place: the
+/// payload is not built as a tree.
+fn write_event<T: Serialize + ?Sized>(
+    sequence: &mut u64,
+    out: &mut Vec<u8>,
+    kind: &str,
+    fields: &T,
+) {
+    out.extend_from_slice(b"event: ");
+    out.extend_from_slice(kind.as_bytes());
+    out.extend_from_slice(b"\ndata: {\"type\":");
+    serde_json::to_writer(&mut *out, kind).expect("a string always serializes");
+    out.extend_from_slice(b",\"sequence_number\":");
+    serde_json::to_writer(&mut *out, &*sequence).expect("a number always serializes");
+    *sequence += 1;
+    // `fields` is written as its own object, whose `{` then becomes the `,` that joins it
+    // to the payload's first keys (`{}` becomes the payload's `}`).
+    let at = out.len();
+    serde_json::to_writer(&mut *out, fields).expect("event fields always serialize");
+    debug_assert_eq!(out.get(at), Some(&b'{'), "event fields are a JSON object");
+    if out.len() == at + 2 {
+        out.truncate(at);
+        out.push(b'}');
+    } else {
+        out[at] = b',';
+    }
+    out.extend_from_slice(b"\n\n");
 }
 
 /// The item being streamed.
@@ -1104,16 +1210,9 @@ impl EventRenderer {
         }
     }
 
-    /// Appends one `event:`/`data:` frame; `type` and `sequence_number` lead the payload.
-    fn emit(&mut self, out: &mut Vec<u8>, kind: &str, fields: Value) {
-        let mut payload = Map::new();
-        payload.insert("type".into(), json!(kind));
-        payload.insert("sequence_number".into(), json!(self.sequence));
-        if let Value::Object(fields) = fields {
-            payload.extend(fields);
-        }
-        self.sequence += 1;
-        sse_event(out, kind, &Value::Object(payload));
+    /// Appends one `event:`/`data:` frame (see [`write_event`]).
+    fn emit<T: Serialize + ?Sized>(&mut self, out: &mut Vec<u8>, kind: &str, fields: &T) {
+        write_event(&mut self.sequence, out, kind, fields);
     }
 
     fn index(&self) -> usize {
@@ -1127,12 +1226,12 @@ impl EventRenderer {
             self.emit(
                 out,
                 "response.output_item.added",
-                json!({"output_index": i, "item": reasoning_item(&id, "")}),
+                &json!({"output_index": i, "item": reasoning_item(&id, "")}),
             );
             self.emit(
                 out,
                 "response.reasoning_summary_part.added",
-                json!({"item_id": id, "output_index": i, "summary_index": 0, "part": {"type": "summary_text", "text": ""}}),
+                &json!({"item_id": id, "output_index": i, "summary_index": 0, "part": {"type": "summary_text", "text": ""}}),
             );
             self.open = Some(Open::Reasoning {
                 id,
@@ -1144,12 +1243,16 @@ impl EventRenderer {
             unreachable!("opened above")
         };
         text.push_str(delta);
-        let id = id.clone();
-        self.emit(
-            out,
-            "response.reasoning_summary_text.delta",
-            json!({"item_id": id, "output_index": i, "summary_index": 0, "delta": delta}),
-        );
+        let fields = DeltaEvent {
+            item_id: id,
+            output_index: i,
+            content_index: None,
+            summary_index: Some(0),
+            delta,
+            logprobs: None,
+        };
+        let kind = "response.reasoning_summary_text.delta";
+        write_event(&mut self.sequence, out, kind, &fields);
     }
 
     fn text(&mut self, delta: &str, out: &mut Vec<u8>) {
@@ -1159,12 +1262,12 @@ impl EventRenderer {
             self.emit(
                 out,
                 "response.output_item.added",
-                json!({"output_index": i, "item": message_item(&id, "", "in_progress")}),
+                &json!({"output_index": i, "item": message_item(&id, "", "in_progress")}),
             );
             self.emit(
                 out,
                 "response.content_part.added",
-                json!({"item_id": id, "output_index": i, "content_index": 0, "part": output_text_part("")}),
+                &json!({"item_id": id, "output_index": i, "content_index": 0, "part": output_text_part("")}),
             );
             self.open = Some(Open::Message {
                 id,
@@ -1176,11 +1279,19 @@ impl EventRenderer {
             unreachable!("opened above")
         };
         text.push_str(delta);
-        let id = id.clone();
-        self.emit(
+        let fields = DeltaEvent {
+            item_id: id,
+            output_index: i,
+            content_index: Some(0),
+            summary_index: None,
+            delta,
+            logprobs: Some([]),
+        };
+        write_event(
+            &mut self.sequence,
             out,
             "response.output_text.delta",
-            json!({"item_id": id, "output_index": i, "content_index": 0, "delta": delta, "logprobs": []}),
+            &fields,
         );
     }
 
@@ -1240,7 +1351,7 @@ impl EventRenderer {
         self.emit(
             out,
             "response.output_item.added",
-            json!({"output_index": i, "item": item}),
+            &json!({"output_index": i, "item": item}),
         );
         if !pending.is_empty() {
             self.arguments_delta(&pending, out);
@@ -1252,12 +1363,16 @@ impl EventRenderer {
         let Some(Open::Call { id, .. }) = &self.open else {
             return;
         };
-        let id = id.clone();
-        self.emit(
-            out,
-            "response.function_call_arguments.delta",
-            json!({"item_id": id, "output_index": i, "delta": fragment}),
-        );
+        let fields = DeltaEvent {
+            item_id: id,
+            output_index: i,
+            content_index: None,
+            summary_index: None,
+            delta: fragment,
+            logprobs: None,
+        };
+        let kind = "response.function_call_arguments.delta";
+        write_event(&mut self.sequence, out, kind, &fields);
     }
 
     /// Ends the open item: its `.done` events, then `response.output_item.done`.
@@ -1278,12 +1393,12 @@ impl EventRenderer {
                 self.emit(
                     out,
                     "response.reasoning_summary_text.done",
-                    json!({"item_id": id, "output_index": i, "summary_index": 0, "text": text}),
+                    &json!({"item_id": id, "output_index": i, "summary_index": 0, "text": text}),
                 );
                 self.emit(
                     out,
                     "response.reasoning_summary_part.done",
-                    json!({"item_id": id, "output_index": i, "summary_index": 0, "part": {"type": "summary_text", "text": text}}),
+                    &json!({"item_id": id, "output_index": i, "summary_index": 0, "part": {"type": "summary_text", "text": text}}),
                 );
                 reasoning_item(&id, &text)
             }
@@ -1291,12 +1406,12 @@ impl EventRenderer {
                 self.emit(
                     out,
                     "response.output_text.done",
-                    json!({"item_id": id, "output_index": i, "content_index": 0, "text": text, "logprobs": []}),
+                    &json!({"item_id": id, "output_index": i, "content_index": 0, "text": text, "logprobs": []}),
                 );
                 self.emit(
                     out,
                     "response.content_part.done",
-                    json!({"item_id": id, "output_index": i, "content_index": 0, "part": output_text_part(&text)}),
+                    &json!({"item_id": id, "output_index": i, "content_index": 0, "part": output_text_part(&text)}),
                 );
                 message_item(&id, &text, "completed")
             }
@@ -1310,7 +1425,7 @@ impl EventRenderer {
                 self.emit(
                     out,
                     "response.function_call_arguments.done",
-                    json!({"item_id": id, "output_index": i, "arguments": arguments}),
+                    &json!({"item_id": id, "output_index": i, "arguments": arguments}),
                 );
                 function_call_item(&id, &call_id, &name, &arguments, "completed")
             }
@@ -1318,7 +1433,7 @@ impl EventRenderer {
         self.emit(
             out,
             "response.output_item.done",
-            json!({"output_index": i, "item": item}),
+            &json!({"output_index": i, "item": item}),
         );
         self.output.push(item);
     }
@@ -1329,17 +1444,16 @@ impl StreamRenderer for EventRenderer {
         let response = response_object(
             &self.meta,
             "in_progress",
-            vec![],
+            &[],
             None,
             Value::Null,
             Value::Null,
         );
-        self.emit(
-            out,
-            "response.created",
-            json!({ "response": response.clone() }),
-        );
-        self.emit(out, "response.in_progress", json!({ "response": response }));
+        let event = ResponseEvent {
+            response: &response,
+        };
+        write_event(&mut self.sequence, out, "response.created", &event);
+        write_event(&mut self.sequence, out, "response.in_progress", &event);
     }
 
     fn delta(&mut self, d: &Delta, out: &mut Vec<u8>) {
@@ -1367,7 +1481,7 @@ impl StreamRenderer for EventRenderer {
         let response = response_object(
             &self.meta,
             terminal.status(),
-            std::mem::take(&mut self.output),
+            &self.output,
             Some(usage_json(usage.unwrap_or_default())),
             terminal.incomplete_details(),
             Value::Null,
@@ -1376,7 +1490,14 @@ impl StreamRenderer for EventRenderer {
             Terminal::Completed => "response.completed",
             Terminal::Incomplete(_) => "response.incomplete",
         };
-        self.emit(out, kind, json!({ "response": response }));
+        write_event(
+            &mut self.sequence,
+            out,
+            kind,
+            &ResponseEvent {
+                response: &response,
+            },
+        );
     }
 
     fn error(&mut self, e: &CallError, out: &mut Vec<u8>) {
@@ -1388,12 +1509,12 @@ impl StreamRenderer for EventRenderer {
         let response = response_object(
             &self.meta,
             "failed",
-            std::mem::take(&mut self.output),
+            &self.output,
             None,
             Value::Null,
             failed_error(e),
         );
-        self.emit(out, "response.failed", json!({ "response": response }));
+        self.emit(out, "response.failed", &json!({ "response": response }));
     }
 }
 
@@ -1775,6 +1896,73 @@ mod tests {
             json!({"reason": "max_output_tokens"})
         );
         assert_eq!(v["usage"]["total_tokens"], 0);
+    }
+
+    /// Every event shape the stream renderer writes, from three answers: one with reasoning,
+    /// text and tool calls (one of them namespaced) that completes; one cut at its length, with
+    /// usage; one that fails mid-text.
+    fn every_event_shape() -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut r = Responses.stream_renderer(meta(), false);
+        r.start(&mut out);
+        for d in [
+            Delta {
+                reasoning: Some("Let me \"see\".".into()),
+                ..Default::default()
+            },
+            Delta {
+                content: Some("Calling\n\u{1F600}.".into()),
+                ..Default::default()
+            },
+            call_delta(0, Some("c1"), Some("ls"), "{\"a\""),
+            call_delta(0, None, None, ":1}"),
+            call_delta(1, None, Some("multi_agent_v1.spawn_agent"), "{}"),
+        ] {
+            r.delta(&d, &mut out);
+        }
+        r.finish(FinishReason::ToolCalls, None, &mut out);
+        let mut r = Responses.stream_renderer(meta(), false);
+        r.start(&mut out);
+        r.delta(
+            &Delta {
+                content: Some("cut".into()),
+                ..Default::default()
+            },
+            &mut out,
+        );
+        let usage = Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+            total_tokens: 10,
+        };
+        r.finish(FinishReason::Length, Some(usage), &mut out);
+        let mut r = Responses.stream_renderer(meta(), false);
+        r.start(&mut out);
+        r.delta(
+            &Delta {
+                content: Some("half".into()),
+                ..Default::default()
+            },
+            &mut out,
+        );
+        let e = CallError::new(ErrorKind::ContextLengthExceeded, 400, "too long".to_owned());
+        r.error(&e, &mut out);
+        out
+    }
+
+    /// The typed events are written byte for byte as the `Value`-built ones were (the golden
+    /// file was written by the renderer that built each payload as a `Value` tree).
+    #[test]
+    fn the_stream_is_written_byte_for_byte_as_before() {
+        let golden = format!(
+            "{}/testdata/responses-stream.golden.sse",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let out = String::from_utf8(every_event_shape()).unwrap();
+        if std::env::var_os("TOKENTAP_WRITE_GOLDEN").is_some() {
+            std::fs::write(&golden, &out).unwrap();
+        }
+        assert_eq!(out, std::fs::read_to_string(&golden).unwrap());
     }
 
     #[test]
