@@ -1,6 +1,6 @@
 //! OpenAI Chat Completions: `POST /v1/chat/completions`, streamed (SSE) and whole.
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
@@ -430,31 +430,83 @@ struct ChunkRenderer {
 }
 
 impl ChunkRenderer {
-    fn chunk(&self, delta: Value, finish: Option<FinishReason>) -> Value {
-        json!({
-            "id": self.meta.id,
-            "object": "chat.completion.chunk",
-            "created": self.meta.created,
-            "model": self.meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": null, "finish_reason": finish.map(FinishReason::as_openai)}],
-        })
+    fn chunk<'a, D: Serialize>(
+        &'a self,
+        delta: &'a D,
+        finish: Option<FinishReason>,
+    ) -> Chunk<'a, D> {
+        Chunk {
+            id: &self.meta.id,
+            object: "chat.completion.chunk",
+            created: self.meta.created,
+            model: &self.meta.model,
+            choices: [ChunkChoice {
+                index: 0,
+                delta,
+                logprobs: None,
+                finish_reason: finish.map(FinishReason::as_openai),
+            }],
+        }
     }
 }
 
+/// A `chat.completion.chunk`, written from borrowed fields (one goes out per sampled token;
+/// building each as a `Value` tree cost more than writing it).
+#[derive(Serialize)]
+struct Chunk<'a, D> {
+    id: &'a str,
+    object: &'static str,
+    created: u64,
+    model: &'a str,
+    choices: [ChunkChoice<'a, D>; 1],
+}
+
+#[derive(Serialize)]
+struct ChunkChoice<'a, D> {
+    index: u32,
+    delta: &'a D,
+    logprobs: Option<()>,
+    finish_reason: Option<&'static str>,
+}
+
+/// The deltas of text chunks.
+#[derive(Serialize)]
+struct RoleDelta {
+    role: &'static str,
+    content: &'static str,
+}
+
+#[derive(Serialize)]
+struct ContentDelta<'a> {
+    content: &'a str,
+}
+
+#[derive(Serialize)]
+struct ReasoningDelta<'a> {
+    reasoning_content: &'a str,
+}
+
+#[derive(Serialize)]
+struct NoDelta {}
+
 impl StreamRenderer for ChunkRenderer {
     fn start(&mut self, out: &mut Vec<u8>) {
-        sse_data(
-            out,
-            &self.chunk(json!({"role": "assistant", "content": ""}), None),
-        );
+        let delta = RoleDelta {
+            role: "assistant",
+            content: "",
+        };
+        sse_data(out, &self.chunk(&delta, None));
     }
 
     fn delta(&mut self, d: &Delta, out: &mut Vec<u8>) {
         if let Some(r) = d.reasoning.as_deref().filter(|r| !r.is_empty()) {
-            sse_data(out, &self.chunk(json!({"reasoning_content": r}), None));
+            let delta = ReasoningDelta {
+                reasoning_content: r,
+            };
+            sse_data(out, &self.chunk(&delta, None));
         }
         if let Some(c) = d.content.as_deref().filter(|c| !c.is_empty()) {
-            sse_data(out, &self.chunk(json!({"content": c}), None));
+            sse_data(out, &self.chunk(&ContentDelta { content: c }, None));
         }
         if !d.tool_calls.is_empty() {
             let calls: Vec<Value> = d
@@ -479,12 +531,12 @@ impl StreamRenderer for ChunkRenderer {
                     Value::Object(call)
                 })
                 .collect();
-            sse_data(out, &self.chunk(json!({"tool_calls": calls}), None));
+            sse_data(out, &self.chunk(&json!({"tool_calls": calls}), None));
         }
     }
 
     fn finish(&mut self, finish_reason: FinishReason, usage: Option<Usage>, out: &mut Vec<u8>) {
-        sse_data(out, &self.chunk(json!({}), Some(finish_reason)));
+        sse_data(out, &self.chunk(&NoDelta {}, Some(finish_reason)));
         if self.include_usage {
             let u = usage.unwrap_or_default();
             sse_data(
@@ -523,6 +575,70 @@ mod tests {
             created: 7,
             model: "m".into(),
         }
+    }
+
+    /// Every chunk shape the stream renderer writes: an answer with reasoning, text and tool
+    /// calls, finished with usage; one without usage; one that fails.
+    fn every_chunk_shape() -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut r = ChatCompletions.stream_renderer(meta(), true);
+        r.start(&mut out);
+        let call = |index, id: Option<&str>, name: Option<&str>, args: Option<&str>| {
+            crate::canonical::ToolCallDelta {
+                index,
+                id: id.map(Into::into),
+                name: name.map(Into::into),
+                arguments: args.map(Into::into),
+            }
+        };
+        for d in [
+            Delta {
+                reasoning: Some("Let me \"see\".".into()),
+                ..Default::default()
+            },
+            Delta {
+                content: Some("Calling\n\u{1F600}.".into()),
+                ..Default::default()
+            },
+            Delta {
+                tool_calls: vec![
+                    call(0, Some("c1"), Some("ls"), Some("{\"a\"")),
+                    call(1, None, None, None),
+                ],
+                ..Default::default()
+            },
+        ] {
+            r.delta(&d, &mut out);
+        }
+        let usage = Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+            total_tokens: 10,
+        };
+        r.finish(FinishReason::ToolCalls, Some(usage), &mut out);
+        let mut r = ChatCompletions.stream_renderer(meta(), false);
+        r.start(&mut out);
+        r.finish(FinishReason::Length, None, &mut out);
+        let mut r = ChatCompletions.stream_renderer(meta(), false);
+        r.start(&mut out);
+        let e = CallError::new(ErrorKind::ContextLengthExceeded, 400, "too long".to_owned());
+        r.error(&e, &mut out);
+        out
+    }
+
+    /// The typed chunks are written byte for byte as the `Value`-built ones were (the golden
+    /// file was written by the renderer that built each chunk as a `Value` tree).
+    #[test]
+    fn the_stream_is_written_byte_for_byte_as_before() {
+        let golden = format!(
+            "{}/testdata/chat-stream.golden.sse",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let out = String::from_utf8(every_chunk_shape()).unwrap();
+        if std::env::var_os("TOKENTAP_WRITE_GOLDEN").is_some() {
+            std::fs::write(&golden, &out).unwrap();
+        }
+        assert_eq!(out, std::fs::read_to_string(&golden).unwrap());
     }
 
     #[test]

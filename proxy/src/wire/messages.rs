@@ -46,7 +46,7 @@
 use std::collections::{BTreeMap, HashSet};
 
 use serde::de::DeserializeOwned;
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
@@ -1184,12 +1184,13 @@ impl EventRenderer {
         index
     }
 
-    fn block_delta(out: &mut Vec<u8>, index: u32, delta: Value) {
-        sse_event(
-            out,
-            "content_block_delta",
-            &json!({"type": "content_block_delta", "index": index, "delta": delta}),
-        );
+    fn block_delta<D: Serialize>(out: &mut Vec<u8>, index: u32, delta: &D) {
+        let event = BlockDelta {
+            kind: "content_block_delta",
+            index,
+            delta,
+        };
+        sse_event(out, "content_block_delta", &event);
     }
 
     /// Opens tool call `call` (if not yet) and sends its pending argument text.
@@ -1207,10 +1208,34 @@ impl EventRenderer {
             Self::block_delta(
                 out,
                 index,
-                json!({"type": "input_json_delta", "partial_json": partial}),
+                &json!({"type": "input_json_delta", "partial_json": partial}),
             );
         }
     }
+}
+
+/// A `content_block_delta` event, written from borrowed fields (one goes out per sampled
+/// token; building each as a `Value` tree cost more than writing it).
+#[derive(Serialize)]
+struct BlockDelta<'a, D> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    index: u32,
+    delta: &'a D,
+}
+
+#[derive(Serialize)]
+struct TextDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    text: &'a str,
+}
+
+#[derive(Serialize)]
+struct ThinkingDelta<'a> {
+    #[serde(rename = "type")]
+    kind: &'static str,
+    thinking: &'a str,
 }
 
 impl StreamRenderer for EventRenderer {
@@ -1237,11 +1262,19 @@ impl StreamRenderer for EventRenderer {
         }
         if let Some(r) = d.reasoning.as_deref().filter(|r| !r.is_empty()) {
             let index = self.ensure(BlockKind::Thinking, out);
-            Self::block_delta(out, index, json!({"type": "thinking_delta", "thinking": r}));
+            let delta = ThinkingDelta {
+                kind: "thinking_delta",
+                thinking: r,
+            };
+            Self::block_delta(out, index, &delta);
         }
         if let Some(c) = d.content.as_deref().filter(|c| !c.is_empty()) {
             let index = self.ensure(BlockKind::Text, out);
-            Self::block_delta(out, index, json!({"type": "text_delta", "text": c}));
+            let delta = TextDelta {
+                kind: "text_delta",
+                text: c,
+            };
+            Self::block_delta(out, index, &delta);
         }
         for tc in &d.tool_calls {
             let t = self.tools.entry(tc.index).or_default();
@@ -1315,6 +1348,70 @@ mod tests {
             created: 7,
             model: "m".into(),
         }
+    }
+
+    /// Every event shape the stream renderer writes: an answer with reasoning, text and tool
+    /// calls, finished with usage; one without usage; one that fails.
+    fn every_event_shape() -> Vec<u8> {
+        let mut out = Vec::new();
+        let mut r = Messages.stream_renderer(meta(), true);
+        r.start(&mut out);
+        let call = |index, id: Option<&str>, name: Option<&str>, args: Option<&str>| {
+            crate::canonical::ToolCallDelta {
+                index,
+                id: id.map(Into::into),
+                name: name.map(Into::into),
+                arguments: args.map(Into::into),
+            }
+        };
+        for d in [
+            Delta {
+                reasoning: Some("Let me \"see\".".into()),
+                ..Default::default()
+            },
+            Delta {
+                content: Some("Calling\n\u{1F600}.".into()),
+                ..Default::default()
+            },
+            Delta {
+                tool_calls: vec![
+                    call(0, Some("c1"), Some("ls"), Some("{\"a\"")),
+                    call(1, None, None, None),
+                ],
+                ..Default::default()
+            },
+        ] {
+            r.delta(&d, &mut out);
+        }
+        let usage = Usage {
+            prompt_tokens: 7,
+            completion_tokens: 3,
+            total_tokens: 10,
+        };
+        r.finish(FinishReason::ToolCalls, Some(usage), &mut out);
+        let mut r = Messages.stream_renderer(meta(), false);
+        r.start(&mut out);
+        r.finish(FinishReason::Length, None, &mut out);
+        let mut r = Messages.stream_renderer(meta(), false);
+        r.start(&mut out);
+        let e = CallError::new(ErrorKind::ContextLengthExceeded, 400, "too long".to_owned());
+        r.error(&e, &mut out);
+        out
+    }
+
+    /// The typed events are written byte for byte as the `Value`-built ones were (the golden
+    /// file was written by the renderer that built each event as a `Value` tree).
+    #[test]
+    fn the_stream_is_written_byte_for_byte_as_before() {
+        let golden = format!(
+            "{}/testdata/messages-stream.golden.sse",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let out = String::from_utf8(every_event_shape()).unwrap();
+        if std::env::var_os("TOKENTAP_WRITE_GOLDEN").is_some() {
+            std::fs::write(&golden, &out).unwrap();
+        }
+        assert_eq!(out, std::fs::read_to_string(&golden).unwrap());
     }
 
     fn kinds(p: &ParsedCall) -> Vec<&str> {

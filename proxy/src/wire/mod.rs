@@ -65,14 +65,14 @@ pub trait StreamRenderer: Send {
 }
 
 /// Appends one SSE `data:` frame.
-pub(crate) fn sse_data(out: &mut Vec<u8>, json: &serde_json::Value) {
+pub(crate) fn sse_data<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, json: &T) {
     out.extend_from_slice(b"data: ");
-    serde_json::to_writer(&mut *out, json).expect("JSON values always serialize");
+    serde_json::to_writer(&mut *out, json).expect("event payloads always serialize");
     out.extend_from_slice(b"\n\n");
 }
 
 /// Appends one SSE frame with an event name: `event: <type>\ndata: <json>\n\n`.
-pub(crate) fn sse_event(out: &mut Vec<u8>, event: &str, data: &serde_json::Value) {
+pub(crate) fn sse_event<T: serde::Serialize + ?Sized>(out: &mut Vec<u8>, event: &str, data: &T) {
     out.extend_from_slice(b"event: ");
     out.extend_from_slice(event.as_bytes());
     out.push(b'\n');
