@@ -577,68 +577,11 @@ mod tests {
         }
     }
 
-    /// Every chunk shape the stream renderer writes: an answer with reasoning, text and tool
-    /// calls, finished with usage; one without usage; one that fails.
-    fn every_chunk_shape() -> Vec<u8> {
-        let mut out = Vec::new();
-        let mut r = ChatCompletions.stream_renderer(meta(), true);
-        r.start(&mut out);
-        let call = |index, id: Option<&str>, name: Option<&str>, args: Option<&str>| {
-            crate::canonical::ToolCallDelta {
-                index,
-                id: id.map(Into::into),
-                name: name.map(Into::into),
-                arguments: args.map(Into::into),
-            }
-        };
-        for d in [
-            Delta {
-                reasoning: Some("Let me \"see\".".into()),
-                ..Default::default()
-            },
-            Delta {
-                content: Some("Calling\n\u{1F600}.".into()),
-                ..Default::default()
-            },
-            Delta {
-                tool_calls: vec![
-                    call(0, Some("c1"), Some("ls"), Some("{\"a\"")),
-                    call(1, None, None, None),
-                ],
-                ..Default::default()
-            },
-        ] {
-            r.delta(&d, &mut out);
-        }
-        let usage = Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-            total_tokens: 10,
-        };
-        r.finish(FinishReason::ToolCalls, Some(usage), &mut out);
-        let mut r = ChatCompletions.stream_renderer(meta(), false);
-        r.start(&mut out);
-        r.finish(FinishReason::Length, None, &mut out);
-        let mut r = ChatCompletions.stream_renderer(meta(), false);
-        r.start(&mut out);
-        let e = CallError::new(ErrorKind::ContextLengthExceeded, 400, "too long".to_owned());
-        r.error(&e, &mut out);
-        out
-    }
-
-    /// The typed chunks are written byte for byte as the `Value`-built ones were (the golden
-    /// file was written by the renderer that built each chunk as a `Value` tree).
+    /// The stream is written byte for byte as the `Value`-built renderer wrote it.
     #[test]
     fn the_stream_is_written_byte_for_byte_as_before() {
-        let golden = format!(
-            "{}/testdata/chat-stream.golden.sse",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        let out = String::from_utf8(every_chunk_shape()).unwrap();
-        if std::env::var_os("TOKENTAP_WRITE_GOLDEN").is_some() {
-            std::fs::write(&golden, &out).unwrap();
-        }
-        assert_eq!(out, std::fs::read_to_string(&golden).unwrap());
+        let out = crate::wire::stream_golden::every_event_shape(&ChatCompletions, meta());
+        crate::wire::stream_golden::assert_golden("chat-stream.golden.sse", out);
     }
 
     #[test]

@@ -7,6 +7,8 @@ mod error;
 mod json_body;
 pub mod messages;
 pub mod responses;
+#[cfg(test)]
+mod stream_golden;
 
 pub use error::{CallError, WireError};
 

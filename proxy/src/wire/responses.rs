@@ -1521,7 +1521,8 @@ impl StreamRenderer for EventRenderer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::canonical::{GenerationEvent, ToolCallDelta};
+    use crate::canonical::GenerationEvent;
+    use crate::wire::stream_golden::call_delta;
 
     fn parse(v: Value) -> Result<ParsedCall, WireError> {
         Responses.parse(&serde_json::to_vec(&v).unwrap())
@@ -1544,6 +1545,13 @@ mod tests {
         }
     }
 
+    /// The stream is written byte for byte as the `Value`-built renderer wrote it.
+    #[test]
+    fn the_stream_is_written_byte_for_byte_as_before() {
+        let out = crate::wire::stream_golden::every_event_shape(&Responses, meta());
+        crate::wire::stream_golden::assert_golden("responses-stream.golden.sse", out);
+    }
+
     fn kinds(notes: &[Normalization], kind: &str) -> Vec<String> {
         notes
             .iter()
@@ -1555,18 +1563,6 @@ mod tests {
     /// SSE frames as (event name, JSON payload); checks each frame's name matches its type.
     fn frames(out: &[u8]) -> Vec<(String, Value)> {
         tokentap_e2e::sse::typed_events(std::str::from_utf8(out).unwrap())
-    }
-
-    fn call_delta(index: u32, id: Option<&str>, name: Option<&str>, args: &str) -> Delta {
-        Delta {
-            tool_calls: vec![ToolCallDelta {
-                index,
-                id: id.map(Into::into),
-                name: name.map(Into::into),
-                arguments: Some(args.into()),
-            }],
-            ..Default::default()
-        }
     }
 
     #[test]
@@ -1896,73 +1892,6 @@ mod tests {
             json!({"reason": "max_output_tokens"})
         );
         assert_eq!(v["usage"]["total_tokens"], 0);
-    }
-
-    /// Every event shape the stream renderer writes, from three answers: one with reasoning,
-    /// text and tool calls (one of them namespaced) that completes; one cut at its length, with
-    /// usage; one that fails mid-text.
-    fn every_event_shape() -> Vec<u8> {
-        let mut out = Vec::new();
-        let mut r = Responses.stream_renderer(meta(), false);
-        r.start(&mut out);
-        for d in [
-            Delta {
-                reasoning: Some("Let me \"see\".".into()),
-                ..Default::default()
-            },
-            Delta {
-                content: Some("Calling\n\u{1F600}.".into()),
-                ..Default::default()
-            },
-            call_delta(0, Some("c1"), Some("ls"), "{\"a\""),
-            call_delta(0, None, None, ":1}"),
-            call_delta(1, None, Some("multi_agent_v1.spawn_agent"), "{}"),
-        ] {
-            r.delta(&d, &mut out);
-        }
-        r.finish(FinishReason::ToolCalls, None, &mut out);
-        let mut r = Responses.stream_renderer(meta(), false);
-        r.start(&mut out);
-        r.delta(
-            &Delta {
-                content: Some("cut".into()),
-                ..Default::default()
-            },
-            &mut out,
-        );
-        let usage = Usage {
-            prompt_tokens: 7,
-            completion_tokens: 3,
-            total_tokens: 10,
-        };
-        r.finish(FinishReason::Length, Some(usage), &mut out);
-        let mut r = Responses.stream_renderer(meta(), false);
-        r.start(&mut out);
-        r.delta(
-            &Delta {
-                content: Some("half".into()),
-                ..Default::default()
-            },
-            &mut out,
-        );
-        let e = CallError::new(ErrorKind::ContextLengthExceeded, 400, "too long".to_owned());
-        r.error(&e, &mut out);
-        out
-    }
-
-    /// The typed events are written byte for byte as the `Value`-built ones were (the golden
-    /// file was written by the renderer that built each payload as a `Value` tree).
-    #[test]
-    fn the_stream_is_written_byte_for_byte_as_before() {
-        let golden = format!(
-            "{}/testdata/responses-stream.golden.sse",
-            env!("CARGO_MANIFEST_DIR")
-        );
-        let out = String::from_utf8(every_event_shape()).unwrap();
-        if std::env::var_os("TOKENTAP_WRITE_GOLDEN").is_some() {
-            std::fs::write(&golden, &out).unwrap();
-        }
-        assert_eq!(out, std::fs::read_to_string(&golden).unwrap());
     }
 
     #[test]
