@@ -50,7 +50,7 @@ pub(crate) struct Http1Engine {
     connector: Arc<Connector>,
     /// `host[:port]` of the engine's URL, for the Host header.
     authority: String,
-    /// The URL's path, which request paths go under (a trailing `/v1` removed, as for reqwest).
+    /// The path of the engine's base URL, which request paths go under.
     prefix: String,
     address: EngineAddress,
     authorization: Option<String>,
@@ -72,12 +72,11 @@ enum EngineAddress {
 impl Http1Engine {
     /// The engine at `config.url`, if that is an `http://` URL.
     pub(crate) fn for_engine(config: &BackendConfig) -> Option<Http1Engine> {
-        let url = reqwest::Url::parse(&config.url).ok()?;
+        let url = reqwest::Url::parse(config.base_url()).ok()?;
         if url.scheme() != "http" || url.query().is_some() {
             return None;
         }
-        let prefix = url.path().trim_end_matches('/');
-        let prefix = prefix.strip_suffix("/v1").unwrap_or(prefix).to_owned();
+        let prefix = url.path().trim_end_matches('/').to_owned();
         let port = url.port_or_known_default()?;
         let host = url.host_str()?;
         // An IPv6 literal is bracketed in a URL.
@@ -325,14 +324,12 @@ mod tests {
     /// What the scripted engine does with the n-th request (from 0) on a connection.
     #[derive(Clone, Copy)]
     enum Script {
-        /// Answers every request with [`ANSWER`], chunked, and keeps the connection.
-        Answer,
-        /// Answers every request with [`CHAT_ANSWER`], the body's last chunk sent with it.
-        Chat,
-        /// Answers every request with [`CHAT_ANSWER`], the body's last chunk sent 50 ms after
-        /// the events (as an engine's server does once the generator behind the body ends).
-        ChatEndLater,
-        /// Answers the first request, then closes the connection on reading the next one.
+        /// Answers every request with this SSE body, chunked, and keeps the connection.
+        Answer(&'static str),
+        /// The same, the body's last chunk sent 50 ms after the events (as an engine's server
+        /// does once the generator behind the body ends).
+        AnswerEndLater(&'static str),
+        /// Answers the first request with [`ANSWER`], then closes the connection on reading the next one.
         AnswerOnceThenClose,
         /// Closes the connection on reading a request.
         Close,
@@ -376,18 +373,18 @@ mod tests {
             };
             requests.lock().unwrap().push(request);
             match (script, n) {
-                (Script::Answer, _) | (Script::AnswerOnceThenClose, 0) => {
+                (Script::Answer(answer), _) => {
+                    conn.write_all(chunked(answer, true).as_bytes())
+                        .await
+                        .unwrap();
+                }
+                (Script::AnswerOnceThenClose, 0) => {
                     conn.write_all(chunked(ANSWER, true).as_bytes())
                         .await
                         .unwrap();
                 }
-                (Script::Chat, _) => {
-                    conn.write_all(chunked(CHAT_ANSWER, true).as_bytes())
-                        .await
-                        .unwrap();
-                }
-                (Script::ChatEndLater, _) => {
-                    conn.write_all(chunked(CHAT_ANSWER, false).as_bytes())
+                (Script::AnswerEndLater(answer), _) => {
+                    conn.write_all(chunked(answer, false).as_bytes())
                         .await
                         .unwrap();
                     tokio::time::sleep(Duration::from_millis(50)).await;
@@ -478,7 +475,7 @@ mod tests {
 
     #[tokio::test]
     async fn streamed_answers_come_whole_over_one_kept_alive_connection() {
-        let engine = engine(Script::Answer, "127.0.0.1").await;
+        let engine = engine(Script::Answer(ANSWER), "127.0.0.1").await;
         let client = client(&engine.url, Duration::from_secs(5));
         for _ in 0..3 {
             assert_eq!(call(&client).await.unwrap(), ANSWER);
@@ -517,7 +514,11 @@ mod tests {
         use crate::backend::vllm::VllmDialect;
         use crate::canonical::GenerationEvent;
 
-        for (script, settle) in [(Script::Chat, 0), (Script::ChatEndLater, 300)] {
+        let scripts = [
+            (Script::Answer(CHAT_ANSWER), 0),
+            (Script::AnswerEndLater(CHAT_ANSWER), 300),
+        ];
+        for (script, settle) in scripts {
             let engine = engine(script, "127.0.0.1").await;
             let client = client(&engine.url, Duration::from_secs(5));
             for _ in 0..3 {
@@ -583,7 +584,7 @@ mod tests {
 
     #[tokio::test]
     async fn an_engine_named_by_host_name_is_looked_up() {
-        let engine = engine(Script::Answer, "localhost").await;
+        let engine = engine(Script::Answer(ANSWER), "localhost").await;
         assert_eq!(
             call(&client(&engine.url, Duration::from_secs(5)))
                 .await
@@ -595,7 +596,7 @@ mod tests {
     /// Request paths go under the URL's path, a trailing `/v1` removed (as reqwest's were).
     #[tokio::test]
     async fn requests_go_under_the_engine_urls_path() {
-        let engine = engine(Script::Answer, "127.0.0.1").await;
+        let engine = engine(Script::Answer(ANSWER), "127.0.0.1").await;
         for (suffix, expect) in [
             ("/v1", "POST /v1/chat/completions "),
             ("/", "POST /v1/chat/completions "),

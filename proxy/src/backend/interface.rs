@@ -108,3 +108,11 @@ pub struct BackendConfig {
     /// Longest wait for the first byte and between two chunks of a stream.
     pub idle_timeout: Duration,
 }
+
+impl BackendConfig {
+    /// The URL request paths (`/v1/...`) go under: `url` without a trailing `/` or `/v1`.
+    pub(crate) fn base_url(&self) -> &str {
+        let base = self.url.trim_end_matches('/');
+        base.strip_suffix("/v1").unwrap_or(base)
+    }
+}

@@ -49,11 +49,9 @@ impl EngineClient {
         let http = builder
             .build()
             .map_err(|e| BackendError::Unavailable(format!("building HTTP client: {e}")))?;
-        let base = config.url.trim_end_matches('/');
-        let base = base.strip_suffix("/v1").unwrap_or(base).to_owned();
         Ok(EngineClient {
             http,
-            base,
+            base: config.base_url().to_owned(),
             api_key: config.api_key.clone(),
             idle_timeout: config.idle_timeout,
             http1: Http1Engine::for_engine(config).map(Arc::new),
