@@ -53,6 +53,7 @@ async fn node(
             ca_roots: Vec::new(),
             connect_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(30),
+            max_answer_bytes: tokentap_proxy::backend::DEFAULT_MAX_ANSWER_BYTES,
         })
         .unwrap(),
     );

@@ -91,6 +91,10 @@ pub struct CaptureArgs {
     /// Seconds to wait for the engine's first byte and between streamed chunks.
     #[arg(long, default_value_t = 600)]
     backend_timeout: u64,
+    /// Largest engine answer read, in bytes, streamed or whole; past it the call ends in an
+    /// error (the idle timeout alone would let an endless answer grow the proxy's memory).
+    #[arg(long, default_value_t = backend::DEFAULT_MAX_ANSWER_BYTES)]
+    max_answer_bytes: usize,
     /// Directory of the capture spool [serve: DATA/spool; generate: OUT/spool].
     #[arg(long, default_value = DEFAULT_SPOOL)]
     pub spool: PathBuf,
@@ -255,6 +259,7 @@ impl CaptureArgs {
             ca_roots: args.ca_roots()?,
             connect_timeout: Duration::from_secs(5),
             idle_timeout: Duration::from_secs(args.backend_timeout),
+            max_answer_bytes: args.max_answer_bytes,
         };
         let backend: Arc<dyn backend::Backend> =
             Arc::from(backend::build(backend_config).context("configuring the backend")?);

@@ -50,6 +50,10 @@ pub enum Reply {
     StallAfter { text: String, chunks: usize },
     /// Stream one token chunk every 20 ms until the client goes away.
     Endless,
+    /// Stream the role chunk and the first `chunks` token chunks of `text`, then one event
+    /// that never ends (a `data:` line of 64 KiB pieces, as fast as the client reads) until
+    /// the client goes away; a whole answer is such a JSON text. A runaway engine.
+    Flood { text: String, chunks: usize },
 }
 
 impl Reply {
@@ -445,9 +449,10 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
             std::future::pending::<()>().await;
             unreachable!()
         }
-        Reply::Text(t) | Reply::DropAfter { text: t, .. } | Reply::StallAfter { text: t, .. } => {
-            (t.clone(), None)
-        }
+        Reply::Text(t)
+        | Reply::DropAfter { text: t, .. }
+        | Reply::StallAfter { text: t, .. }
+        | Reply::Flood { text: t, .. } => (t.clone(), None),
         Reply::Endless => ("la ".to_owned(), None),
         Reply::ToolCall { name, arguments } => (
             tool_call_text(name, arguments),
@@ -473,6 +478,13 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
                 {"id": cid, "type": "function", "function": {"name": name, "arguments": args}}]}),
             None => json!({"role": "assistant", "content": text}),
         };
+        if let Reply::Flood { .. } = reply {
+            let body = flood(b"{\"id\":\"", shared.clone());
+            return Response::builder()
+                .header("content-type", "application/json")
+                .body(Body::from_stream(body))
+                .expect("response");
+        }
         if matches!(
             reply,
             Reply::DropAfter { .. } | Reply::StallAfter { .. } | Reply::Endless
@@ -572,6 +584,13 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
             });
             sse_response(Body::from_stream(head.chain(tail)))
         }
+        Reply::Flood { chunks, .. } => {
+            frames.truncate(1 + chunks);
+            let head = futures::stream::iter(frames.into_iter().map(Ok::<_, std::io::Error>));
+            let line = b"data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"";
+            let body = flood(line, shared.clone());
+            sse_response(Body::from_stream(head.chain(body)))
+        }
         _ => {
             frames.push(frame(&chunk(json!({}), Some(finish), &[eot])));
             if include_usage {
@@ -582,6 +601,22 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
             sse_response(Body::from_stream(futures::stream::iter(items)))
         }
     }
+}
+
+/// `start`, then 64 KiB pieces of `a` without end, as fast as the client reads them; the
+/// client going away is counted as a disconnect.
+fn flood(
+    start: &'static [u8],
+    shared: Arc<Shared>,
+) -> impl futures::Stream<Item = Result<Bytes, std::io::Error>> + Send + 'static {
+    let piece = Bytes::from(vec![b'a'; 64 << 10]);
+    let start = futures::stream::iter([Ok::<_, std::io::Error>(Bytes::from_static(start))]);
+    let guard = DisconnectGuard { shared };
+    let tail = futures::stream::unfold(guard, move |g| {
+        let piece = piece.clone();
+        async move { Some((Ok(piece), g)) }
+    });
+    start.chain(tail)
 }
 
 /// Builds `chat.completion.chunk` objects of one answer.

@@ -214,6 +214,81 @@ async fn a_stream_dropped_mid_way_ends_in_an_error_and_keeps_the_partial_ids() {
     assert_still_serving(&tokentap).await;
 }
 
+/// An engine that never ends its answer (one endless SSE line, or an endless whole body) is
+/// cut off at `--max-answer-bytes` (its connection closed) instead of growing the proxy's
+/// memory while the idle timeout never fires: the harness gets an error, the record keeps the
+/// tokens that came before, and the proxy serves on.
+#[tokio::test(flavor = "multi_thread")]
+async fn an_endless_engine_answer_is_cut_off_at_max_answer_bytes() {
+    const LIMIT: &str = "1048576";
+    let flood = || Reply::Flood {
+        text: "hello".into(),
+        chunks: 2,
+    };
+    let (backend, tokentap) = scripted_tokentap(
+        sequence(vec![flood(), flood(), Reply::text("ok")]),
+        &["--max-answer-bytes", LIMIT],
+    )
+    .await;
+    let bounded = Duration::from_secs(60);
+    let (status, sse) = tokio::time::timeout(
+        bounded,
+        post_stream(&tokentap.chat_url(), &[], &hello_request(true)),
+    )
+    .await
+    .expect("the streamed call ends");
+    assert_eq!(status, 200, "headers were sent before the flood");
+    let s = parse_chat_stream(&sse);
+    assert_eq!(s.content, "he", "the chunks before the flood were relayed");
+    assert_eq!(s.finish_reason, None, "{sse}");
+    assert_eq!(s.errors.len(), 1, "one in-stream error frame: {sse}");
+    let message = assert_openai_error(&s.errors[0])["message"]
+        .as_str()
+        .unwrap();
+    assert!(
+        message.contains(&format!("larger than {LIMIT} bytes")),
+        "{message}"
+    );
+    let r = tokentap.wait_record(1).await;
+    let err = r.error.as_ref().expect("record error");
+    assert_eq!(err.kind, ErrorKind::BackendError, "{err:?}");
+    assert!(err.message.contains("--max-answer-bytes"), "{err:?}");
+    let partial: Vec<u32> = "he".chars().map(|c| c as u32 + 3).collect();
+    assert_eq!(r.completion_token_ids, Some(partial));
+    assert!(r.prompt_token_ids.is_some(), "prompt ids came first");
+
+    let (status, v) =
+        tokio::time::timeout(bounded, post_chat(&tokentap, &[], &hello_request(false)))
+            .await
+            .expect("the whole call ends");
+    assert_eq!(status, 502, "{v}");
+    let message = assert_openai_error(&v)["message"].as_str().unwrap();
+    assert!(
+        message.contains(&format!("larger than {LIMIT} bytes")),
+        "{message}"
+    );
+    let r = tokentap.wait_record(2).await;
+    assert_eq!(
+        r.error.as_ref().map(|e| e.kind),
+        Some(ErrorKind::BackendError)
+    );
+
+    // Both floods' connections were closed by the proxy (the engine saw its client go).
+    let closed = async {
+        while backend.disconnects() < 2 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    };
+    assert!(
+        tokio::time::timeout(Duration::from_secs(20), closed)
+            .await
+            .is_ok(),
+        "{} of 2 flooding connections closed",
+        backend.disconnects()
+    );
+    assert_still_serving(&tokentap).await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn a_client_disconnect_mid_stream_is_recorded_and_cancels_the_backend_call() {
     let (backend, tokentap) =

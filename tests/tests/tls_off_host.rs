@@ -75,6 +75,53 @@ async fn an_https_engine_with_a_private_ca_is_reached_with_ca_file() {
         .any(|w| w == ENGINE_KEY.as_bytes()));
 }
 
+/// An HTTPS engine's answers are read by reqwest, not Pingora's client: an endless one is cut
+/// off at `--max-answer-bytes` all the same, streamed or whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_endless_https_engine_answer_is_cut_off_at_max_answer_bytes() {
+    let engine = ScriptedBackend::start(
+        Tokens::FakeChat,
+        Arc::new(|_req: &Value, _| Reply::Flood {
+            text: "hello".into(),
+            chunks: 2,
+        }),
+    )
+    .await;
+    let ca = TestCa::new("tokentap test engine CA");
+    let front = TlsFront::start(&ca, port_of(&engine.url)).await;
+    let dir = tempfile::tempdir().unwrap();
+    let ca_file = dir.path().join("ca.pem");
+    ca.write_pem(&ca_file);
+    let proxy = Tokentap::start(
+        TokentapConfig::new(&front.url, "vllm")
+            .arg("--ca-file")
+            .arg(ca_file.to_str().unwrap())
+            .arg("--max-answer-bytes")
+            .arg("1048576"),
+    )
+    .await;
+    for (n, stream) in [(1, true), (2, false)] {
+        let call = http_client()
+            .post(proxy.chat_url())
+            .json(&json!({"model": "m", "stream": stream,
+                          "messages": [{"role": "user", "content": "hi"}]}))
+            .send();
+        let text = tokio::time::timeout(Duration::from_secs(60), async {
+            call.await.unwrap().text().await.unwrap()
+        })
+        .await
+        .expect("the call ends");
+        assert!(
+            text.contains("larger than 1048576 bytes"),
+            "stream={stream}: {}",
+            &text[..text.len().min(2000)]
+        );
+        let records = proxy.wait_records(n).await;
+        let err = records[n - 1].error.as_ref().expect("record error");
+        assert!(err.message.contains("--max-answer-bytes"), "{err:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_ca_file_an_https_engine_is_refused_with_a_502_naming_the_certificate() {
     let engine = engine().await;

@@ -435,6 +435,7 @@ async fn generate(
         ca_roots: Vec::new(),
         connect_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(5),
+        max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
     })?;
     let events = backend.generate(request, mode).await?;
     events.collect::<Vec<_>>().await.into_iter().collect()

@@ -15,9 +15,6 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use bytes::{Bytes, BytesMut};
-use futures::stream::BoxStream;
-use futures::StreamExt;
 use pingora::connectors::http::v1::Connector;
 use pingora::connectors::ConnectorOptions;
 use pingora::http::RequestHeader;
@@ -25,6 +22,7 @@ use pingora::protocols::http::v1::client::HttpSession;
 use pingora::upstreams::peer::HttpPeer;
 use pingora::{Error as PingoraError, ErrorType};
 
+use super::answer_body::{read_error_text, AnswerBody};
 use super::error::{error_chain, BackendError};
 use super::interface::BackendConfig;
 
@@ -35,15 +33,6 @@ const POOL_IDLE: Duration = Duration::from_secs(90);
 const POOL_SIZE: usize = 1024;
 /// How long a resolved engine address is used before it is looked up again.
 const ADDRESS_TTL: Duration = Duration::from_secs(5);
-/// The most of an error answer read, for its message.
-const MAX_ERROR_BODY: usize = 1 << 20;
-
-/// The most of a whole answer read: far past any context's prompt ids (a 1M-token prompt's
-/// are about 8 MB), short of what a runaway engine could make the proxy hold.
-const MAX_WHOLE_ANSWER: usize = 256 << 20;
-
-/// An answer's body, as it arrives.
-pub(crate) type AnswerBody = BoxStream<'static, Result<Bytes, std::io::Error>>;
 
 /// One `http://` engine, with a pool of kept-alive connections.
 pub(crate) struct Http1Engine {
@@ -207,16 +196,12 @@ impl Http1Engine {
 /// The body of an answer whose head `session` has read: an error status is the classified
 /// error; a kept-alive connection goes back to the pool once the body is read to its end.
 async fn answer_body(
-    mut session: HttpSession,
+    session: HttpSession,
     pool: Arc<Connector>,
     peer: HttpPeer,
 ) -> Result<AnswerBody, BackendError> {
     let status = session.get_status().map_or(0, |s| s.as_u16());
-    if !(200..300).contains(&status) {
-        let body = error_body(&mut session).await;
-        return Err(BackendError::from_status(status, &body));
-    }
-    Ok(Box::pin(futures::stream::unfold(
+    let body: AnswerBody = Box::pin(futures::stream::unfold(
         Some((session, pool, peer)),
         |state| async move {
             let (mut session, pool, peer) = state?;
@@ -230,7 +215,12 @@ async fn answer_body(
                 Err(e) => Some((Err(io_error(&e)), None)),
             }
         },
-    )))
+    ));
+    if !(200..300).contains(&status) {
+        let message = read_error_text(body).await;
+        return Err(BackendError::from_status(status, &message));
+    }
+    Ok(body)
 }
 
 /// Whether a kept-alive connection failed because the engine had closed it (not a timeout:
@@ -251,38 +241,6 @@ fn is_connect_error(e: &PingoraError) -> bool {
             | ErrorType::ConnectTimedout
             | ErrorType::ConnectError
     )
-}
-
-/// A whole answer's body, read to its end (at most [`MAX_WHOLE_ANSWER`]).
-pub(crate) async fn read_whole(mut answer: AnswerBody) -> Result<Bytes, BackendError> {
-    let mut whole = BytesMut::new();
-    while let Some(chunk) = answer.next().await {
-        let chunk = chunk.map_err(|e| match e.kind() {
-            std::io::ErrorKind::TimedOut => BackendError::Timeout(e.to_string()),
-            _ => BackendError::Unavailable(e.to_string()),
-        })?;
-        if whole.len() + chunk.len() > MAX_WHOLE_ANSWER {
-            return Err(BackendError::Protocol(format!(
-                "the answer is larger than {} MiB",
-                MAX_WHOLE_ANSWER >> 20
-            )));
-        }
-        whole.extend_from_slice(&chunk);
-    }
-    Ok(whole.freeze())
-}
-
-/// The start of an error answer's body, for its message.
-async fn error_body(session: &mut HttpSession) -> String {
-    let mut body = Vec::new();
-    while body.len() < MAX_ERROR_BODY {
-        match session.read_body_ref().await {
-            Ok(Some(chunk)) => body.extend_from_slice(chunk),
-            _ => break,
-        }
-    }
-    body.truncate(MAX_ERROR_BODY);
-    String::from_utf8_lossy(&body).into_owned()
 }
 
 /// A Pingora error as the engine failure it is.
@@ -309,6 +267,7 @@ fn io_error(e: &PingoraError) -> std::io::Error {
 mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
+    use futures::StreamExt;
     use tokentap_schema::BackendKind;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
     use tokio::net::{TcpListener, TcpStream};
@@ -450,6 +409,7 @@ mod tests {
             ca_roots: Vec::new(),
             connect_timeout: Duration::from_secs(2),
             idle_timeout: idle,
+            max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
         })
         .expect("an http:// engine")
     }
@@ -620,6 +580,7 @@ mod tests {
                 ca_roots: Vec::new(),
                 connect_timeout: Duration::from_secs(1),
                 idle_timeout: Duration::from_secs(1),
+                max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
             };
             assert!(Http1Engine::for_engine(&config).is_none(), "{url}");
         }

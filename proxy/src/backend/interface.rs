@@ -107,6 +107,9 @@ pub struct BackendConfig {
     pub connect_timeout: Duration,
     /// Longest wait for the first byte and between two chunks of a stream.
     pub idle_timeout: Duration,
+    /// The most of one answer read (streamed or whole); past it the call ends in an error
+    /// (`--max-answer-bytes`, [`super::DEFAULT_MAX_ANSWER_BYTES`] by default).
+    pub max_answer_bytes: usize,
 }
 
 impl BackendConfig {

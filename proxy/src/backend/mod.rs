@@ -8,6 +8,7 @@
 //! (`answer`): neither passes through a `serde_json::Value`, the proxy's main JSON cost.
 
 mod answer;
+mod answer_body;
 #[cfg(test)]
 mod answer_lane_tests;
 #[cfg(test)]
@@ -24,6 +25,7 @@ mod sglang;
 mod sse_reader_tests;
 mod vllm;
 
+pub use answer_body::DEFAULT_MAX_ANSWER_BYTES;
 pub use error::{error_chain, BackendError};
 pub use interface::{Backend, BackendConfig, CallMode, GenerationStream};
 pub use llamacpp::LlamaCppBackend;
@@ -67,9 +69,9 @@ pub mod decode {
             let body = futures::stream::iter(
                 chunks
                     .into_iter()
-                    .map(|c| Ok::<_, reqwest::Error>(bytes::Bytes::from(c))),
+                    .map(|c| Ok::<_, std::io::Error>(bytes::Bytes::from(c))),
             );
-            openai_compat::stream_events(body, d, Duration::from_secs(3600))
+            openai_compat::stream_events(Box::pin(body), d, Duration::from_secs(3600))
         }
         match kind {
             BackendKind::Vllm => with(VllmDialect, chunks),

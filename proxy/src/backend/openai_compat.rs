@@ -13,10 +13,11 @@ use futures::{FutureExt, StreamExt};
 use serde_json::{Map, Value};
 
 use super::answer::{self, decode, Answer, Choice, Ids, LogprobEntry, Message};
+use super::answer_body::{self, AnswerBody};
 use super::engine_request::{json_size_hint, to_bytes, EngineRequest, TokenParam};
 use super::error::truncate;
 use super::error::BackendError;
-use super::http1_engine::{self, Http1Engine};
+use super::http1_engine::Http1Engine;
 use super::interface::{BackendConfig, CallMode, GenerationStream};
 use crate::canonical::{
     ChatRequest, Delta, FinishReason, GenerationEvent, TokenField, TokenGap, TokenSource,
@@ -30,6 +31,7 @@ pub(crate) struct EngineClient {
     base: String,
     api_key: Option<String>,
     idle_timeout: Duration,
+    max_answer_bytes: usize,
     /// Chat answers of an `http://` engine, read in the task that relays them.
     http1: Option<Arc<Http1Engine>>,
 }
@@ -54,6 +56,7 @@ impl EngineClient {
             base: config.base_url().to_owned(),
             api_key: config.api_key.clone(),
             idle_timeout: config.idle_timeout,
+            max_answer_bytes: config.max_answer_bytes,
             http1: Http1Engine::for_engine(config).map(Arc::new),
         })
     }
@@ -81,10 +84,21 @@ impl EngineClient {
         check_status(resp).await
     }
 
+    /// POSTs a chat request and returns the answer's body as it arrives, ending in an error
+    /// past `--max-answer-bytes` (`http://` engines through Pingora's client, HTTPS ones
+    /// through reqwest).
+    async fn post_answer(&self, path: &str, body: Vec<u8>) -> Result<AnswerBody, BackendError> {
+        let answer = match &self.http1 {
+            Some(http1) => http1.post(path, body).await?,
+            None => answer_body::from_reqwest(self.post(path, body).await?),
+        };
+        Ok(answer_body::limited(answer, self.max_answer_bytes))
+    }
+
     /// POSTs a JSON body and reads a JSON answer (the engines' side endpoints: `/tokenize`, ...).
     pub(crate) async fn post_json(&self, path: &str, body: Vec<u8>) -> Result<Value, BackendError> {
         let resp = self.post(path, body).await?;
-        resp.json().await.map_err(BackendError::from_reqwest)
+        self.read_json(resp).await
     }
 
     pub(crate) async fn get_json(&self, path: &str) -> Result<Value, BackendError> {
@@ -93,11 +107,16 @@ impl EngineClient {
             req = req.bearer_auth(key);
         }
         let resp = req.send().await.map_err(BackendError::from_reqwest)?;
-        check_status(resp)
-            .await?
-            .json()
-            .await
-            .map_err(BackendError::from_reqwest)
+        self.read_json(check_status(resp).await?).await
+    }
+
+    /// A side endpoint's JSON answer, read to at most `--max-answer-bytes`.
+    async fn read_json(&self, resp: reqwest::Response) -> Result<Value, BackendError> {
+        let body = answer_body::limited(answer_body::from_reqwest(resp), self.max_answer_bytes);
+        let body = answer_body::read_whole(body, self.idle_timeout).await?;
+        // Worded as `reqwest::Response::json`'s error was.
+        serde_json::from_slice(&body)
+            .map_err(|e| BackendError::Protocol(format!("error decoding response body: {e}")))
     }
 }
 
@@ -106,7 +125,7 @@ async fn check_status(resp: reqwest::Response) -> Result<reqwest::Response, Back
     if status.is_success() {
         return Ok(resp);
     }
-    let body = resp.text().await.unwrap_or_default();
+    let body = answer_body::read_error_text(answer_body::from_reqwest(resp)).await;
     Err(BackendError::from_status(status.as_u16(), &body))
 }
 
@@ -166,21 +185,13 @@ pub(crate) async fn generate<D: TokenDialect>(
         },
         json_size_hint(request),
     )?;
-    const PATH: &str = "/v1/chat/completions";
-    if let Some(http1) = &client.http1 {
-        let answer = http1.post(PATH, body).await?;
-        return Ok(match mode {
-            CallMode::Whole => whole_events(http1_engine::read_whole(answer), dialect),
-            CallMode::Streaming => stream_events(answer, dialect, client.idle_timeout),
-        });
-    }
-    let resp = client.post(PATH, body).await?;
+    let answer = client.post_answer("/v1/chat/completions", body).await?;
     Ok(match mode {
         CallMode::Whole => whole_events(
-            async move { resp.bytes().await.map_err(BackendError::from_reqwest) },
+            answer_body::read_whole(answer, client.idle_timeout),
             dialect,
         ),
-        CallMode::Streaming => stream_events(resp.bytes_stream(), dialect, client.idle_timeout),
+        CallMode::Streaming => stream_events(answer, dialect, client.idle_timeout),
     })
 }
 
@@ -250,12 +261,11 @@ fn compact_json(json: &[u8]) -> String {
 }
 
 /// The generation events of a streamed answer, read as SSE from the answer's body chunks.
-pub(crate) fn stream_events<D, S, E>(body: S, dialect: D, idle: Duration) -> GenerationStream
-where
-    D: TokenDialect,
-    S: futures::Stream<Item = Result<bytes::Bytes, E>> + Send + 'static,
-    E: std::error::Error + Send + Sync + 'static,
-{
+pub(crate) fn stream_events<D: TokenDialect>(
+    body: AnswerBody,
+    dialect: D,
+    idle: Duration,
+) -> GenerationStream {
     Box::pin(try_stream! {
         // sse-stream reads each chunk once (a 60 KB first event with 10,000 prompt ids is
         // copied once into its data; eventsource-stream copied the rest of the buffer after
@@ -268,13 +278,15 @@ where
             let next = tokio::time::timeout(idle, events.next()).await
                 .map_err(|_| BackendError::Timeout(format!("no data from the backend for {idle:?}")))?;
             let Some(event) = next else { break };
-            let event = event.map_err(|e| match &e {
-                // The client's read timeout fired mid-stream: the engine went quiet.
-                sse_stream::Error::Body(t) if is_timeout(t.as_ref()) =>
-                {
-                    BackendError::Timeout(format!("no data from the backend for {idle:?}: {t}"))
-                }
-                e => BackendError::Protocol(format!("reading the event stream: {e}")),
+            let event = event.map_err(|e| {
+                // The client's read timeout fired mid-stream (the engine went quiet), or the
+                // answer passed its limit.
+                let read = match &e {
+                    sse_stream::Error::Body(t) => t.downcast_ref::<std::io::Error>(),
+                    _ => None,
+                };
+                read.and_then(|r| answer_body::timeout_or_limit(r, idle))
+                    .unwrap_or_else(|| BackendError::Protocol(format!("reading the event stream: {e}")))
             })?;
             let data = event.data.as_deref().unwrap_or_default().trim();
             if data.is_empty() {
@@ -353,15 +365,6 @@ where
 /// How long an answer's body is read after its `[DONE]` for the body's end (an engine that
 /// keeps the body open past it loses the connection instead).
 const DRAIN_AFTER_DONE: Duration = Duration::from_secs(1);
-
-/// Whether a body read failed because the engine went quiet (reqwest's read timeout, or
-/// Pingora's).
-fn is_timeout(e: &(dyn std::error::Error + 'static)) -> bool {
-    e.downcast_ref::<reqwest::Error>()
-        .is_some_and(reqwest::Error::is_timeout)
-        || e.downcast_ref::<std::io::Error>()
-            .is_some_and(|e| e.kind() == std::io::ErrorKind::TimedOut)
-}
 
 /// Notices token data the engine failed to send, so the record can say so.
 #[derive(Default)]
