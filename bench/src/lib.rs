@@ -10,6 +10,7 @@
 mod body;
 mod bus;
 mod cluster;
+mod contender;
 mod instant_backend;
 mod load;
 mod metrics;
@@ -78,6 +79,14 @@ pub enum BenchCmd {
   tokentap bench soak                                  # 256 sessions, 10 minutes
   tokentap bench soak --duration 3600 --json > soak.json")]
     Soak(soak::SoakBenchArgs),
+    /// tokentap's capturing proxy beside LiteLLM's proxy (PyPI `litellm[proxy]`), both in
+    /// front of the same instant backend in the same run: calls/s at saturation, CPU per call,
+    /// added latency at one rate below both proxies' saturation.
+    #[command(after_help = "Examples:
+  pip install 'litellm[proxy]'
+  tokentap bench contender
+  tokentap bench contender --api messages --stream --litellm ~/venv/bin/litellm --json")]
+    Contender(contender::ContenderBenchArgs),
     /// What the proxy's metrics cost per call (every series a finished call updates) and per
     /// scrape, in-process; set beside `bench proxy`'s CPU per call.
     Metrics(metrics::MetricsBenchArgs),
@@ -188,6 +197,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Cluster(args) => cluster::run(args),
         BenchCmd::Soak(args) => soak::run(args),
         BenchCmd::Metrics(args) => metrics::run(args),
+        BenchCmd::Contender(args) => contender::run(args),
     }
 }
 
