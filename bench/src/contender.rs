@@ -38,9 +38,6 @@ pub struct ContenderBenchArgs {
     /// LiteLLM's worker processes (`--num_workers`).
     #[arg(long, default_value_t = 1)]
     litellm_workers: usize,
-    /// The wire API both proxies are called with (the backend always gets Chat Completions).
-    #[arg(long, value_enum, default_value = "chat")]
-    api: Api,
     /// Ask for streamed answers (SSE) instead of whole ones.
     #[arg(long)]
     stream: bool,
@@ -73,6 +70,11 @@ pub struct ContenderBenchArgs {
     #[arg(long)]
     json: bool,
 }
+
+/// Chat Completions only: LiteLLM (1.108.7) did not send a Messages call for an
+/// OpenAI-compatible model to the engine's `/v1/chat/completions` (the instant backend, which
+/// serves nothing else, answered it 404).
+const API: Api = Api::Chat;
 
 const DIRECT: &str = "direct";
 const TOKENTAP: &str = "tokentap (capture on)";
@@ -127,7 +129,7 @@ pub fn run(args: ContenderBenchArgs) -> anyhow::Result<()> {
     }
     let version = litellm_version(&args.litellm)?;
     let chat = Bytes::from(body::chat_request(args.body_bytes, args.stream));
-    let proxied = Bytes::from(args.api.body(&chat));
+    let proxied = Bytes::from(API.body(&chat));
     let prompt_ids = args.prompt_ids.unwrap_or(args.body_bytes / 4);
     let backend = InstantBackend::start(prompt_ids)?;
     let dir = tempfile::Builder::new()
@@ -137,7 +139,7 @@ pub fn run(args: ContenderBenchArgs) -> anyhow::Result<()> {
     let mut report = ContenderReport {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: Machine::here(),
-        api: args.api.name(),
+        api: API.name(),
         stream: args.stream,
         body_bytes: chat.len(),
         prompt_ids,
@@ -258,7 +260,7 @@ async fn measure(
         },
         proxied: Call {
             addr: backend.addr(),
-            path: args.api.path(),
+            path: API.path(),
             body: proxied,
         },
         tokentap,

@@ -85,7 +85,7 @@ pub enum BenchCmd {
     #[command(after_help = "Examples:
   pip install 'litellm[proxy]'
   tokentap bench contender
-  tokentap bench contender --api messages --stream --litellm ~/venv/bin/litellm --json")]
+  tokentap bench contender --stream --litellm ~/venv/bin/litellm --json")]
     Contender(contender::ContenderBenchArgs),
     /// What the proxy's metrics cost per call (every series a finished call updates) and per
     /// scrape, in-process; set beside `bench proxy`'s CPU per call.
