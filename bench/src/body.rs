@@ -5,6 +5,7 @@
 //! Size matters more than wording: the proxy's cost grows with the bytes it parses, redacts,
 //! re-serializes and records, so the body is brought to `--body-bytes` exactly.
 
+use clap::ValueEnum;
 use serde_json::{json, Value};
 
 const TOOLS: &str = include_str!("qwen_tools.json");
@@ -181,6 +182,44 @@ fn escaped_len(s: &str) -> usize {
             _ => 1,
         })
         .sum()
+}
+
+/// The wire API a benchmark's proxied calls speak.
+#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Api {
+    /// OpenAI Chat Completions (`/v1/chat/completions`).
+    Chat,
+    /// OpenAI Responses (`/v1/responses`), as Codex speaks it.
+    Responses,
+    /// Anthropic Messages (`/v1/messages`), as Claude Code speaks it.
+    Messages,
+}
+
+impl Api {
+    pub fn path(self) -> &'static str {
+        match self {
+            Api::Chat => "/v1/chat/completions",
+            Api::Responses => "/v1/responses",
+            Api::Messages => "/v1/messages",
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Api::Chat => "Chat Completions",
+            Api::Responses => "Responses",
+            Api::Messages => "Messages",
+        }
+    }
+
+    /// The proxied request body for the Chat Completions body `chat`.
+    pub fn body(self, chat: &[u8]) -> Vec<u8> {
+        match self {
+            Api::Chat => chat.to_vec(),
+            Api::Responses => responses_request(chat),
+            Api::Messages => messages_request(chat),
+        }
+    }
 }
 
 #[cfg(test)]

@@ -24,11 +24,11 @@ use bytes::Bytes;
 use clap::Args;
 use serde::Serialize;
 
+use super::body::{self, Api};
 use super::instant_backend::InstantBackend;
 use super::load::{self, Call};
 use super::proxy_child::{self, ProxyChild};
 use super::report::{Machine, Percentiles, Throughput};
-use super::{body, progress, Api};
 
 #[derive(Args)]
 pub struct ContenderBenchArgs {
@@ -249,7 +249,7 @@ async fn measure(
 ) -> anyhow::Result<()> {
     let mut tokentap = ProxyChild::spawn(backend.addr(), true, args.threads, dir, "100ms")?;
     tokentap.wait_ready(Duration::from_secs(20)).await?;
-    progress("starting LiteLLM (about 10-30 s)");
+    eprintln!("bench: starting LiteLLM (about 10-30 s)");
     let mut litellm = LiteLlm::spawn(&args.litellm, args.litellm_workers, backend.addr(), dir)?;
     litellm.wait_ready(Duration::from_secs(180)).await?;
     let mut t = Targets {
@@ -272,7 +272,7 @@ async fn measure(
     let duration = Duration::from_secs_f64(args.throughput_duration);
     for &conns in &args.concurrency {
         for target in TARGETS {
-            progress(&format!("throughput: {target}, {conns} concurrent"));
+            eprintln!("bench: throughput: {target}, {conns} concurrent");
             let (r, cpu) = t.run(target, conns, None, warmup, duration).await?;
             report.throughput.push(ThroughputRow {
                 concurrency: conns,
@@ -294,9 +294,7 @@ async fn measure(
     for &conns in &args.concurrency {
         let mut direct: Option<Percentiles> = None;
         for target in TARGETS {
-            progress(&format!(
-                "latency: {target}, {conns} concurrent, {rate:.0} calls/s"
-            ));
+            eprintln!("bench: latency: {target}, {conns} concurrent, {rate:.0} calls/s");
             let (r, cpu_ms_per_call) = t.run(target, conns, Some(rate), warmup, duration).await?;
             let p = Percentiles::of(&r);
             report.latency.push(LatencyRow {

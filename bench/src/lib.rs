@@ -28,6 +28,7 @@ use anyhow::{bail, Context};
 use bytes::Bytes;
 use clap::{Args, Subcommand, ValueEnum};
 
+use body::Api;
 use instant_backend::InstantBackend;
 use load::{Call, RunResult};
 use proxy_child::ProxyChild;
@@ -140,43 +141,6 @@ pub struct ProxyBenchArgs {
     /// Print the results as JSON instead of a table.
     #[arg(long)]
     json: bool,
-}
-
-#[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
-enum Api {
-    /// OpenAI Chat Completions (`/v1/chat/completions`).
-    Chat,
-    /// OpenAI Responses (`/v1/responses`), as Codex speaks it.
-    Responses,
-    /// Anthropic Messages (`/v1/messages`), as Claude Code speaks it.
-    Messages,
-}
-
-impl Api {
-    fn path(self) -> &'static str {
-        match self {
-            Api::Chat => "/v1/chat/completions",
-            Api::Responses => "/v1/responses",
-            Api::Messages => "/v1/messages",
-        }
-    }
-
-    fn name(self) -> &'static str {
-        match self {
-            Api::Chat => "Chat Completions",
-            Api::Responses => "Responses",
-            Api::Messages => "Messages",
-        }
-    }
-
-    /// The proxied request body for the Chat Completions body `chat`.
-    fn body(self, chat: &[u8]) -> Vec<u8> {
-        match self {
-            Api::Chat => chat.to_vec(),
-            Api::Responses => body::responses_request(chat),
-            Api::Messages => body::messages_request(chat),
-        }
-    }
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, ValueEnum)]
