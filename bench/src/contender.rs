@@ -28,7 +28,7 @@ use super::body::{self, Api};
 use super::instant_backend::InstantBackend;
 use super::load::{self, Call};
 use super::proxy_child::{self, ProxyChild};
-use super::report::{Machine, Percentiles, Throughput};
+use super::report::{LatencyRow, Machine, Percentiles, Throughput};
 
 #[derive(Args)]
 pub struct ContenderBenchArgs {
@@ -103,21 +103,6 @@ struct ThroughputRow {
     target: &'static str,
     #[serde(flatten)]
     throughput: Throughput,
-}
-
-#[derive(Serialize)]
-struct LatencyRow {
-    concurrency: usize,
-    target: &'static str,
-    #[serde(flatten)]
-    latency: Percentiles,
-    /// Proxied minus direct at the same concurrency and rate, same run.
-    added_p50_ms: Option<f64>,
-    added_p99_ms: Option<f64>,
-    errors: u64,
-    dropped: u64,
-    achieved_rate: f64,
-    cpu_ms_per_call: f64,
 }
 
 pub fn run(args: ContenderBenchArgs) -> anyhow::Result<()> {
@@ -296,21 +281,11 @@ async fn measure(
         for target in TARGETS {
             eprintln!("bench: latency: {target}, {conns} concurrent, {rate:.0} calls/s");
             let (r, cpu_ms_per_call) = t.run(target, conns, Some(rate), warmup, duration).await?;
-            let p = Percentiles::of(&r);
-            report.latency.push(LatencyRow {
-                concurrency: conns,
-                target,
-                latency: p,
-                added_p50_ms: direct.map(|d| p.p50_ms - d.p50_ms),
-                added_p99_ms: direct.map(|d| p.p99_ms - d.p99_ms),
-                errors: r.errors,
-                dropped: r.dropped,
-                achieved_rate: r.calls_per_s(),
-                cpu_ms_per_call,
-            });
+            let row = LatencyRow::of(conns, target, &r, direct, cpu_ms_per_call);
             if target == DIRECT {
-                direct = Some(p);
+                direct = Some(row.latency);
             }
+            report.latency.push(row);
         }
     }
     Ok(())

@@ -451,22 +451,11 @@ async fn latency_runs(
                 duration,
             };
             let (r, cpu_ms_per_call) = t.run(target, run).await?;
-            let p = Percentiles::of(&r);
-            report.latency.push(LatencyRow {
-                concurrency: conns,
-                target,
-                latency: p,
-                added_p50_ms: direct.map(|b| p.p50_ms - b.p50_ms),
-                added_p99_ms: direct.map(|b| p.p99_ms - b.p99_ms),
-                ok: r.ok,
-                errors: r.errors,
-                dropped: r.dropped,
-                achieved_rate: r.calls_per_s(),
-                cpu_ms_per_call,
-            });
+            let row = LatencyRow::of(conns, target, &r, direct, cpu_ms_per_call);
             if target == TARGET_DIRECT {
-                direct = Some(p);
+                direct = Some(row.latency);
             }
+            report.latency.push(row);
         }
     }
     Ok(())

@@ -131,6 +131,32 @@ pub struct LatencyRow {
     pub cpu_ms_per_call: f64,
 }
 
+impl LatencyRow {
+    /// The row of run `r` against `target`; `direct` is the direct run's percentiles at the
+    /// same concurrency (none for the direct run itself), for the added latency.
+    pub fn of(
+        concurrency: usize,
+        target: &'static str,
+        r: &RunResult,
+        direct: Option<Percentiles>,
+        cpu_ms_per_call: f64,
+    ) -> LatencyRow {
+        let p = Percentiles::of(r);
+        LatencyRow {
+            concurrency,
+            target,
+            latency: p,
+            added_p50_ms: direct.map(|d| p.p50_ms - d.p50_ms),
+            added_p99_ms: direct.map(|d| p.p99_ms - d.p99_ms),
+            ok: r.ok,
+            errors: r.errors,
+            dropped: r.dropped,
+            achieved_rate: r.calls_per_s(),
+            cpu_ms_per_call,
+        }
+    }
+}
+
 #[derive(Serialize)]
 pub struct Throughput {
     pub calls_per_s: f64,

@@ -35,22 +35,32 @@ async fn chat(proxy: &Tokentap) -> reqwest::Response {
         .unwrap()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_https_engine_with_a_private_ca_is_reached_with_ca_file() {
-    let engine = engine().await;
+/// `engine` behind a TLS front with a certificate from a CA the test made, and tokentap
+/// reaching it with `--ca-file` and `extra` arguments (the CA file's directory is returned to
+/// be kept).
+async fn behind_a_private_ca(
+    engine: &ScriptedBackend,
+    extra: &[&str],
+) -> (TlsFront, Tokentap, tempfile::TempDir) {
     let ca = TestCa::new("tokentap test engine CA");
     let front = TlsFront::start(&ca, port_of(&engine.url)).await;
     let dir = tempfile::tempdir().unwrap();
     let ca_file = dir.path().join("ca.pem");
     ca.write_pem(&ca_file);
-    let proxy = Tokentap::start(
-        TokentapConfig::new(&front.url, "vllm")
-            .arg("--ca-file")
-            .arg(ca_file.to_str().unwrap())
-            .arg("--backend-api-key")
-            .arg(ENGINE_KEY),
-    )
-    .await;
+    let mut config = TokentapConfig::new(&front.url, "vllm")
+        .arg("--ca-file")
+        .arg(ca_file.to_str().unwrap());
+    for a in extra {
+        config = config.arg(*a);
+    }
+    (front, Tokentap::start(config).await, dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_engine_with_a_private_ca_is_reached_with_ca_file() {
+    let engine = engine().await;
+    let (front, proxy, _ca_dir) =
+        behind_a_private_ca(&engine, &["--backend-api-key", ENGINE_KEY]).await;
     let r = chat(&proxy).await;
     assert_eq!(r.status(), 200, "{}", proxy.log_tail(20));
     let v: Value = r.json().await.unwrap();
@@ -87,19 +97,8 @@ async fn an_endless_https_engine_answer_is_cut_off_at_max_answer_bytes() {
         }),
     )
     .await;
-    let ca = TestCa::new("tokentap test engine CA");
-    let front = TlsFront::start(&ca, port_of(&engine.url)).await;
-    let dir = tempfile::tempdir().unwrap();
-    let ca_file = dir.path().join("ca.pem");
-    ca.write_pem(&ca_file);
-    let proxy = Tokentap::start(
-        TokentapConfig::new(&front.url, "vllm")
-            .arg("--ca-file")
-            .arg(ca_file.to_str().unwrap())
-            .arg("--max-answer-bytes")
-            .arg("1048576"),
-    )
-    .await;
+    let (_front, proxy, _ca_dir) =
+        behind_a_private_ca(&engine, &["--max-answer-bytes", "1048576"]).await;
     for (n, stream) in [(1, true), (2, false)] {
         let call = http_client()
             .post(proxy.chat_url())
