@@ -50,19 +50,8 @@ pub struct ContenderBenchArgs {
     /// Prompt ids the backend returns per call [default: body-bytes / 4, as `bench proxy`].
     #[arg(long)]
     prompt_ids: Option<usize>,
-    /// Seconds measured in each latency (open-loop) run, after the warm-up.
-    #[arg(long, default_value_t = 5.0)]
-    duration: f64,
-    /// Seconds measured in each throughput (closed-loop) run, after the warm-up.
-    #[arg(long, default_value_t = 3.0)]
-    throughput_duration: f64,
-    /// Seconds of unmeasured warm-up before each run.
-    #[arg(long, default_value_t = 1.0)]
-    warmup: f64,
-    /// Calls per second offered in the latency runs [default: half the slower proxy's lowest
-    /// saturated throughput].
-    #[arg(long)]
-    rate: Option<f64>,
+    #[command(flatten)]
+    load: load::LoadArgs,
     /// Worker threads of tokentap's proxy.
     #[arg(long, default_value_t = 2)]
     threads: usize,
@@ -109,9 +98,7 @@ pub fn run(args: ContenderBenchArgs) -> anyhow::Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         bail!("--concurrency needs positive levels, e.g. 1,64");
     }
-    if !(args.rate.unwrap_or(1.0) > 0.0 && args.duration > 0.0 && args.throughput_duration > 0.0) {
-        bail!("--rate, --duration and --throughput-duration must be positive");
-    }
+    args.load.check()?;
     let version = litellm_version(&args.litellm)?;
     let chat = Bytes::from(body::chat_request(args.body_bytes, args.stream));
     let proxied = Bytes::from(API.body(&chat));
@@ -252,9 +239,9 @@ async fn measure(
         litellm,
     };
     t.check().await?;
-    let warmup = Duration::from_secs_f64(args.warmup);
+    let warmup = Duration::from_secs_f64(args.load.warmup);
 
-    let duration = Duration::from_secs_f64(args.throughput_duration);
+    let duration = Duration::from_secs_f64(args.load.throughput_duration);
     for &conns in &args.concurrency {
         for target in TARGETS {
             eprintln!("bench: throughput: {target}, {conns} concurrent");
@@ -273,9 +260,9 @@ async fn measure(
         .filter(|r| r.target != DIRECT)
         .map(|r| r.throughput.calls_per_s)
         .fold(f64::INFINITY, f64::min);
-    let rate = args.rate.unwrap_or((slowest * 0.5).clamp(1.0, 500.0));
+    let rate = args.load.rate.unwrap_or(load::rate_below(slowest));
     report.rate = rate;
-    let duration = Duration::from_secs_f64(args.duration);
+    let duration = Duration::from_secs_f64(args.load.duration);
     for &conns in &args.concurrency {
         let mut direct: Option<Percentiles> = None;
         for target in TARGETS {
@@ -477,9 +464,7 @@ impl LiteLlm {
     }
 
     fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        proxy_child::log_tail(&self.log)
     }
 }
 

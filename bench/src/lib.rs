@@ -95,19 +95,8 @@ pub enum BenchCmd {
 
 #[derive(Args)]
 pub struct ProxyBenchArgs {
-    /// Seconds measured in each latency (open-loop) run, after the warm-up.
-    #[arg(long, default_value_t = 5.0)]
-    duration: f64,
-    /// Seconds measured in each throughput (closed-loop) run, after the warm-up.
-    #[arg(long, default_value_t = 3.0)]
-    throughput_duration: f64,
-    /// Seconds of unmeasured warm-up before each run.
-    #[arg(long, default_value_t = 1.0)]
-    warmup: f64,
-    /// Calls per second offered in the latency runs; keep it well below saturation
-    /// [default: half the capture-on proxy's lowest saturated throughput, at most 500].
-    #[arg(long)]
-    rate: Option<f64>,
+    #[command(flatten)]
+    load: load::LoadArgs,
     /// Concurrency levels: client connections, so the most calls in flight.
     #[arg(long, value_delimiter = ',', default_value = "1,64,256")]
     concurrency: Vec<usize>,
@@ -169,12 +158,7 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
     if args.concurrency.is_empty() || args.concurrency.contains(&0) {
         bail!("--concurrency needs positive levels, e.g. 1,64,256");
     }
-    if !(args.rate.unwrap_or(1.0) > 0.0 && args.duration > 0.0 && args.throughput_duration > 0.0) {
-        bail!("--rate, --duration and --throughput-duration must be positive");
-    }
-    if !(args.warmup >= 0.0 && args.warmup.is_finite()) {
-        bail!("--warmup must be zero or more seconds");
-    }
+    args.load.check()?;
     let prompt_ids = args.prompt_ids.unwrap_or(args.body_bytes / 4);
     let body = Bytes::from(body::chat_request(args.body_bytes, args.stream));
     let proxied_body = Bytes::from(args.api.body(&body));
@@ -187,11 +171,11 @@ fn bench_proxy(args: ProxyBenchArgs) -> anyhow::Result<()> {
         command: std::env::args().collect::<Vec<_>>().join(" "),
         machine: Machine::here(),
         config: Config {
-            duration_s: args.duration,
-            throughput_duration_s: args.throughput_duration,
-            warmup_s: args.warmup,
-            rate: args.rate.unwrap_or(f64::NAN),
-            rate_auto: args.rate.is_none(),
+            duration_s: args.load.duration,
+            throughput_duration_s: args.load.throughput_duration,
+            warmup_s: args.load.warmup,
+            rate: args.load.rate.unwrap_or(f64::NAN),
+            rate_auto: args.load.rate.is_none(),
             concurrency: args.concurrency.clone(),
             body_bytes: body.len(),
             api: args.api.name(),
@@ -365,13 +349,13 @@ async fn measure(
     ));
     t.check().await?;
 
-    let warmup = Duration::from_secs_f64(args.warmup);
+    let warmup = Duration::from_secs_f64(args.load.warmup);
     // Throughput first: the latency runs' default rate is derived from it.
     if args.mode != Mode::Latency {
         throughput_runs(&mut t, args, warmup, report).await?;
     }
     if args.mode != Mode::Throughput {
-        let rate = match args.rate {
+        let rate = match args.load.rate {
             Some(r) => r,
             None => auto_rate(&mut t, args, report).await?,
         };
@@ -402,7 +386,7 @@ async fn throughput_runs(
     warmup: Duration,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let duration = Duration::from_secs_f64(args.throughput_duration);
+    let duration = Duration::from_secs_f64(args.load.throughput_duration);
     for &conns in &args.concurrency {
         let mut runs = Vec::new();
         for target in TARGETS {
@@ -437,7 +421,7 @@ async fn latency_runs(
     warmup: Duration,
     report: &mut Report,
 ) -> anyhow::Result<()> {
-    let duration = Duration::from_secs_f64(args.duration);
+    let duration = Duration::from_secs_f64(args.load.duration);
     for &conns in &args.concurrency {
         let mut direct: Option<Percentiles> = None;
         for target in TARGETS {
@@ -483,11 +467,8 @@ async fn auto_rate(t: &mut Targets, args: &ProxyBenchArgs, report: &Report) -> a
         }
         saturated = lowest;
     }
-    Ok((saturated * AUTO_RATE_SHARE).clamp(1.0, AUTO_RATE_MAX))
+    Ok(load::rate_below(saturated))
 }
-
-const AUTO_RATE_SHARE: f64 = 0.5;
-const AUTO_RATE_MAX: f64 = 500.0;
 
 /// Counts the capture-on spool and looks at its last records.
 fn check_capture(

@@ -13,14 +13,58 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use anyhow::Context;
+use anyhow::{bail, Context};
 use bytes::Bytes;
+use clap::Args;
 use hdrhistogram::Histogram;
 use http_body_util::{BodyExt, Full};
 use hyper::client::conn::http1::SendRequest;
 use hyper::Request;
 use hyper_util::rt::TokioIo;
 use tokio::sync::Semaphore;
+
+/// How long each run lasts and the rate the latency runs offer: the options `bench proxy` and
+/// `bench contender` share.
+#[derive(Args)]
+pub struct LoadArgs {
+    /// Seconds measured in each latency (open-loop) run, after the warm-up.
+    #[arg(long, default_value_t = 5.0)]
+    pub duration: f64,
+    /// Seconds measured in each throughput (closed-loop) run, after the warm-up.
+    #[arg(long, default_value_t = 3.0)]
+    pub throughput_duration: f64,
+    /// Seconds of unmeasured warm-up before each run.
+    #[arg(long, default_value_t = 1.0)]
+    pub warmup: f64,
+    /// Calls per second offered in the latency runs; keep it well below saturation
+    /// [default: half the lowest saturated throughput of the proxy under test (`contender`:
+    /// of the slower proxy), at most 500].
+    #[arg(long)]
+    pub rate: Option<f64>,
+}
+
+impl LoadArgs {
+    /// Fails on a rate or duration that is not positive, or a warm-up that is negative.
+    pub fn check(&self) -> anyhow::Result<()> {
+        if !(self.rate.unwrap_or(1.0) > 0.0
+            && self.duration > 0.0
+            && self.throughput_duration > 0.0)
+        {
+            bail!("--rate, --duration and --throughput-duration must be positive");
+        }
+        if !(self.warmup >= 0.0 && self.warmup.is_finite()) {
+            bail!("--warmup must be zero or more seconds");
+        }
+        Ok(())
+    }
+}
+
+/// The default offered rate of latency runs: half of `saturated` (a proxy's lowest saturated
+/// throughput), at most 500 calls/s. Latency measured near or past saturation is queueing,
+/// not overhead.
+pub fn rate_below(saturated: f64) -> f64 {
+    (saturated * 0.5).clamp(1.0, 500.0)
+}
 
 /// What one run measured.
 pub struct RunResult {

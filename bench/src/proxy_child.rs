@@ -160,9 +160,7 @@ impl ProxyChild {
     }
 
     pub fn log_tail(&self) -> String {
-        let text = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let lines: Vec<&str> = text.lines().collect();
-        lines[lines.len().saturating_sub(20)..].join("\n")
+        log_tail(&self.log)
     }
 }
 
@@ -173,6 +171,13 @@ impl Drop for ProxyChild {
             let _ = self.child.wait();
         }
     }
+}
+
+/// The last 20 lines of a child's log file (for an error saying why it failed).
+pub fn log_tail(log: &Path) -> String {
+    let text = std::fs::read_to_string(log).unwrap_or_default();
+    let lines: Vec<&str> = text.lines().collect();
+    lines[lines.len().saturating_sub(20)..].join("\n")
 }
 
 /// CPU time (user + system) of a process, from `/proc/PID/stat` ("self" for this one).
