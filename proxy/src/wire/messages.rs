@@ -73,7 +73,7 @@ struct WireRequest {
     #[serde(default)]
     max_tokens: Option<u64>,
     #[serde(default)]
-    system: Option<Value>,
+    system: Option<WireContent>,
     #[serde(default)]
     tools: Option<Vec<WireTool>>,
     #[serde(default)]
@@ -97,7 +97,7 @@ struct WireRequest {
 #[derive(Deserialize)]
 struct WireMessage {
     role: WireRole,
-    content: Value,
+    content: WireContent,
 }
 
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
@@ -108,51 +108,143 @@ enum WireRole {
     System,
 }
 
-#[derive(Deserialize)]
-struct TextBlock {
-    text: String,
+/// Message, system or tool-result content: a plain string or a list of blocks.
+enum WireContent {
+    Text(String),
+    Blocks(Vec<WireBlock>),
 }
 
-#[derive(Deserialize)]
-struct ImageBlock {
-    source: Value,
+/// By the JSON type, not `#[serde(untagged)]`: an untagged enum buffers the whole value (a
+/// system prompt of tens of KB) to try each variant, and a bad block is named by its own path.
+impl<'de> Deserialize<'de> for WireContent {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ContentVisitor;
+        impl<'de> serde::de::Visitor<'de> for ContentVisitor {
+            type Value = WireContent;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("a string or an array of content blocks")
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<WireContent, E> {
+                Ok(WireContent::Text(s.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<WireContent, E> {
+                Ok(WireContent::Text(s))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<WireContent, A::Error> {
+                Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(WireContent::Blocks)
+            }
+        }
+        d.deserialize_any(ContentVisitor)
+    }
 }
 
-#[derive(Deserialize)]
-struct Base64Source {
-    media_type: String,
-    data: String,
-}
+/// One content block, read in one pass whatever its `type` and wherever `type` stands among
+/// its keys (Claude Code sends `tool_result` blocks with `tool_use_id` first): every field any
+/// supported block has, each checked against the block's type after parsing. An internally
+/// tagged enum would buffer each block into a tree first; a `Value` per block was the old way.
+type WireBlock = ObjectOnly<BlockFields>;
 
 #[derive(Deserialize)]
-struct UrlSource {
-    url: String,
-}
-
-#[derive(Deserialize)]
-struct ToolUseBlock {
-    id: String,
-    name: String,
-    input: Value,
-}
-
-#[derive(Deserialize)]
-struct ToolResultBlock {
-    tool_use_id: String,
+struct BlockFields {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
     #[serde(default)]
-    content: Option<Value>,
+    text: Option<String>,
+    #[serde(default)]
+    source: Option<ObjectOnly<ImageSource>>,
+    #[serde(default)]
+    id: Option<String>,
+    #[serde(default)]
+    name: Option<String>,
+    /// A tool call's arguments: small, and re-serialized compactly as the canonical text.
+    #[serde(default)]
+    input: Option<Value>,
+    #[serde(default)]
+    tool_use_id: Option<String>,
+    #[serde(default)]
+    content: Option<WireContent>,
     #[serde(default)]
     is_error: Option<bool>,
+    #[serde(default)]
+    thinking: Option<String>,
+    #[serde(default)]
+    tool_name: Option<String>,
+}
+
+impl ObjectKind for BlockFields {
+    const EXPECTING: &'static str = "a content block object";
 }
 
 #[derive(Deserialize)]
-struct ThinkingBlock {
-    thinking: String,
+struct ImageSource {
+    #[serde(rename = "type", default)]
+    kind: Option<String>,
+    #[serde(default)]
+    media_type: Option<String>,
+    #[serde(default)]
+    data: Option<String>,
+    #[serde(default)]
+    url: Option<String>,
 }
 
-#[derive(Deserialize)]
-struct ToolReferenceBlock {
-    tool_name: String,
+impl ObjectKind for ImageSource {
+    const EXPECTING: &'static str = "an image source object";
+}
+
+/// What a JSON object read as `T` is called in an error.
+trait ObjectKind {
+    const EXPECTING: &'static str;
+}
+
+/// `T` read from a JSON object only: a derived struct alone would also take an array of its
+/// fields in order.
+struct ObjectOnly<T>(T);
+
+impl<'de, T: Deserialize<'de> + ObjectKind> Deserialize<'de> for ObjectOnly<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ObjectVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de> + ObjectKind> serde::de::Visitor<'de> for ObjectVisitor<T> {
+            type Value = ObjectOnly<T>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(T::EXPECTING)
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<ObjectOnly<T>, A::Error> {
+                T::deserialize(serde::de::value::MapAccessDeserializer::new(map)).map(ObjectOnly)
+            }
+        }
+        d.deserialize_map(ObjectVisitor(std::marker::PhantomData))
+    }
+}
+
+/// A required field of a block that the block lacks or gives as null.
+fn missing(path: &str, field: &str) -> WireError {
+    let at = format!("{path}.{field}");
+    WireError::at(at.clone(), format!("'{at}' is required."))
+}
+
+impl BlockFields {
+    /// The block's `type`.
+    fn kind(&self, path: &str) -> Result<&str, WireError> {
+        self.kind.as_deref().ok_or_else(|| {
+            WireError::at(
+                format!("{path}.type"),
+                format!("'{path}' needs a string 'type'."),
+            )
+        })
+    }
 }
 
 /// One entry of `tools`: a tool object's small fields as a `Value` (checked and reported as
@@ -290,26 +382,6 @@ fn from_value_at<T: DeserializeOwned>(value: Value, path: &str) -> Result<T, Wir
     })
 }
 
-/// Message content: a plain string or a list of blocks.
-enum Content {
-    Text(String),
-    Blocks(Vec<Value>),
-}
-
-fn content_at(value: Value, path: &str) -> Result<Content, WireError> {
-    match value {
-        Value::String(s) => Ok(Content::Text(s)),
-        Value::Array(blocks) => Ok(Content::Blocks(blocks)),
-        other => Err(WireError::at(
-            path,
-            format!(
-                "Invalid value for '{path}': expected a string or an array of content blocks, got {}.",
-                json_kind(&other)
-            ),
-        )),
-    }
-}
-
 fn json_kind(v: &Value) -> &'static str {
     match v {
         Value::Null => "null",
@@ -318,24 +390,6 @@ fn json_kind(v: &Value) -> &'static str {
         Value::String(_) => "a string",
         Value::Array(_) => "an array",
         Value::Object(_) => "an object",
-    }
-}
-
-/// A content block's `type`.
-fn block_type(block: &Value, path: &str) -> Result<String, WireError> {
-    match block.get("type") {
-        Some(Value::String(t)) => Ok(t.clone()),
-        _ if !block.is_object() => Err(WireError::at(
-            path,
-            format!(
-                "Invalid value for '{path}': expected a content block object, got {}.",
-                json_kind(block)
-            ),
-        )),
-        _ => Err(WireError::at(
-            format!("{path}.type"),
-            format!("'{path}' needs a string 'type'."),
-        )),
     }
 }
 
@@ -373,27 +427,25 @@ struct Conversion {
 }
 
 impl Conversion {
-    fn system(&mut self, value: Value) -> Result<(), WireError> {
-        let (parts, was_string) = match content_at(value, "system")? {
-            Content::Text(s) => (
-                self.strip_billing_header(&s, "system")
-                    .into_iter()
-                    .collect(),
+    fn system(&mut self, content: WireContent) -> Result<(), WireError> {
+        let (parts, was_string) = match content {
+            WireContent::Text(s) => (
+                self.strip_billing_header(s, "system").into_iter().collect(),
                 true,
             ),
-            Content::Blocks(blocks) => {
+            WireContent::Blocks(blocks) => {
                 let mut parts = Vec::new();
-                for (i, b) in blocks.into_iter().enumerate() {
+                for (i, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let path = format!("system[{i}]");
-                    let kind = block_type(&b, &path)?;
+                    let kind = b.kind(&path)?;
                     if kind != "text" {
                         return Err(WireError::at(
                             format!("{path}.type"),
                             format!("'{path}': system blocks must be text, not '{kind}'."),
                         ));
                     }
-                    let t: TextBlock = from_value_at(b, &path)?;
-                    parts.extend(self.strip_billing_header(&t.text, &path));
+                    let text = b.text.ok_or_else(|| missing(&path, "text"))?;
+                    parts.extend(self.strip_billing_header(text, &path));
                 }
                 (parts, false)
             }
@@ -413,9 +465,9 @@ impl Conversion {
     }
 
     /// The text without its billing-header lines; `None` when nothing else was in it.
-    fn strip_billing_header(&mut self, text: &str, path: &str) -> Option<ContentPart> {
+    fn strip_billing_header(&mut self, text: String, path: &str) -> Option<ContentPart> {
         if !text.contains(BILLING_HEADER_PREFIX) {
-            return Some(ContentPart::Text { text: text.into() });
+            return Some(ContentPart::Text { text });
         }
         let mut kept = String::with_capacity(text.len());
         for line in text.split_inclusive('\n') {
@@ -433,37 +485,35 @@ impl Conversion {
 
     fn message(&mut self, i: usize, m: WireMessage) -> Result<(), WireError> {
         let path = format!("messages[{i}]");
-        let content = content_at(m.content, &format!("{path}.content"))?;
         match m.role {
-            WireRole::User => self.user(&path, content),
-            WireRole::Assistant => self.assistant(&path, content),
-            WireRole::System => self.mid_system(&path, content),
+            WireRole::User => self.user(&path, m.content),
+            WireRole::Assistant => self.assistant(&path, m.content),
+            WireRole::System => self.mid_system(&path, m.content),
         }
     }
 
-    fn user(&mut self, path: &str, content: Content) -> Result<(), WireError> {
+    fn user(&mut self, path: &str, content: WireContent) -> Result<(), WireError> {
         let blocks = match content {
-            Content::Text(s) => {
+            WireContent::Text(s) => {
                 self.messages.push(ChatMessage::text(Role::User, s));
                 return Ok(());
             }
-            Content::Blocks(b) => b,
+            WireContent::Blocks(b) => b,
         };
         let mut parts = Vec::new();
         let mut tool_messages = Vec::new();
         let mut text_before_results = false;
-        for (j, b) in blocks.into_iter().enumerate() {
+        for (j, ObjectOnly(b)) in blocks.into_iter().enumerate() {
             let bpath = format!("{path}.content[{j}]");
-            let kind = block_type(&b, &bpath)?;
-            match kind.as_str() {
+            match b.kind(&bpath)? {
                 "text" => parts.push(text_part(b, &bpath)?),
                 "image" => parts.push(image_part(b, &bpath)?),
                 "tool_result" => {
                     text_before_results |= !parts.is_empty();
                     tool_messages.push(self.tool_result(b, &bpath)?);
                 }
-                "tool_use" | "thinking" | "redacted_thinking" => {
-                    return Err(misplaced_block(&kind, &bpath, "user"))
+                kind @ ("tool_use" | "thinking" | "redacted_thinking") => {
+                    return Err(misplaced_block(kind, &bpath, "user"))
                 }
                 other => return Err(unknown_block(other, &bpath)),
             }
@@ -490,44 +540,42 @@ impl Conversion {
         Ok(())
     }
 
-    fn tool_result(&mut self, b: Value, path: &str) -> Result<ChatMessage, WireError> {
-        let r: ToolResultBlock = from_value_at(b, path)?;
-        if !self.tool_use_ids.contains(&r.tool_use_id) {
+    fn tool_result(&mut self, b: BlockFields, path: &str) -> Result<ChatMessage, WireError> {
+        let tool_use_id = b.tool_use_id.ok_or_else(|| missing(path, "tool_use_id"))?;
+        if !self.tool_use_ids.contains(&tool_use_id) {
             return Err(WireError::at(
                 format!("{path}.tool_use_id"),
                 format!(
-                    "'{path}.tool_use_id': '{}' matches no tool_use block of an earlier assistant message.",
-                    r.tool_use_id
+                    "'{path}.tool_use_id': '{tool_use_id}' matches no tool_use block of an earlier assistant message."
                 ),
             ));
         }
-        if r.is_error == Some(true) {
-            self.errored_results.push(r.tool_use_id.clone());
+        if b.is_error == Some(true) {
+            self.errored_results.push(tool_use_id.clone());
         }
         let cpath = format!("{path}.content");
-        let mut m = match r.content.map(|c| content_at(c, &cpath)).transpose()? {
+        let mut m = match b.content {
             None => ChatMessage::text(Role::Tool, ""),
-            Some(Content::Text(s)) => ChatMessage::text(Role::Tool, s),
-            Some(Content::Blocks(blocks)) => {
+            Some(WireContent::Text(s)) => ChatMessage::text(Role::Tool, s),
+            Some(WireContent::Blocks(blocks)) => {
                 let mut parts = Vec::new();
-                for (k, b) in blocks.into_iter().enumerate() {
+                for (k, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let bpath = format!("{cpath}[{k}]");
-                    let kind = block_type(&b, &bpath)?;
-                    match kind.as_str() {
+                    match b.kind(&bpath)? {
                         "text" => parts.push(text_part(b, &bpath)?),
                         "image" => parts.push(image_part(b, &bpath)?),
                         "tool_reference" => {
-                            let t: ToolReferenceBlock = from_value_at(b, &bpath)?;
+                            let name = b.tool_name.ok_or_else(|| missing(&bpath, "tool_name"))?;
                             self.normalizations.push(note(
                                 "converted_tool_reference",
-                                format!("{bpath}: tool_reference '{}' sent as text", t.tool_name),
+                                format!("{bpath}: tool_reference '{name}' sent as text"),
                             ));
                             parts.push(ContentPart::Text {
-                                text: format!("tool_reference: {}", t.tool_name),
+                                text: format!("tool_reference: {name}"),
                             });
                         }
-                        "tool_use" | "tool_result" | "thinking" | "redacted_thinking" => {
-                            return Err(misplaced_block(&kind, &bpath, "tool_result"))
+                        kind @ ("tool_use" | "tool_result" | "thinking" | "redacted_thinking") => {
+                            return Err(misplaced_block(kind, &bpath, "tool_result"))
                         }
                         other => return Err(unknown_block(other, &bpath)),
                     }
@@ -539,50 +587,33 @@ impl Conversion {
                 }
             }
         };
-        m.tool_call_id = Some(r.tool_use_id);
+        m.tool_call_id = Some(tool_use_id);
         Ok(m)
     }
 
-    fn assistant(&mut self, path: &str, content: Content) -> Result<(), WireError> {
+    fn assistant(&mut self, path: &str, content: WireContent) -> Result<(), WireError> {
         let blocks = match content {
-            Content::Text(s) => {
+            WireContent::Text(s) => {
                 self.messages.push(ChatMessage::text(Role::Assistant, s));
                 return Ok(());
             }
-            Content::Blocks(b) => b,
+            WireContent::Blocks(b) => b,
         };
         let mut parts = Vec::new();
         let mut reasoning: Vec<String> = Vec::new();
         let mut tool_calls = Vec::new();
-        for (j, b) in blocks.into_iter().enumerate() {
+        for (j, ObjectOnly(b)) in blocks.into_iter().enumerate() {
             let bpath = format!("{path}.content[{j}]");
-            let kind = block_type(&b, &bpath)?;
-            match kind.as_str() {
+            match b.kind(&bpath)? {
                 "text" => parts.push(text_part(b, &bpath)?),
                 "thinking" => {
-                    let t: ThinkingBlock = from_value_at(b, &bpath)?;
-                    reasoning.push(t.thinking);
+                    reasoning.push(b.thinking.ok_or_else(|| missing(&bpath, "thinking"))?);
                 }
                 "redacted_thinking" => self.redacted_thinking.push(bpath),
-                "tool_use" => {
-                    let u: ToolUseBlock = from_value_at(b, &bpath)?;
-                    if !u.input.is_object() {
-                        return Err(WireError::at(
-                            format!("{bpath}.input"),
-                            format!(
-                                "'{bpath}.input' must be a JSON object, got {}.",
-                                json_kind(&u.input)
-                            ),
-                        ));
-                    }
-                    tool_calls.push(ToolCall {
-                        id: u.id,
-                        name: u.name,
-                        arguments: serde_json::to_string(&u.input)
-                            .expect("JSON values always serialize"),
-                    });
+                "tool_use" => tool_calls.push(tool_call(b, &bpath)?),
+                kind @ ("image" | "tool_result") => {
+                    return Err(misplaced_block(kind, &bpath, "assistant"))
                 }
-                "image" | "tool_result" => return Err(misplaced_block(&kind, &bpath, "assistant")),
                 other => return Err(unknown_block(other, &bpath)),
             }
         }
@@ -600,18 +631,18 @@ impl Conversion {
         Ok(())
     }
 
-    fn mid_system(&mut self, path: &str, content: Content) -> Result<(), WireError> {
+    fn mid_system(&mut self, path: &str, content: WireContent) -> Result<(), WireError> {
         let m = match content {
-            Content::Text(s) => ChatMessage::text(Role::System, s),
-            Content::Blocks(blocks) => {
+            WireContent::Text(s) => ChatMessage::text(Role::System, s),
+            WireContent::Blocks(blocks) => {
                 let mut parts = Vec::new();
-                for (j, b) in blocks.into_iter().enumerate() {
+                for (j, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let bpath = format!("{path}.content[{j}]");
-                    let kind = block_type(&b, &bpath)?;
-                    match kind.as_str() {
+                    match b.kind(&bpath)? {
                         "text" => parts.push(text_part(b, &bpath)?),
-                        "image" | "tool_use" | "tool_result" | "thinking" | "redacted_thinking" => {
-                            return Err(misplaced_block(&kind, &bpath, "system"))
+                        kind @ ("image" | "tool_use" | "tool_result" | "thinking"
+                        | "redacted_thinking") => {
+                            return Err(misplaced_block(kind, &bpath, "system"))
                         }
                         other => return Err(unknown_block(other, &bpath)),
                     }
@@ -628,20 +659,23 @@ impl Conversion {
     }
 }
 
-fn text_part(b: Value, path: &str) -> Result<ContentPart, WireError> {
-    let t: TextBlock = from_value_at(b, path)?;
-    Ok(ContentPart::Text { text: t.text })
+fn text_part(b: BlockFields, path: &str) -> Result<ContentPart, WireError> {
+    let text = b.text.ok_or_else(|| missing(path, "text"))?;
+    Ok(ContentPart::Text { text })
 }
 
-fn image_part(b: Value, path: &str) -> Result<ContentPart, WireError> {
-    let img: ImageBlock = from_value_at(b, path)?;
+fn image_part(b: BlockFields, path: &str) -> Result<ContentPart, WireError> {
+    let ObjectOnly(source) = b.source.ok_or_else(|| missing(path, "source"))?;
     let spath = format!("{path}.source");
-    let url = match img.source.get("type").and_then(Value::as_str) {
+    let url = match source.kind.as_deref() {
         Some("base64") => {
-            let s: Base64Source = from_value_at(img.source, &spath)?;
-            format!("data:{};base64,{}", s.media_type, s.data)
+            let media_type = source
+                .media_type
+                .ok_or_else(|| missing(&spath, "media_type"))?;
+            let data = source.data.ok_or_else(|| missing(&spath, "data"))?;
+            format!("data:{media_type};base64,{data}")
         }
-        Some("url") => from_value_at::<UrlSource>(img.source, &spath)?.url,
+        Some("url") => source.url.ok_or_else(|| missing(&spath, "url"))?,
         Some(other) => {
             return Err(WireError::at(
                 format!("{spath}.type"),
@@ -658,6 +692,27 @@ fn image_part(b: Value, path: &str) -> Result<ContentPart, WireError> {
         }
     };
     Ok(ContentPart::ImageUrl { url, detail: None })
+}
+
+/// A `tool_use` block as a canonical tool call, its `input` object as compact JSON text.
+fn tool_call(b: BlockFields, path: &str) -> Result<ToolCall, WireError> {
+    let id = b.id.ok_or_else(|| missing(path, "id"))?;
+    let name = b.name.ok_or_else(|| missing(path, "name"))?;
+    let input = b.input.ok_or_else(|| missing(path, "input"))?;
+    if !input.is_object() {
+        return Err(WireError::at(
+            format!("{path}.input"),
+            format!(
+                "'{path}.input' must be a JSON object, got {}.",
+                json_kind(&input)
+            ),
+        ));
+    }
+    Ok(ToolCall {
+        id,
+        name,
+        arguments: serde_json::to_string(&input).expect("JSON values always serialize"),
+    })
 }
 
 /// Converts `tools`; server tools are dropped (and their names returned).
@@ -1645,6 +1700,90 @@ mod tests {
         );
         let e = Messages.parse(b"[1]").unwrap_err();
         assert!(e.message.contains("JSON object"), "{e}");
+    }
+
+    /// Blocks are read in one pass whatever the order of their keys; a block must be an
+    /// object with its type's fields; a repeated key counts once, the last (as a `Value` did).
+    #[test]
+    fn blocks_are_objects_read_in_any_key_order() {
+        let body = br#"{"model":"m","max_tokens":5,"messages":[
+            {"role":"assistant","content":[{"input":{"b":1,"a":2},"name":"f","id":"toolu_1","type":"tool_use"}]},
+            {"role":"user","content":[
+                {"tool_use_id":"toolu_1","content":[{"text":"out","type":"text"}],"type":"tool_result","is_error":true},
+                {"text":"first","type":"text","text":"last"},
+                {"source":{"data":"QQ==","media_type":"image/png","type":"base64"},"type":"image"}
+            ]}]}"#;
+        let p = Messages.parse(body).unwrap();
+        let m = &p.request.messages;
+        assert_eq!(m[0].tool_calls[0].arguments, r#"{"b":1,"a":2}"#);
+        assert_eq!(m[1].tool_call_id.as_deref(), Some("toolu_1"));
+        assert_eq!(m[1].joined_text(), "out");
+        assert_eq!(m[2].joined_text(), "last");
+        assert_eq!(
+            m[2].content[1],
+            ContentPart::ImageUrl {
+                url: "data:image/png;base64,QQ==".into(),
+                detail: None
+            }
+        );
+        assert!(kinds(&p).contains(&"tool_result_is_error"));
+
+        let user = |content: Value| {
+            parse(json!({"model": "m", "max_tokens": 5, "messages": [{"role": "user", "content": content}]}))
+                .unwrap_err()
+        };
+        let e = user(json!([["text", "hi"]]));
+        assert_eq!(e.param.as_deref(), Some("messages[0].content[0]"), "{e}");
+        assert!(e.message.contains("a content block object"), "{e}");
+        for text in [json!(null), json!("absent")] {
+            let mut block = json!({"type": "text", "text": text});
+            if block["text"] == "absent" {
+                block.as_object_mut().unwrap().remove("text");
+            }
+            let e = user(json!([block]));
+            assert_eq!(
+                e.param.as_deref(),
+                Some("messages[0].content[0].text"),
+                "{e}"
+            );
+            assert!(e.message.contains("is required"), "{e}");
+        }
+        let e = user(json!([{"text": "hi"}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].type"),
+            "{e}"
+        );
+        let e = user(json!([{"type": 7, "text": "hi"}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].type"),
+            "{e}"
+        );
+        let e = user(json!([{"type": "image", "source": ["base64", "image/png", "QQ=="]}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].source"),
+            "{e}"
+        );
+        let e = user(json!([{"type": "image", "source": {"type": "base64", "data": "QQ=="}}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].source.media_type"),
+            "{e}"
+        );
+        let e = user(json!([{"type": "tool_result", "content": "x"}]));
+        assert_eq!(
+            e.param.as_deref(),
+            Some("messages[0].content[0].tool_use_id"),
+            "{e}"
+        );
+        let e = parse(
+            json!({"model": "m", "max_tokens": 5, "system": [{"type": "text", "text": 1}],
+            "messages": [{"role": "user", "content": "hi"}]}),
+        )
+        .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("system[0].text"), "{e}");
     }
 
     #[test]
