@@ -3,7 +3,7 @@
 
 The dashboards are committed as JSON; this script is how they are edited: change a panel here,
 run `python3 deploy/grafana/generate.py`, commit both. Every panel's expression is run against
-a real Prometheus by tests/tests/observability.rs.
+a real Prometheus by tests/tests/e2e/observability.rs.
 """
 import json
 import os

@@ -18,7 +18,7 @@
 //!   continues the trace numbering. The streaming result is exactly the batch result of the
 //!   segments between finishes; with no finish inside a session it is the batch result.
 
-mod common;
+use super::common;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 

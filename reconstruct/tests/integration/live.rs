@@ -3,7 +3,7 @@
 //! with or without a checkpoint first) and reopened. The output must be what one
 //! uninterrupted batch run produces: no trace lost, none written twice, Parquet = JSONL.
 
-mod common;
+use super::common;
 
 use std::collections::{HashMap, HashSet};
 use std::time::Duration;

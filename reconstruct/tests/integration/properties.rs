@@ -2,7 +2,7 @@
 //! retries, duplicates, re-rendered turns, calls that never reached the engine, engines that
 //! do not report the end-of-turn id, and redelivered records.
 
-mod common;
+use super::common;
 
 use common::*;
 use proptest::prelude::{any, prop, prop_assert_eq, proptest, ProptestConfig};

@@ -1,0 +1,38 @@
+//! The end-to-end tests, one module per subject, built as one test binary: each module used to
+//! be a binary of its own, and linking thirty copies of tokentap's dependency graph (about
+//! 200 MB each with debug lines) and instantiating the same generic code thirty times was most
+//! of CI's test build. nextest still runs every test in its own process, so no test shares
+//! state with another; `heavy_*` tests run one at a time (.config/nextest.toml).
+//!
+//!     cargo nextest run --release -p tokentap-e2e -E 'test(/^limits::/)'   # one module
+
+mod attacks_sandbox;
+mod backend_failures;
+mod bad_input;
+mod bus;
+mod chaos;
+mod control_plane;
+mod deploy_manifests;
+mod direct_llamacpp;
+mod disk_full;
+mod harnesses;
+mod limits;
+mod metrics;
+mod node_agent;
+mod observability;
+mod reconstruction;
+mod records_cli;
+mod rollout;
+mod rollout_cluster;
+mod secrets;
+mod sessions;
+mod shipping;
+mod soak;
+mod tls_off_host;
+mod tool_calls;
+mod trace_readers;
+mod transparent;
+mod viewer;
+mod webhook;
+mod wire_apis;
+mod worker;
