@@ -4,7 +4,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
-use super::json_body::parse_json_body;
+use super::json_body::{parse_json_body, ListItem, TextOrList};
 use super::{sse_data, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
@@ -98,42 +98,11 @@ struct WireMessage {
     _audio: Option<Value>,
 }
 
-enum WireContent {
-    Text(String),
-    Parts(Vec<WirePart>),
-}
+/// A message's content: a string, or a list of parts.
+type WireContent = TextOrList<WirePart>;
 
-/// By the JSON type, not `#[serde(untagged)]`: an untagged enum buffers the whole value
-/// (a system prompt of tens of KB) and copies its strings again to try each variant; and
-/// a bad part is named by its own path rather than "did not match any variant".
-impl<'de> Deserialize<'de> for WireContent {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ContentVisitor;
-        impl<'de> serde::de::Visitor<'de> for ContentVisitor {
-            type Value = WireContent;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a string or an array of content parts")
-            }
-
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<WireContent, E> {
-                Ok(WireContent::Text(s.to_owned()))
-            }
-
-            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<WireContent, E> {
-                Ok(WireContent::Text(s))
-            }
-
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                seq: A,
-            ) -> Result<WireContent, A::Error> {
-                Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
-                    .map(WireContent::Parts)
-            }
-        }
-        d.deserialize_any(ContentVisitor)
-    }
+impl ListItem for WirePart {
+    const CONTENT_EXPECTING: &'static str = "a string or an array of content parts";
 }
 
 #[derive(Deserialize)]
@@ -339,7 +308,7 @@ fn message(i: usize, m: WireMessage) -> Result<ChatMessage, WireError> {
     let (content, content_was_string) = match m.content {
         None => (vec![], false),
         Some(WireContent::Text(t)) => (vec![ContentPart::Text { text: t }], true),
-        Some(WireContent::Parts(parts)) => (
+        Some(WireContent::List(parts)) => (
             parts
                 .into_iter()
                 .map(|p| match p {

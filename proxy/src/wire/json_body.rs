@@ -1,6 +1,7 @@
 //! A harness request body parsed into a wire module's request type, with the errors every
 //! provider API reports the same way: not JSON, not an object, or a field's path and fault.
 
+use serde::Deserialize;
 use serde_json::Value;
 
 use super::WireError;
@@ -70,5 +71,51 @@ fn without_position(e: serde_json::Error) -> String {
     match text.strip_suffix(&suffix) {
         Some(message) => message.to_owned(),
         None => text,
+    }
+}
+
+/// Content as the chat APIs send it: a plain string, or a list of typed items (Chat
+/// Completions' parts, Messages' blocks).
+///
+/// Read by the JSON type, not `#[serde(untagged)]`: an untagged enum buffers the whole value
+/// (a system prompt of tens of KB) and copies its strings again to try each variant; and a bad
+/// item is named by its own path rather than "did not match any variant".
+pub(crate) enum TextOrList<T> {
+    Text(String),
+    List(Vec<T>),
+}
+
+/// What content made of `Self` items is called in an error: "a string or an array of …".
+pub(crate) trait ListItem {
+    const CONTENT_EXPECTING: &'static str;
+}
+
+impl<'de, T: Deserialize<'de> + ListItem> Deserialize<'de> for TextOrList<T> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct ContentVisitor<T>(std::marker::PhantomData<T>);
+        impl<'de, T: Deserialize<'de> + ListItem> serde::de::Visitor<'de> for ContentVisitor<T> {
+            type Value = TextOrList<T>;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str(T::CONTENT_EXPECTING)
+            }
+
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<TextOrList<T>, E> {
+                Ok(TextOrList::Text(s.to_owned()))
+            }
+
+            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<TextOrList<T>, E> {
+                Ok(TextOrList::Text(s))
+            }
+
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                seq: A,
+            ) -> Result<TextOrList<T>, A::Error> {
+                Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
+                    .map(TextOrList::List)
+            }
+        }
+        d.deserialize_any(ContentVisitor(std::marker::PhantomData))
     }
 }

@@ -50,7 +50,7 @@ use serde::{Deserialize, Serialize};
 use serde_json::{json, Map, Value};
 use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
-use super::json_body::parse_json_body;
+use super::json_body::{parse_json_body, ListItem, TextOrList};
 use super::{sse_event, CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
@@ -109,41 +109,10 @@ enum WireRole {
 }
 
 /// Message, system or tool-result content: a plain string or a list of blocks.
-enum WireContent {
-    Text(String),
-    Blocks(Vec<WireBlock>),
-}
+type WireContent = TextOrList<WireBlock>;
 
-/// By the JSON type, not `#[serde(untagged)]`: an untagged enum buffers the whole value (a
-/// system prompt of tens of KB) to try each variant, and a bad block is named by its own path.
-impl<'de> Deserialize<'de> for WireContent {
-    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct ContentVisitor;
-        impl<'de> serde::de::Visitor<'de> for ContentVisitor {
-            type Value = WireContent;
-
-            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
-                f.write_str("a string or an array of content blocks")
-            }
-
-            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<WireContent, E> {
-                Ok(WireContent::Text(s.to_owned()))
-            }
-
-            fn visit_string<E: serde::de::Error>(self, s: String) -> Result<WireContent, E> {
-                Ok(WireContent::Text(s))
-            }
-
-            fn visit_seq<A: serde::de::SeqAccess<'de>>(
-                self,
-                seq: A,
-            ) -> Result<WireContent, A::Error> {
-                Deserialize::deserialize(serde::de::value::SeqAccessDeserializer::new(seq))
-                    .map(WireContent::Blocks)
-            }
-        }
-        d.deserialize_any(ContentVisitor)
-    }
+impl ListItem for WireBlock {
+    const CONTENT_EXPECTING: &'static str = "a string or an array of content blocks";
 }
 
 /// One content block, read in one pass whatever its `type` and wherever `type` stands among
@@ -433,7 +402,7 @@ impl Conversion {
                 self.strip_billing_header(s, "system").into_iter().collect(),
                 true,
             ),
-            WireContent::Blocks(blocks) => {
+            WireContent::List(blocks) => {
                 let mut parts = Vec::new();
                 for (i, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let path = format!("system[{i}]");
@@ -498,7 +467,7 @@ impl Conversion {
                 self.messages.push(ChatMessage::text(Role::User, s));
                 return Ok(());
             }
-            WireContent::Blocks(b) => b,
+            WireContent::List(b) => b,
         };
         let mut parts = Vec::new();
         let mut tool_messages = Vec::new();
@@ -557,7 +526,7 @@ impl Conversion {
         let mut m = match b.content {
             None => ChatMessage::text(Role::Tool, ""),
             Some(WireContent::Text(s)) => ChatMessage::text(Role::Tool, s),
-            Some(WireContent::Blocks(blocks)) => {
+            Some(WireContent::List(blocks)) => {
                 let mut parts = Vec::new();
                 for (k, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let bpath = format!("{cpath}[{k}]");
@@ -597,7 +566,7 @@ impl Conversion {
                 self.messages.push(ChatMessage::text(Role::Assistant, s));
                 return Ok(());
             }
-            WireContent::Blocks(b) => b,
+            WireContent::List(b) => b,
         };
         let mut parts = Vec::new();
         let mut reasoning: Vec<String> = Vec::new();
@@ -634,7 +603,7 @@ impl Conversion {
     fn mid_system(&mut self, path: &str, content: WireContent) -> Result<(), WireError> {
         let m = match content {
             WireContent::Text(s) => ChatMessage::text(Role::System, s),
-            WireContent::Blocks(blocks) => {
+            WireContent::List(blocks) => {
                 let mut parts = Vec::new();
                 for (j, ObjectOnly(b)) in blocks.into_iter().enumerate() {
                     let bpath = format!("{path}.content[{j}]");
