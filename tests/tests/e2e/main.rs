@@ -24,6 +24,7 @@ mod reconstruction;
 mod records_cli;
 mod rollout;
 mod rollout_cluster;
+mod scripts_deps_cache;
 mod secrets;
 mod sessions;
 mod shipping;
