@@ -255,6 +255,18 @@ pub struct ServeArgs {
     /// another node (a new attempt). Set by the first node on a new bus.
     #[arg(long, value_name = "SECONDS", default_value_t = 30, requires = "bus")]
     sample_ack_wait: u64,
+    /// The cluster's task key (required with --bus): a file only its owner reads (0600), at
+    /// least 32 bytes, held by every rollout node of the bus and by nothing else. A node seals
+    /// the rollouts it accepts with it and runs only those whose seal holds, since everything
+    /// that holds the bus credential (proxies, sidecars, workers) can put tasks on the bus.
+    /// Make one with `head -c 32 /dev/urandom | base64 > KEY && chmod 600 KEY`.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TOKENTAP_TASK_KEY_FILE",
+        requires = "bus"
+    )]
+    task_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub node: NodeArgs,
 }
@@ -271,6 +283,13 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         .token_text(args.node.capture.detokenizer())
         .context("the viewer's token text")?;
     let bus = args.bus.connect();
+    let task_key = match (&bus, &args.task_key_file) {
+        (Some(_), Some(path)) => Some(tokentap_rollout::cluster::TaskKey::from_file(path)?),
+        (Some(_), None) => anyhow::bail!(
+            "--bus needs --task-key-file (TOKENTAP_TASK_KEY_FILE): the key every rollout node of the cluster seals and checks tasks with; without it anything holding the bus credential could run commands on this node"
+        ),
+        (None, _) => None,
+    };
     args.node.clustered = bus.is_some();
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
@@ -310,6 +329,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                         node_id,
                         node.pipeline.clone(),
                         options,
+                        task_key.expect("checked with the bus above"),
                     )
                     .await
                     .context("joining the cluster on the bus")?,

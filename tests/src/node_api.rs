@@ -160,3 +160,34 @@ pub async fn callback_receiver() -> (
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, got)
 }
+
+/// A cluster's task key (`serve --task-key-file`): one file per test cluster, 0600, removed
+/// with the guard. Every node of the cluster is given the same path.
+pub struct TaskKeyFile {
+    _dir: tempfile::TempDir,
+    pub path: std::path::PathBuf,
+}
+
+/// The key's bytes in every test cluster (tests that forge a seal use them too).
+pub const TEST_TASK_KEY: &str = "e2e-cluster-task-key-0123456789abcdef0123456789";
+
+impl TaskKeyFile {
+    pub fn new() -> TaskKeyFile {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("task.key");
+        std::fs::write(&path, format!("{TEST_TASK_KEY}\n")).unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).unwrap();
+        TaskKeyFile { _dir: dir, path }
+    }
+
+    pub fn arg(&self) -> &str {
+        self.path.to_str().unwrap()
+    }
+}
+
+impl Default for TaskKeyFile {
+    fn default() -> Self {
+        TaskKeyFile::new()
+    }
+}

@@ -12,7 +12,7 @@ use tokentap_bus::async_nats;
 
 use super::bus::next_message;
 use super::ledger::{self, json_bytes, CallbackJob};
-use super::node::Cluster;
+use super::node::{Cluster, ClusterError};
 use crate::deliver::{backoff, http_client, payload_of, post, Attempt};
 use crate::task::CallbackStatus;
 
@@ -31,6 +31,27 @@ pub(crate) async fn deliver(c: Arc<Cluster>) {
                 continue;
             }
         };
+        // The job names a URL, but only the URL of a sealed rollout is called: anyone with
+        // the bus's credential can queue a job.
+        match sealed_url(&c, &job.sample_id).await {
+            Ok(Some(url)) if url == job.url => {}
+            Ok(_) => {
+                tracing::error!(sample = %job.sample_id, url = %job.url, "refused a callback job whose URL is not its sealed rollout's");
+                c.metrics
+                    .tasks_refused
+                    .with_label_values(&["callback_unsealed"])
+                    .inc();
+                let _ = message.ack_with(AckKind::Term).await;
+                continue;
+            }
+            Err(e) => {
+                tracing::debug!(error = %e, "reading a callback's rollout (tried again)");
+                let _ = message
+                    .ack_with(AckKind::Nak(Some(std::time::Duration::from_secs(1))))
+                    .await;
+                continue;
+            }
+        }
         let attempts = message.info().map_or(1, |i| i.delivered.max(1) as u32);
         let attempt = match body(&c, &job.sample_id).await {
             Ok(body) => post(&client, &job.url, &job.sample_id, &body).await,
@@ -73,6 +94,31 @@ pub(crate) async fn deliver(c: Arc<Cluster>) {
             tracing::warn!(sample, error = %e, "acknowledging a callback job");
         }
     }
+}
+
+/// The callback URL of the sample's rollout, if that rollout's seal holds (None: it has
+/// none, or its seal does not hold).
+async fn sealed_url(c: &Cluster, sample_id: &str) -> anyhow::Result<Option<String>> {
+    let found = match ledger::sample(c, sample_id.to_owned()).await {
+        Ok((sample, _)) => ledger::rollout_entry(c, &sample.rollout_id)
+            .await
+            .map(|(entry, _)| (sample, entry)),
+        Err(e) => Err(e),
+    };
+    let (sample, entry) = match found {
+        Ok(found) => found,
+        Err(ClusterError::NotFound(_)) => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    if c.key.verify(&entry).is_err()
+        || !sample
+            .sample_id
+            .strip_prefix(entry.rollout.rollout_id.as_str())
+            .is_some_and(|rest| rest.starts_with('-'))
+    {
+        return Ok(None);
+    }
+    Ok(entry.rollout.spec.callback_url)
 }
 
 /// The body a callback delivers: the sample as the bus has it, with its trace rows.

@@ -16,6 +16,7 @@ use super::tickets::Ticket;
 use super::bus::{next_message, CANCEL_SUBJECT};
 use super::ledger::{self, json_bytes, QueueItem};
 use super::node::{Cluster, ClusterError};
+use super::seal::{SealError, SealedRollout};
 use crate::pipeline::Event;
 use crate::store::StoreError;
 use crate::task::{Outcome, Sample, Stage};
@@ -72,6 +73,35 @@ async fn claim(
             return Err(e.into());
         }
     };
+    let (entry, _) = match ledger::rollout_entry(c, &item.rollout_id).await {
+        Ok(e) => e,
+        Err(ClusterError::NotFound(what)) => {
+            let _ = message.ack_with(AckKind::Term).await;
+            anyhow::bail!("queued, but there is no {what}");
+        }
+        Err(e) => {
+            let _ = message.ack_with(again_soon).await;
+            return Err(e.into());
+        }
+    };
+    // Nothing of a task runs here, nor is anything of it published, before its seal, its
+    // sample and this node's ceilings are checked: anyone holding the bus's credential can
+    // put a rollout and a queue message there.
+    if let Err(refusal) = admissible(c, &entry, &item, &sample) {
+        let _ = message.ack_with(AckKind::Term).await;
+        c.metrics
+            .tasks_refused
+            .with_label_values(&[refusal.label()])
+            .inc();
+        tracing::error!(
+            rollout = %item.rollout_id,
+            sample = %item.sample_id,
+            reason = refusal.label(),
+            "refused a task from the bus: {refusal}"
+        );
+        return Ok(());
+    }
+    let rollout = entry.rollout;
     if sample.outcome.is_some() {
         // Ended already (a node died between its result and its acknowledgement, or a
         // cancel ended it unclaimed): make sure the result is out, and let it go.
@@ -82,7 +112,6 @@ async fn claim(
             .map_err(|e| anyhow::anyhow!("{e}"))?;
         return Ok(());
     }
-    let (rollout, _) = ledger::rollout_entry(c, &item.rollout_id).await?;
     let max = c.options.max_attempts;
     let end = if rollout.cancelled {
         Some(Outcome::Cancelled)
@@ -143,6 +172,60 @@ async fn claim(
     c.metrics.claims.with_label_values(&[attempt]).inc();
     c.metrics.held.set(held as i64);
     c.pipeline.run_claimed(rollout, sample);
+    Ok(())
+}
+
+/// Why a queued sample is not run here.
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum Refusal {
+    #[error("{0}")]
+    Seal(#[from] SealError),
+    #[error("sample {sample} is not one of rollout {rollout}'s samples")]
+    ForeignSample { sample: String, rollout: String },
+    #[error("over this node's ceilings: {0}")]
+    OverCeilings(String),
+}
+
+impl Refusal {
+    /// The metric label.
+    pub(crate) fn label(&self) -> &'static str {
+        match self {
+            Refusal::Seal(SealError::Missing) => "unsealed",
+            Refusal::Seal(SealError::Mismatch) => "seal_mismatch",
+            Refusal::ForeignSample { .. } => "foreign_sample",
+            Refusal::OverCeilings(_) => "over_ceilings",
+        }
+    }
+}
+
+/// Checks a queued sample before anything of it runs: its rollout's seal (the cluster's
+/// task key), that the sample is one of that rollout's, and the whole task against this
+/// node's own ceilings (the node that sealed it may have had other ones). The node's
+/// sandbox policy is applied when the sample runs (`--sandbox` sandboxes every task, and a
+/// task asking for a sandbox on a node without one fails).
+pub(crate) fn admissible(
+    c: &Cluster,
+    entry: &SealedRollout,
+    item: &QueueItem,
+    sample: &Sample,
+) -> Result<(), Refusal> {
+    c.key.verify(entry)?;
+    let rollout = &entry.rollout;
+    let index_ok = sample.index < rollout.spec.num_samples
+        && sample.sample_id == format!("{}-{}", rollout.rollout_id, sample.index);
+    if !index_ok
+        || sample.sample_id != item.sample_id
+        || sample.rollout_id != rollout.rollout_id
+        || item.rollout_id != rollout.rollout_id
+    {
+        return Err(Refusal::ForeignSample {
+            sample: item.sample_id.clone(),
+            rollout: item.rollout_id.clone(),
+        });
+    }
+    if let Some(why) = c.pipeline.refusal(&rollout.spec) {
+        return Err(Refusal::OverCeilings(why));
+    }
     Ok(())
 }
 

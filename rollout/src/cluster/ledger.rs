@@ -10,6 +10,7 @@ use super::bus::{
     events_subject, CALLBACK_SUBJECT, CANCEL_SUBJECT, QUEUE_SUBJECT, RESULTS_SUBJECT,
 };
 use super::node::{bus_error, Cluster, ClusterError};
+use super::seal::SealedRollout;
 use crate::clock::now_ms;
 use crate::pipeline::Event;
 use crate::store::new_rollout;
@@ -41,11 +42,14 @@ pub(crate) fn json_bytes<T: Serialize>(value: &T) -> bytes::Bytes {
 /// queues nothing twice).
 pub async fn submit(c: &Cluster, spec: TaskSpec) -> Result<(Rollout, Vec<Sample>), ClusterError> {
     let (rollout, samples) = new_rollout(spec, now_ms());
+    // Sealed: a node runs a rollout only when the seal of the cluster's task key holds.
+    let sealed = c.key.seal(rollout);
     c.bus
         .rollouts
-        .put(&rollout.rollout_id, json_bytes(&rollout))
+        .put(&sealed.rollout.rollout_id, json_bytes(&sealed))
         .await
         .map_err(bus_error)?;
+    let rollout = sealed.rollout;
     for s in &samples {
         c.bus
             .samples
@@ -82,6 +86,7 @@ pub async fn rollout(
     rollout_id: &str,
 ) -> Result<(Rollout, Vec<Sample>), ClusterError> {
     let (rollout, _) = rollout_entry(c, rollout_id).await?;
+    let rollout = rollout.rollout;
     let samples = futures::future::try_join_all(
         (0..rollout.spec.num_samples).map(|i| sample(c, format!("{rollout_id}-{i}"))),
     )
@@ -89,10 +94,11 @@ pub async fn rollout(
     Ok((rollout, samples.into_iter().map(|(s, _)| s).collect()))
 }
 
+/// A rollout as the bucket holds it (its seal not yet checked: [`super::seal::TaskKey::verify`]).
 pub(crate) async fn rollout_entry(
     c: &Cluster,
     rollout_id: &str,
-) -> Result<(Rollout, u64), ClusterError> {
+) -> Result<(SealedRollout, u64), ClusterError> {
     entry(&c.bus.rollouts, rollout_id, "rollout").await
 }
 
@@ -106,12 +112,24 @@ pub async fn sample(c: &Cluster, sample_id: String) -> Result<(Sample, u64), Clu
 /// POST_RUN keeps what they captured). Returns how many were claimed and running.
 pub async fn cancel(c: &Cluster, rollout_id: &str) -> Result<usize, ClusterError> {
     let rollout = loop {
-        let (mut rollout, revision) = rollout_entry(c, rollout_id).await?;
+        let (entry, revision) = rollout_entry(c, rollout_id).await?;
+        let sealed_here = c.key.verify(&entry).is_ok();
+        let mut rollout = entry.rollout;
         rollout.cancelled = true;
+        // Sealed again only if it was sealed: a cancel never gives a forged rollout a seal
+        // (unsealed, it stays one that no node runs).
+        let value = if sealed_here {
+            c.key.seal(rollout.clone())
+        } else {
+            SealedRollout {
+                rollout: rollout.clone(),
+                seal: None,
+            }
+        };
         // Conditional, so a concurrent cancel of the same rollout does not fail either.
         if c.bus
             .rollouts
-            .update(rollout_id, json_bytes(&rollout), revision)
+            .update(rollout_id, json_bytes(&value), revision)
             .await
             .is_ok()
         {
@@ -207,8 +225,14 @@ pub(crate) async fn publish_end(c: &Cluster, sample: &Sample) -> Result<(), Clus
         .map_err(bus_error)?
         .await
         .map_err(bus_error)?;
-    let (rollout, _) = rollout_entry(c, &sample.rollout_id).await?;
-    if let Some(url) = rollout.spec.callback_url {
+    let (entry, _) = rollout_entry(c, &sample.rollout_id).await?;
+    if let Err(why) = c.key.verify(&entry) {
+        // Its claim refused it already; a sample ended unclaimed (cancelled, out of
+        // attempts) can still belong to one: no callback to a URL nobody sealed.
+        tracing::warn!(sample = %sample.sample_id, %why, "no callback for a rollout without a valid seal");
+        return Ok(());
+    }
+    if let Some(url) = entry.rollout.spec.callback_url {
         let job = CallbackJob {
             sample_id: sample.sample_id.clone(),
             url,

@@ -1,6 +1,6 @@
 //! What a node's part in the cluster looks like from Prometheus (on the node's `/metrics`):
 //! samples claimed (first attempts and re-runs of samples another node left), claims lost to
-//! another node, samples held now, callbacks by outcome, and bus errors.
+//! another node, samples held now, callbacks by outcome, bus errors, and tasks refused.
 
 use prometheus::{Encoder, IntCounter, IntCounterVec, IntGauge, Opts, Registry, TextEncoder};
 use tokentap_proxy::metrics::{counter_in, gauge_in, registered};
@@ -14,6 +14,9 @@ pub struct ClusterMetrics {
     /// `outcome`: `delivered`, `retried`, `refused`, `gave_up`.
     pub callbacks: IntCounterVec,
     pub bus_errors: IntCounter,
+    /// `reason`: `unsealed`, `seal_mismatch`, `foreign_sample`, `over_ceilings`,
+    /// `callback_unsealed`.
+    pub tasks_refused: IntCounterVec,
 }
 
 impl ClusterMetrics {
@@ -50,6 +53,11 @@ impl ClusterMetrics {
                 &registry,
                 "tokentap_cluster_bus_errors_total",
                 "Failed requests to the cluster's bus (each retried)",
+            ),
+            tasks_refused: vec(
+                "tokentap_cluster_tasks_refused_total",
+                "Tasks from the bus this node refused to run or call back, by reason (a rollout without the cluster's seal, one altered since, a sample not of its rollout, over this node's ceilings)",
+                "reason",
             ),
             registry,
         }

@@ -10,6 +10,7 @@
 //! at its next write and stops that sample.
 //!
 //! - [`bus`]: the names and shapes on the bus.
+//! - [`seal`]: the task key's seals on rollouts, checked before anything of theirs runs.
 //! - [`node`]: this node's part (the state its tasks share) and the calls' error.
 //! - [`tickets`]: the samples this node holds claims on.
 //! - [`ledger`]: submit, show, cancel and a sample's traces, from the bus (any node).
@@ -27,6 +28,7 @@ pub mod ledger;
 pub mod metrics;
 pub mod node;
 pub mod results;
+pub mod seal;
 pub mod tickets;
 
 use std::sync::Arc;
@@ -35,6 +37,7 @@ use crate::pipeline::Pipeline;
 pub use bus::{ClusterBus, QueueOptions};
 pub use gate_sync::{ClusterGateStatus, NodeStatus};
 pub use node::{Cluster, ClusterError};
+pub use seal::TaskKey;
 
 /// Joins the cluster on `client`: opens (creating) its streams and buckets, then starts
 /// pulling samples, writing their state through, delivering callbacks, following the gate and
@@ -44,9 +47,10 @@ pub async fn join(
     node_id: String,
     pipeline: Arc<Pipeline>,
     options: QueueOptions,
+    key: TaskKey,
 ) -> anyhow::Result<Arc<Cluster>> {
     let bus = ClusterBus::open(client, &options).await?;
-    let cluster = Arc::new(Cluster::new(node_id, bus, pipeline, options));
+    let cluster = Arc::new(Cluster::new(node_id, bus, pipeline, options, key));
     // Subscribed before anything is claimed, so no event of ours is missed.
     let local_events = cluster.pipeline.events();
     results::follow_events(&cluster).await?;

@@ -8,6 +8,7 @@ use tokio::sync::{broadcast, Notify};
 
 use super::bus::{ClusterBus, QueueOptions};
 use super::metrics::ClusterMetrics;
+use super::seal::TaskKey;
 use super::tickets::Claims;
 use crate::pipeline::{Event, Pipeline};
 
@@ -44,6 +45,8 @@ pub struct Cluster {
     pub(crate) gate: GateApplied,
     pub(crate) options: QueueOptions,
     pub(crate) metrics: ClusterMetrics,
+    /// Seals the rollouts this node submits or changes; checks those it runs or calls back.
+    pub(crate) key: TaskKey,
 }
 
 impl Cluster {
@@ -52,6 +55,7 @@ impl Cluster {
         bus: ClusterBus,
         pipeline: Arc<Pipeline>,
         options: QueueOptions,
+        key: TaskKey,
     ) -> Cluster {
         Cluster {
             node_id,
@@ -62,6 +66,7 @@ impl Cluster {
             gate: GateApplied::default(),
             options,
             metrics: ClusterMetrics::new(),
+            key,
         }
     }
 

@@ -255,8 +255,9 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     let nats = NatsServer::start(&nats_dir.path().join("nats"), BUS_TOKEN).await;
     let bus_url = nats.url();
     let bus_port: u16 = bus_url.rsplit(':').next().unwrap().parse().unwrap();
+    let key = tokentap_e2e::node_api::TaskKeyFile::new();
     let mut node = Node::start_with(
-        &["--sandbox", "--bus", &bus_url],
+        &["--sandbox", "--bus", &bus_url, "--task-key-file", key.arg()],
         None,
         &[("TOKENTAP_BUS_TOKEN", BUS_TOKEN)],
     )

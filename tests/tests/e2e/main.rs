@@ -6,6 +6,7 @@
 //!
 //!     cargo nextest run --release -p tokentap-e2e -E 'test(/^limits::/)'   # one module
 
+mod attacks_bus;
 mod attacks_sandbox;
 mod backend_failures;
 mod bad_input;

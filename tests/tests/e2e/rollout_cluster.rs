@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::nats::NatsServer;
-use tokentap_e2e::node_api::{self, callback_receiver, start_serve};
+use tokentap_e2e::node_api::{self, callback_receiver, start_serve, TaskKeyFile};
 use tokentap_e2e::procs::{free_port, http_client, metric_with, ChildGuard};
 use tokentap_e2e::repo_tasks::{repo_task, task_policy};
 use tokentap_e2e::scripted::{ScriptedBackend, Tokens};
@@ -29,6 +29,7 @@ async fn start_node(
     id: &str,
     engine: &str,
     nats: &NatsServer,
+    key: &TaskKeyFile,
     harness_path: &str,
 ) -> ClusterNode {
     let port = free_port();
@@ -47,6 +48,8 @@ async fn start_node(
             &nats.token,
             "--node-id",
             id,
+            "--task-key-file",
+            key.arg(),
             // Short, so a killed node's samples come back soon (the default is 30 s).
             "--sample-ack-wait",
             "6",
@@ -109,13 +112,14 @@ fn running_on<'a>(samples: &'a [Value], node: &str) -> Vec<&'a Value> {
 async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats"), BUS_TOKEN).await;
+    let key = TaskKeyFile::new();
     let llama = LlamaServer::shared_with_tool_template().await;
     let engine = ScriptedBackend::start(Tokens::Llama(llama.tokenizer()), task_policy()).await;
     let harness_path = Artefacts::require_harness("pi").0.harness_path();
     let (callback, deliveries) = callback_receiver().await;
     let mut nodes = Vec::new();
     for id in ["node-a", "node-b", "node-c"] {
-        nodes.push(start_node(dir.path(), id, &engine.url, &nats, &harness_path).await);
+        nodes.push(start_node(dir.path(), id, &engine.url, &nats, &key, &harness_path).await);
     }
 
     // Two groups of 8 through node a: the policy fixes calc (reward 1), gets greet wrong (0).
@@ -219,7 +223,15 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
     );
 
     // A node that ran none of them answers for all of them.
-    let late = start_node(dir.path(), "node-d", &engine.url, &nats, &harness_path).await;
+    let late = start_node(
+        dir.path(),
+        "node-d",
+        &engine.url,
+        &nats,
+        &key,
+        &harness_path,
+    )
+    .await;
     let all = node_api::results_within(&late.base, TOKEN, 0, 24, 5, Duration::from_secs(60)).await;
     let ids: Vec<&str> = all
         .iter()
@@ -428,6 +440,7 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
 async fn heavy_a_node_without_the_bus_token_does_not_start() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats"), BUS_TOKEN).await;
+    let key = TaskKeyFile::new();
     let engine =
         ScriptedBackend::start(Tokens::FakeChat, tokentap_e2e::scripted::counting_replies()).await;
     let out = std::process::Command::new(tokentap_e2e::artefacts::tokentap_bin())
@@ -436,6 +449,9 @@ async fn heavy_a_node_without_the_bus_token_does_not_start() {
         .arg(dir.path().join("node"))
         .args(["--backend", &engine.url, "--backend-kind", "vllm"])
         .args(["--bus", &nats.url(), "--bus-token", "guess"])
+        // Everything else a node needs, so what stops it is the token.
+        .arg("--task-key-file")
+        .arg(&key.path)
         .env("TOKENTAP_NODE_TOKEN", TOKEN)
         .current_dir(dir.path())
         .output()
@@ -443,7 +459,7 @@ async fn heavy_a_node_without_the_bus_token_does_not_start() {
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("bus") || stderr.contains("authorization"),
+        stderr.contains("connecting to the bus") || stderr.contains("authorization"),
         "{stderr}"
     );
 }
