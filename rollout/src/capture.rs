@@ -115,7 +115,14 @@ impl NodeCapture {
         let (_tx, watch) = tokio::sync::watch::channel(false);
         tokio::spawn(async move {
             let _keep = _tx;
-            while let Ok((conn, _)) = listener.accept().await {
+            loop {
+                let conn = match listener.accept().await {
+                    Ok((conn, _)) => conn,
+                    Err(e) => {
+                        crate::accept::after_accept_error(&e, "capture").await;
+                        continue;
+                    }
+                };
                 let (service, watch) = (serving.clone(), watch.clone());
                 tokio::spawn(async move {
                     let stream: pingora::protocols::Stream =

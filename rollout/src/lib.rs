@@ -7,6 +7,7 @@
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
 //! - [`bearer`]: the token check of the control planes (`serve`, `worker`).
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
+//! - [`accept`]: accept loops a flood of connections cannot stop.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
 //! - [`cluster`]: nodes sharing one bus (`serve --bus`): the sample queue, state, results,
 //!   events, callbacks and the gate on NATS JetStream.
@@ -19,6 +20,7 @@
 //! - [`preset`]: how each harness is configured and launched.
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
+pub mod accept;
 pub mod api;
 pub mod bearer;
 pub mod capture;

@@ -21,6 +21,8 @@ use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
 
 use tokentap_proxy::CaptureService;
+
+use crate::accept::{after_accept_error, MAX_CONNECTIONS_PER_SAMPLE};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 
 use tokentap_cgroup::{LimitedCgroup, Limits};
@@ -372,9 +374,13 @@ impl TaskJail {
     }
 }
 
-/// The node's end of a sandboxed sample's capture: serves `socket` (made reachable by any
-/// uid: the sandbox's) straight into `service`, every call in `session` whatever the request
-/// names, until the returned task is aborted.
+/// The node's end of a sandboxed sample's capture: serves `socket` straight into `service`,
+/// every call in `session` whatever the request names, until the returned task is aborted.
+/// The socket is mode 0600, the node's: only the sample's shim (the sandbox's first process,
+/// running as the node's uid, with no capability to override file modes) connects to it;
+/// task code, running as the sandbox uid, reaches it only through the shim. It holds at most
+/// [`MAX_CONNECTIONS_PER_SAMPLE`] connections at once; more are closed as they come, so a
+/// sample that floods its socket starves only itself.
 pub fn serve_socket(
     socket: &Path,
     service: Arc<CaptureService>,
@@ -383,13 +389,26 @@ pub fn serve_socket(
     use std::os::unix::fs::PermissionsExt;
     let _ = std::fs::remove_file(socket);
     let listener = UnixListener::bind(socket)?;
-    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o666))?;
+    std::fs::set_permissions(socket, std::fs::Permissions::from_mode(0o600))?;
     let session: Arc<str> = session.into();
+    let room = Arc::new(tokio::sync::Semaphore::new(MAX_CONNECTIONS_PER_SAMPLE));
     Ok(tokio::spawn(async move {
         let (_keep, watch) = tokio::sync::watch::channel(false);
-        while let Ok((conn, _)) = listener.accept().await {
+        loop {
+            let conn = match listener.accept().await {
+                Ok((conn, _)) => conn,
+                Err(e) => {
+                    after_accept_error(&e, "sample socket").await;
+                    continue;
+                }
+            };
+            let Ok(permit) = room.clone().try_acquire_owned() else {
+                // Over the sample's share: closed at once (dropped).
+                continue;
+            };
             let (service, watch, session) = (service.clone(), watch.clone(), session.clone());
             tokio::spawn(async move {
+                let _permit = permit;
                 let stream: pingora::protocols::Stream =
                     Box::new(pingora::protocols::l4::stream::Stream::from(conn));
                 service.serve_stream(stream, &watch, Some(&session)).await;
@@ -416,7 +435,14 @@ pub async fn shim(args: ShimArgs) -> io::Result<i32> {
         Some((listen, unix)) => {
             let listener = TcpListener::bind(listen).await?;
             Some(tokio::spawn(async move {
-                while let Ok((mut outer, _)) = listener.accept().await {
+                loop {
+                    let mut outer = match listener.accept().await {
+                        Ok((outer, _)) => outer,
+                        Err(e) => {
+                            after_accept_error(&e, "sandbox shim").await;
+                            continue;
+                        }
+                    };
                     let unix = unix.clone();
                     tokio::spawn(async move {
                         if let Ok(mut inner) = UnixStream::connect(&unix).await {

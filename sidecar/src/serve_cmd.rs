@@ -282,6 +282,12 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         .view_text
         .token_text(args.node.capture.detokenizer())
         .context("the viewer's token text")?;
+    // Every sample's connections count against one limit: the soft default (often 1024) is
+    // the first thing a flood would reach.
+    match tokentap_rollout::accept::raise_open_files_limit() {
+        Ok(limit) => tracing::debug!(limit, "open files"),
+        Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
+    }
     let bus = args.bus.connect();
     let task_key = match (&bus, &args.task_key_file) {
         (Some(_), Some(path)) => Some(tokentap_rollout::cluster::TaskKey::from_file(path)?),

@@ -439,6 +439,112 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
     assert!(node.healthy().await);
 }
 
+/// One sample floods its capture with 2,000 connections while another sample's call
+/// completes: the flooder's socket holds at most `MAX_CONNECTIONS_PER_SAMPLE` connections on
+/// the node (the node's open descriptors stay bounded, the figure is printed), the node keeps
+/// listening, and the other sample ends completed with its call captured.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_a_sample_flooding_its_capture_starves_only_itself() {
+    use tokentap_rollout::accept::MAX_CONNECTIONS_PER_SAMPLE;
+    if !sandbox_available() {
+        return;
+    }
+    let mut node = Node::start(&["--sandbox"], None).await;
+    let project = node.project();
+    let node_pid = node.child.id();
+    let open_fds = move || {
+        std::fs::read_dir(format!("/proc/{node_pid}/fd"))
+            .map(|d| d.count())
+            .unwrap_or(0)
+    };
+    let before = open_fds();
+    let flood = r#"/usr/bin/python3 - <<'PY'
+import os, socket, time, urllib.parse
+u = urllib.parse.urlparse(os.environ["OPENAI_BASE_URL"])
+held = []
+for _ in range(2000):
+    try:
+        held.append(socket.create_connection((u.hostname, u.port), timeout=2))
+    except OSError:
+        pass
+open("opened.txt", "w").write(str(len(held)))
+time.sleep(12)
+PY"#;
+    let flooder = node
+        .run(&task(
+            &project,
+            "flooder",
+            flood,
+            json!({"kind": "command", "command": "true"}),
+        ))
+        .await
+        .remove(0);
+    // The node's descriptors, sampled while the flood lasts.
+    let most = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let sampler = {
+        let (most, stop) = (most.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                most.fetch_max(open_fds(), std::sync::atomic::Ordering::Relaxed);
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(90);
+    while node.read(&flooder, "work/opened.txt").is_empty() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the flood never ended"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let opened: usize = node
+        .read(&flooder, "work/opened.txt")
+        .trim()
+        .parse()
+        .unwrap();
+    // While the flooder still holds what it opened, another sample calls the model.
+    let victim = node
+        .run(&task(
+            &project,
+            "victim",
+            &curl_agent(1, "true"),
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(2).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    sampler.join().unwrap();
+    let most = most.load(std::sync::atomic::Ordering::Relaxed);
+    println!(
+        "flooder opened {opened} connections; node descriptors {before} before, at most {most} during"
+    );
+    assert!(
+        opened >= 500,
+        "the flood did not happen: {opened} connections"
+    );
+    assert_eq!(
+        done[&victim]["outcome"]["status"], "completed",
+        "{}",
+        done[&victim]
+    );
+    assert_eq!(
+        done[&victim]["trajectory"]["calls"], 1,
+        "the victim's call was not captured: {}",
+        done[&victim]
+    );
+    // The flooder's share (64), the victim's few connections and the node's own churn; a
+    // fixed bound, not the product's constant: with no cap the flood takes about 2,000.
+    assert!(MAX_CONNECTIONS_PER_SAMPLE <= 64);
+    assert!(
+        most <= before + 200,
+        "the node held {most} descriptors during the flood ({before} before)"
+    );
+    assert!(node.healthy().await);
+}
+
 /// An agent that posts in another sample's name (header, path, query) without a sandbox:
 /// its base URL carries an unguessable secret; the header and query are ignored (its calls
 /// stay in its session) and a path naming the other session is refused with a provider-shaped
