@@ -690,6 +690,8 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     };
     let started = Instant::now();
     let mut child = cmd
+        // Never the node's stdin (a terminal, when a node is run by hand).
+        .stdin(std::process::Stdio::null())
         .stdout(log.try_clone()?)
         .stderr(log)
         .process_group(0)

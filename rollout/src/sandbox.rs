@@ -158,6 +158,10 @@ pub fn wrap(
     }
     b.args([
         "--die-with-parent",
+        // A session of its own: no controlling terminal, so task code cannot open the
+        // operator's /dev/tty and push keystrokes into it (TIOCSTI) when a node runs under
+        // a terminal.
+        "--new-session",
         "--unshare-net",
         "--unshare-pid",
         "--unshare-ipc",

@@ -697,3 +697,80 @@ async fn a_task_over_the_nodes_ceilings_is_refused() {
     let ok = with("limits", json!({"memory_mb": 256}));
     assert_eq!(node.submit(&ok).await.status(), 202);
 }
+
+/// Runs `cmd` with a pseudo-terminal of the test's as its controlling terminal and stdin, as
+/// a node started by hand in a terminal would run its children; its stdout.
+fn under_a_terminal(mut cmd: Command) -> String {
+    use std::os::unix::process::CommandExt;
+    let (mut master, mut slave) = (-1, -1);
+    // SAFETY: openpty with valid out-pointers and no name, termios or window size.
+    let opened = unsafe {
+        libc::openpty(
+            &mut master,
+            &mut slave,
+            std::ptr::null_mut(),
+            std::ptr::null(),
+            std::ptr::null(),
+        )
+    };
+    assert_eq!(opened, 0, "openpty");
+    // SAFETY: only async-signal-safe calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::setsid() < 0
+                || libc::ioctl(slave, libc::TIOCSCTTY, 0) < 0
+                || libc::dup2(slave, 0) < 0
+            {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    let out = cmd.output().unwrap();
+    // SAFETY: closing the two descriptors openpty gave us.
+    unsafe {
+        libc::close(master);
+        libc::close(slave);
+    }
+    String::from_utf8_lossy(&out.stdout).trim().to_owned()
+}
+
+/// Task code cannot reach the terminal of a node run by hand (`generate`, a node started in a
+/// shell): every sandboxed command runs in a session of its own, with no controlling
+/// terminal, so it cannot open `/dev/tty` to push keystrokes into the operator's shell
+/// (TIOCSTI). The same probe outside the sandbox, under the same terminal, opens it: the
+/// positive control.
+#[test]
+fn sandboxed_code_has_no_controlling_terminal() {
+    use tokentap_rollout::sandbox::{wrap, Mounts, SandboxConfig};
+    if !sandbox_available() {
+        return;
+    }
+    let probe = "if (exec 3</dev/tty) 2>/dev/null; then echo tty-open; else echo no-tty; fi";
+    let probe_command = || {
+        let mut c = Command::new("sh");
+        c.args(["-c", probe])
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin");
+        c
+    };
+    assert_eq!(
+        under_a_terminal(probe_command()),
+        "tty-open",
+        "positive control: the terminal is reachable outside the sandbox"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let cfg = SandboxConfig {
+        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
+        shim: tokentap_bin(),
+        always: true,
+        data_dir: data,
+        // SAFETY: geteuid has no preconditions.
+        run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, 65534),
+    };
+    let sandboxed = wrap(&probe_command(), &cfg, &Mounts::default());
+    assert_eq!(under_a_terminal(sandboxed), "no-tty");
+}
