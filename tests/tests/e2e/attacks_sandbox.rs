@@ -537,7 +537,7 @@ PY"#;
     );
     // The flooder's share (64), the victim's few connections and the node's own churn; a
     // fixed bound, not the product's constant: with no cap the flood takes about 2,000.
-    assert!(MAX_CONNECTIONS_PER_SAMPLE <= 64);
+    const { assert!(MAX_CONNECTIONS_PER_SAMPLE <= 64) };
     assert!(
         most <= before + 200,
         "the node held {most} descriptors during the flood ({before} before)"
