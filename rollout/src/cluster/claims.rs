@@ -21,6 +21,9 @@ use crate::pipeline::Event;
 use crate::store::StoreError;
 use crate::task::{Outcome, Sample, Stage};
 
+/// How soon a queue message this node could not settle now is offered again.
+const AGAIN_SOON: Duration = Duration::from_millis(500);
+
 /// Pulls samples while this node has room for them (its RUN slots and prewarm).
 pub(crate) async fn pull(c: Arc<Cluster>) {
     let room = Arc::new(Semaphore::new(c.pipeline.capacity()));
@@ -54,7 +57,7 @@ async fn claim(
         .map_err(|e| anyhow::anyhow!("{e}"))?
         .delivered
         .max(1) as u32;
-    let again_soon = AckKind::Nak(Some(Duration::from_millis(500)));
+    let again_soon = AckKind::Nak(Some(AGAIN_SOON));
     // Redelivered to the node that still runs it (its progress acks were late): it keeps
     // running once, and its acks go to this delivery from now on.
     if let Some(t) = c.claims.lock().get_mut(&item.sample_id) {
@@ -62,28 +65,10 @@ async fn claim(
         t.message = message;
         return Ok(());
     }
-    let (mut sample, revision) = match ledger::sample(c, item.sample_id.clone()).await {
-        Ok(s) => s,
-        Err(ClusterError::NotFound(what)) => {
-            let _ = message.ack_with(AckKind::Term).await;
-            anyhow::bail!("queued, but there is no {what}");
-        }
-        Err(e) => {
-            let _ = message.ack_with(again_soon).await;
-            return Err(e.into());
-        }
-    };
-    let (entry, _) = match ledger::rollout_entry(c, &item.rollout_id).await {
-        Ok(e) => e,
-        Err(ClusterError::NotFound(what)) => {
-            let _ = message.ack_with(AckKind::Term).await;
-            anyhow::bail!("queued, but there is no {what}");
-        }
-        Err(e) => {
-            let _ = message.ack_with(again_soon).await;
-            return Err(e.into());
-        }
-    };
+    let (mut sample, revision) =
+        settle_unread(ledger::sample(c, item.sample_id.clone()).await, &message).await?;
+    let (entry, _) =
+        settle_unread(ledger::rollout_entry(c, &item.rollout_id).await, &message).await?;
     // Nothing of a task runs here, nor is anything of it published, before its seal, its
     // sample and this node's ceilings are checked: anyone holding the bus's credential can
     // put a rollout and a queue message there.
@@ -173,6 +158,26 @@ async fn claim(
     c.metrics.held.set(held as i64);
     c.pipeline.run_claimed(rollout, sample);
     Ok(())
+}
+
+/// What a queued sample names, read from the bus; when it cannot be read, the message is
+/// settled: terminated when what it names is not there, offered again soon when the bus
+/// failed.
+async fn settle_unread<T>(
+    read: Result<T, ClusterError>,
+    message: &jetstream::Message,
+) -> anyhow::Result<T> {
+    match read {
+        Ok(found) => Ok(found),
+        Err(ClusterError::NotFound(what)) => {
+            let _ = message.ack_with(AckKind::Term).await;
+            anyhow::bail!("queued, but there is no {what}");
+        }
+        Err(e) => {
+            let _ = message.ack_with(AckKind::Nak(Some(AGAIN_SOON))).await;
+            Err(e.into())
+        }
+    }
 }
 
 /// Why a queued sample is not run here.
