@@ -59,6 +59,10 @@ pub struct ProxyConfig {
     /// harness gets the last bytes of its answer, so no answer a harness has seen can be
     /// missing from the spool after a crash. On with `--fsync always`.
     pub durable_answers: bool,
+    /// The key every client must present (`Authorization: Bearer KEY` or `x-api-key: KEY`,
+    /// as harnesses send their API key) on every route but `/health`; None: the listener is
+    /// open, which only a loopback listener may be.
+    pub client_token: Option<String>,
 }
 
 impl Default for ProxyConfig {
@@ -72,6 +76,7 @@ impl Default for ProxyConfig {
             fixed_session: None,
             limits: ListenerLimits::default(),
             durable_answers: false,
+            client_token: None,
         }
     }
 }
@@ -246,6 +251,12 @@ impl CaptureService {
         self
     }
 
+    /// Requires `token` of every client (see [`ProxyConfig::client_token`]).
+    pub fn with_client_token(mut self, token: Option<String>) -> Self {
+        self.config.client_token = token;
+        self
+    }
+
     /// Puts `gate` in front of every engine call.
     pub fn with_gate(mut self, gate: Arc<dyn CallGate>) -> Self {
         self.gate = Some(gate);
@@ -275,6 +286,23 @@ impl CaptureService {
         let method = http.req_header().method.as_str().to_owned();
         let path = http.req_header().uri.path().to_owned();
         let (route, path_session) = route(&method, &path);
+        if !matches!(route, Route::Health) && !self.client_admitted(http.req_header()) {
+            // Refused before any body is read or any engine is called, in the caller's shape.
+            let codec: &dyn WireCodec = match &route {
+                Route::Call(codec) => *codec,
+                _ if http.req_header().headers.contains_key("anthropic-version") => &MESSAGES,
+                _ => &CHAT_COMPLETIONS,
+            };
+            let err = CallError::new(
+                ErrorKind::InvalidRequest,
+                401,
+                "this tokentap listener needs its client token as the API key (Authorization: Bearer TOKEN or x-api-key: TOKEN)",
+            );
+            self.closed_by("client_token");
+            // The body was never read: the connection is closed after the answer.
+            self.write_error(http, codec, &err).await;
+            return false;
+        }
         match route {
             Route::Call(codec) => {
                 let hints = path_session.map(str::to_owned);
@@ -321,6 +349,15 @@ impl CaptureService {
                     .await
             }
         }
+    }
+
+    /// Whether the request carries the listener's client token (always, when it has none).
+    fn client_admitted(&self, head: &pingora::http::RequestHeader) -> bool {
+        use subtle::ConstantTimeEq;
+        let Some(token) = &self.config.client_token else {
+            return true;
+        };
+        api_key(head).is_some_and(|key| bool::from(key.as_bytes().ct_eq(token.as_bytes())))
     }
 
     /// The session every call on a connection belongs to, if any: the connection's own (a

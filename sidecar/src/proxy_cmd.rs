@@ -52,6 +52,11 @@ pub struct ProxyArgs {
     /// Address to listen on for harness traffic (also serves /health and /metrics).
     #[arg(long, default_value = "127.0.0.1:8800")]
     listen: String,
+    /// The key clients must present as their API key (`Authorization: Bearer TOKEN` or
+    /// `x-api-key: TOKEN`) on every route but /health; required to listen on anything but a
+    /// loopback address. Harnesses pass it as their API key (OPENAI_API_KEY, ANTHROPIC_API_KEY).
+    #[arg(long, env = "TOKENTAP_CLIENT_TOKEN", hide_env_values = true)]
+    client_token: Option<String>,
     #[command(flatten)]
     capture: CaptureArgs,
     /// Worker threads.
@@ -187,7 +192,22 @@ impl LimitArgs {
 }
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
+    match args.listen.parse::<std::net::SocketAddr>() {
+        Ok(listen) => crate::control_plane::check_exposure(
+            listen,
+            args.client_token.as_deref(),
+            "--client-token",
+            "TOKENTAP_CLIENT_TOKEN",
+        )?,
+        // A host name may resolve to anything: it is not known to be loopback-only.
+        Err(_) if args.client_token.is_none() => anyhow::bail!(
+            "refusing to listen on {} without --client-token (TOKENTAP_CLIENT_TOKEN): give a loopback address (127.0.0.1:PORT) or a token",
+            args.listen
+        ),
+        Err(_) => {}
+    }
     let (service, spool_thread) = args.capture.build(args.session.clone())?;
+    let service = service.with_client_token(args.client_token.clone());
     let capture = &args.capture;
     let downstream = if capture.no_capture {
         None
@@ -294,6 +314,8 @@ impl CaptureArgs {
             // `always` promises that an answered call is on disk: its record is written
             // before the harness gets the answer's end.
             durable_answers: args.fsync == FsyncPolicy::Always && !args.no_capture,
+            // Set by the commands whose listener takes one (`proxy --client-token`).
+            client_token: None,
         };
         Ok((
             CaptureService::new(config, backend, sink, metrics),

@@ -18,6 +18,7 @@ mod direct_llamacpp;
 mod disk_full;
 mod harnesses;
 mod limits;
+mod listener_tokens;
 mod metrics;
 mod node_agent;
 mod observability;
