@@ -288,10 +288,9 @@ impl CaptureService {
         let (route, path_session) = route(&method, &path);
         if !matches!(route, Route::Health) && !self.client_admitted(http.req_header()) {
             // Refused before any body is read or any engine is called, in the caller's shape.
-            let codec: &dyn WireCodec = match &route {
+            let codec = match &route {
                 Route::Call(codec) => *codec,
-                _ if http.req_header().headers.contains_key("anthropic-version") => &MESSAGES,
-                _ => &CHAT_COMPLETIONS,
+                _ => caller_codec(http.req_header()),
             };
             let err = CallError::new(
                 ErrorKind::InvalidRequest,
@@ -338,13 +337,7 @@ impl CaptureService {
             },
             Route::NotFound => {
                 let _ = http.drain_request_body().await;
-                // Answer in the shape the caller speaks: Anthropic clients send a version header.
-                let codec: &dyn WireCodec =
-                    if http.req_header().headers.contains_key("anthropic-version") {
-                        &MESSAGES
-                    } else {
-                        &CHAT_COMPLETIONS
-                    };
+                let codec = caller_codec(http.req_header());
                 self.write_error(http, codec, &CallError::not_found(&method, &path))
                     .await
             }
@@ -945,6 +938,16 @@ async fn read_body_unbounded(http: &mut ServerSession, limit: usize) -> Result<V
 }
 
 /// The `session` query parameter, percent-decoded (`?session=team%2Fa%20b` is `team/a b`).
+/// The API whose error shape answers a request that no wire API's route names: Anthropic
+/// clients send a version header, everything else gets OpenAI's shape.
+fn caller_codec(head: &pingora::http::RequestHeader) -> &'static dyn WireCodec {
+    if head.headers.contains_key("anthropic-version") {
+        &MESSAGES
+    } else {
+        &CHAT_COMPLETIONS
+    }
+}
+
 fn query_param_session(q: &str) -> Option<String> {
     form_urlencoded::parse(q.as_bytes())
         .find(|(k, _)| k == "session")

@@ -15,12 +15,29 @@ use crate::clock::now_ms;
 /// sample can never take the descriptors the node and the other samples need.
 pub const MAX_CONNECTIONS_PER_SAMPLE: usize = 64;
 
+/// The next connection `accept` gives (a listener's `accept`, a `TcpListener`'s or a
+/// `UnixListener`'s), however many times it fails first: every error is waited out as it
+/// fits ([`after_accept_error`]) and tried again, so a loop over this ends only when it is
+/// dropped. `listener` names it in the log.
+pub async fn accept_retrying<T, F, Fut>(mut accept: F, listener: &'static str) -> T
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = io::Result<T>>,
+{
+    loop {
+        match accept().await {
+            Ok(accepted) => return accepted,
+            Err(e) => after_accept_error(&e, listener).await,
+        }
+    }
+}
+
 /// Waits as fits the error of a failed `accept` (every error is retried; a listener is given
 /// up only when its loop is dropped). Out of descriptors (EMFILE, ENFILE) or of kernel
 /// memory, the wait lets the connections being served finish and free theirs; a connection
 /// that was reset before it could be accepted is simply skipped. Logged at most once a second
 /// per kind of listener.
-pub async fn after_accept_error(e: &io::Error, listener: &'static str) {
+async fn after_accept_error(e: &io::Error, listener: &'static str) {
     static LAST_LOGGED_MS: AtomicU64 = AtomicU64::new(0);
     let delay = match e.raw_os_error() {
         Some(libc::ECONNABORTED | libc::EINTR | libc::EPROTO) => return,
@@ -136,24 +153,19 @@ mod tests {
         let first = listener.accept().await;
         let err = first.expect_err("accept works with no descriptor left");
         assert_eq!(err.raw_os_error(), Some(libc::EMFILE));
-        // The loop's way: wait, then accept again once descriptors are free.
+        // The loops' way: wait, then accept again once descriptors are free.
         let freeing = tokio::spawn(async move {
             tokio::time::sleep(Duration::from_millis(150)).await;
             drop(hog);
         });
-        let mut accepted = None;
-        for _ in 0..50 {
-            match listener.accept().await {
-                Ok((conn, _)) => {
-                    accepted = Some(conn);
-                    break;
-                }
-                Err(e) => after_accept_error(&e, "test").await,
-            }
-        }
+        let accepted = tokio::time::timeout(
+            Duration::from_secs(5),
+            accept_retrying(|| listener.accept(), "test"),
+        )
+        .await;
         freeing.await.unwrap();
         assert!(
-            accepted.is_some(),
+            accepted.is_ok(),
             "never accepted after descriptors came back"
         );
         drop(client);

@@ -116,13 +116,8 @@ impl NodeCapture {
         tokio::spawn(async move {
             let _keep = _tx;
             loop {
-                let conn = match listener.accept().await {
-                    Ok((conn, _)) => conn,
-                    Err(e) => {
-                        crate::accept::after_accept_error(&e, "capture").await;
-                        continue;
-                    }
-                };
+                let (conn, _) =
+                    crate::accept::accept_retrying(|| listener.accept(), "capture").await;
                 let (service, watch) = (serving.clone(), watch.clone());
                 tokio::spawn(async move {
                     let stream: pingora::protocols::Stream =

@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use tokentap_proxy::CaptureService;
 
-use crate::accept::{after_accept_error, MAX_CONNECTIONS_PER_SAMPLE};
+use crate::accept::{accept_retrying, MAX_CONNECTIONS_PER_SAMPLE};
 use tokio::net::{TcpListener, UnixListener, UnixStream};
 
 use tokentap_cgroup::{LimitedCgroup, Limits};
@@ -399,13 +399,7 @@ pub fn serve_socket(
     Ok(tokio::spawn(async move {
         let (_keep, watch) = tokio::sync::watch::channel(false);
         loop {
-            let conn = match listener.accept().await {
-                Ok((conn, _)) => conn,
-                Err(e) => {
-                    after_accept_error(&e, "sample socket").await;
-                    continue;
-                }
-            };
+            let (conn, _) = accept_retrying(|| listener.accept(), "sample socket").await;
             let Ok(permit) = room.clone().try_acquire_owned() else {
                 // Over the sample's share: closed at once (dropped).
                 continue;
@@ -440,13 +434,8 @@ pub async fn shim(args: ShimArgs) -> io::Result<i32> {
             let listener = TcpListener::bind(listen).await?;
             Some(tokio::spawn(async move {
                 loop {
-                    let mut outer = match listener.accept().await {
-                        Ok((outer, _)) => outer,
-                        Err(e) => {
-                            after_accept_error(&e, "sandbox shim").await;
-                            continue;
-                        }
-                    };
+                    let (mut outer, _) =
+                        accept_retrying(|| listener.accept(), "sandbox shim").await;
                     let unix = unix.clone();
                     tokio::spawn(async move {
                         if let Ok(mut inner) = UnixStream::connect(&unix).await {

@@ -381,6 +381,16 @@ pub struct Rollout {
     pub cancelled: bool,
 }
 
+impl Rollout {
+    /// Whether `sample` is one of this rollout's: its own id, an index within the rollout's
+    /// samples, and the id made of the two.
+    pub fn owns(&self, sample: &Sample) -> bool {
+        sample.rollout_id == self.rollout_id
+            && sample.index < self.spec.num_samples
+            && sample.sample_id == format!("{}-{}", self.rollout_id, sample.index)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

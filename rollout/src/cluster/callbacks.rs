@@ -99,23 +99,17 @@ pub(crate) async fn deliver(c: Arc<Cluster>) {
 /// The callback URL of the sample's rollout, if that rollout's seal holds (None: it has
 /// none, or its seal does not hold).
 async fn sealed_url(c: &Cluster, sample_id: &str) -> anyhow::Result<Option<String>> {
-    let found = match ledger::sample(c, sample_id.to_owned()).await {
-        Ok((sample, _)) => ledger::rollout_entry(c, &sample.rollout_id)
-            .await
-            .map(|(entry, _)| (sample, entry)),
-        Err(e) => Err(e),
+    let read = async {
+        let (sample, _) = ledger::sample(c, sample_id.to_owned()).await?;
+        let (entry, _) = ledger::rollout_entry(c, &sample.rollout_id).await?;
+        Ok::<_, ClusterError>((sample, entry))
     };
-    let (sample, entry) = match found {
+    let (sample, entry) = match read.await {
         Ok(found) => found,
         Err(ClusterError::NotFound(_)) => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    if c.key.verify(&entry).is_err()
-        || !sample
-            .sample_id
-            .strip_prefix(entry.rollout.rollout_id.as_str())
-            .is_some_and(|rest| rest.starts_with('-'))
-    {
+    if c.key.verify(&entry).is_err() || !entry.rollout.owns(&sample) {
         return Ok(None);
     }
     Ok(entry.rollout.spec.callback_url)

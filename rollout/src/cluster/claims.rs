@@ -216,11 +216,8 @@ pub(crate) fn admissible(
 ) -> Result<(), Refusal> {
     c.key.verify(entry)?;
     let rollout = &entry.rollout;
-    let index_ok = sample.index < rollout.spec.num_samples
-        && sample.sample_id == format!("{}-{}", rollout.rollout_id, sample.index);
-    if !index_ok
+    if !rollout.owns(sample)
         || sample.sample_id != item.sample_id
-        || sample.rollout_id != rollout.rollout_id
         || item.rollout_id != rollout.rollout_id
     {
         return Err(Refusal::ForeignSample {

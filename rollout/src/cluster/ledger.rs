@@ -85,8 +85,8 @@ pub async fn rollout(
     c: &Cluster,
     rollout_id: &str,
 ) -> Result<(Rollout, Vec<Sample>), ClusterError> {
-    let (rollout, _) = rollout_entry(c, rollout_id).await?;
-    let rollout = rollout.rollout;
+    let (entry, _) = rollout_entry(c, rollout_id).await?;
+    let rollout = entry.rollout;
     let samples = futures::future::try_join_all(
         (0..rollout.spec.num_samples).map(|i| sample(c, format!("{rollout_id}-{i}"))),
     )

@@ -81,17 +81,9 @@ impl TaskKey {
         TaskKey::new(trimmed).with_context(|| format!("the task key {}", path.display()))
     }
 
-    fn tag(&self, rollout: &Rollout) -> hmac::Tag {
-        let json = serde_json::to_vec(rollout).expect("plain data serializes");
-        let mut ctx = hmac::Context::with_key(&self.0);
-        ctx.update(DOMAIN);
-        ctx.update(&json);
-        ctx.sign()
-    }
-
     /// The rollout with its seal, as the bucket should hold it.
     pub fn seal(&self, rollout: Rollout) -> SealedRollout {
-        let seal = hex(self.tag(&rollout).as_ref());
+        let seal = hex::encode(hmac::sign(&self.0, &signed_bytes(&rollout)));
         SealedRollout {
             rollout,
             seal: Some(seal),
@@ -101,27 +93,16 @@ impl TaskKey {
     /// Whether `sealed` was sealed with this key and not changed since (in constant time).
     pub fn verify(&self, sealed: &SealedRollout) -> Result<(), SealError> {
         let seal = sealed.seal.as_deref().ok_or(SealError::Missing)?;
-        let tag = unhex(seal).ok_or(SealError::Mismatch)?;
-        let json = serde_json::to_vec(&sealed.rollout).expect("plain data serializes");
-        let mut message = Vec::with_capacity(DOMAIN.len() + json.len());
-        message.extend_from_slice(DOMAIN);
-        message.extend_from_slice(&json);
-        hmac::verify(&self.0, &message, &tag).map_err(|_| SealError::Mismatch)
+        let tag = hex::decode(seal).map_err(|_| SealError::Mismatch)?;
+        hmac::verify(&self.0, &signed_bytes(&sealed.rollout), &tag).map_err(|_| SealError::Mismatch)
     }
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn unhex(text: &str) -> Option<Vec<u8>> {
-    if !text.len().is_multiple_of(2) || !text.is_ascii() {
-        return None;
-    }
-    (0..text.len())
-        .step_by(2)
-        .map(|i| u8::from_str_radix(&text[i..i + 2], 16).ok())
-        .collect()
+/// What a seal is computed over: the domain, then the rollout's JSON.
+fn signed_bytes(rollout: &Rollout) -> Vec<u8> {
+    let mut bytes = DOMAIN.to_vec();
+    serde_json::to_writer(&mut bytes, rollout).expect("plain data serializes");
+    bytes
 }
 
 #[cfg(test)]
