@@ -90,13 +90,12 @@ impl HarnessEnv {
         cmd
     }
 
-    /// Writes `contents` to `rel` under the harness's HOME.
+    /// Writes `contents` to `rel` under the harness's HOME. Set-up (task code) ran in that
+    /// HOME before, so nothing it left on the way is followed (see
+    /// [`crate::sample_files::write_beneath`]); the node runs as root.
     pub fn write_home(&self, rel: &str, contents: &str) -> io::Result<()> {
-        let p = self.home.join(rel);
-        if let Some(dir) = p.parent() {
-            std::fs::create_dir_all(dir)?;
-        }
-        std::fs::write(p, contents)
+        std::fs::create_dir_all(&self.home)?;
+        crate::sample_files::write_beneath(&self.home, Path::new(rel), contents.as_bytes())
     }
 
     /// The OpenAI-style base URL (`…/v1`).
@@ -414,6 +413,47 @@ mod tests {
             codex.contains("check_for_update_on_startup = false"),
             "{codex}"
         );
+    }
+
+    /// Set-up (task code) ran in the HOME before the preset writes there, as root: a link it
+    /// planted at any directory or at the file of any preset's config must not carry the
+    /// write outside.
+    #[test]
+    fn presets_never_write_through_links_set_up_planted() {
+        let configs = [
+            (Harness::Pi, ".pi/agent/models.json"),
+            (Harness::QwenCode, ".qwen/settings.json"),
+            (Harness::Codex, ".codex/config.toml"),
+        ];
+        for (harness, config) in configs {
+            let parts: Vec<&str> = config.split('/').collect();
+            for depth in 1..=parts.len() {
+                let dir = tempfile::tempdir().unwrap();
+                let env = env(dir.path());
+                let outside = dir.path().join("outside");
+                std::fs::create_dir_all(&outside).unwrap();
+                let victim = outside.join("victim");
+                std::fs::write(&victim, "root's").unwrap();
+                let at = env.home.join(parts[..depth].join("/"));
+                std::fs::create_dir_all(at.parent().unwrap()).unwrap();
+                let target = if depth == parts.len() {
+                    &victim
+                } else {
+                    &outside
+                };
+                std::os::unix::fs::symlink(target, &at).unwrap();
+                for_sample(&harness, &env, "x", "s").unwrap();
+                let what = format!("{harness:?} with {} linked", at.display());
+                assert_eq!(
+                    std::fs::read_to_string(&victim).unwrap(),
+                    "root's",
+                    "{what}"
+                );
+                assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1, "{what}");
+                let written = std::fs::read_to_string(env.home.join(config)).unwrap();
+                assert!(!written.is_empty(), "{what}");
+            }
+        }
     }
 
     #[test]

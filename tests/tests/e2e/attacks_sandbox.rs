@@ -545,6 +545,77 @@ PY"#;
     assert!(node.healthy().await);
 }
 
+/// Set-up (task code, sandboxed) plants links where the node then writes the harness's
+/// configuration as root: `$HOME/.pi` to a directory outside holding a root-owned 0600
+/// `agent/models.json`. The node's write stays in the sample's HOME (the planted link is
+/// replaced by a directory of its own), the file outside is untouched, and the real harness
+/// runs on the node's config. The positive control: the same link followed by the plain
+/// write the preset used reaches the file.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_set_up_links_never_carry_the_nodes_config_write_outside() {
+    use std::os::unix::fs::PermissionsExt;
+    if !sandbox_available() {
+        return;
+    }
+    let pi_path = tokentap_e2e::artefacts::Artefacts::require_harness("pi")
+        .0
+        .harness_path();
+    let mut node = Node::start(
+        &["--sandbox", "--harness-path", &pi_path, "--block-egress"],
+        None,
+    )
+    .await;
+    let outside = node.dir.path().join("outside");
+    let victim = outside.join("agent/models.json");
+    std::fs::create_dir_all(victim.parent().unwrap()).unwrap();
+    std::fs::write(&victim, "ROOT-OWNED").unwrap();
+    std::fs::set_permissions(&victim, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let mut t = task(
+        &node.project(),
+        "plant",
+        "true",
+        json!({"kind": "session-completed"}),
+    );
+    t["harness"] = json!({"name": "pi"});
+    t["workspace"]["dir"]["setup"] = json!(format!(
+        "ln -s {} \"$HOME/.pi\" && ls -la \"$HOME\"",
+        outside.display()
+    ));
+    let id = node.run(&t).await.remove(0);
+    let done = node.finished(1).await;
+    let s = &done[&id];
+    assert!(
+        node.read(&id, "setup.log").contains(".pi ->"),
+        "the set-up planted its link: {}",
+        node.read(&id, "setup.log")
+    );
+    assert_eq!(
+        std::fs::read_to_string(&victim).unwrap(),
+        "ROOT-OWNED",
+        "the node wrote through the planted link: {s}"
+    );
+    assert_eq!(std::fs::read_dir(&outside).unwrap().count(), 1);
+    let pi_dir = node.sample_dir(&id).join("home/.pi");
+    assert!(
+        std::fs::symlink_metadata(&pi_dir).unwrap().is_dir(),
+        "the link is replaced by the node's own directory"
+    );
+    let config = std::fs::read_to_string(pi_dir.join("agent/models.json")).unwrap();
+    assert!(config.contains("baseUrl"), "{config}");
+    assert_eq!(s["outcome"]["status"], "completed", "{s}");
+    assert!(
+        s["trajectory"]["calls"].as_u64().unwrap_or(0) >= 1,
+        "the harness ran on the node's config and called the model: {s}"
+    );
+    assert!(node.healthy().await);
+
+    // The positive control: the write the presets made before follows the same link.
+    let home = tempfile::tempdir().unwrap();
+    std::os::unix::fs::symlink(&outside, home.path().join(".pi")).unwrap();
+    std::fs::write(home.path().join(".pi/agent/models.json"), "{}").unwrap();
+    assert_eq!(std::fs::read_to_string(&victim).unwrap(), "{}");
+}
+
 /// An agent that posts in another sample's name (header, path, query) without a sandbox:
 /// its base URL carries an unguessable secret; the header and query are ignored (its calls
 /// stay in its session) and a path naming the other session is refused with a provider-shaped
