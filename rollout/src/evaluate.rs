@@ -5,7 +5,7 @@
 //! budget; their output goes to the sample's `eval.log`.
 
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -25,17 +25,22 @@ pub struct EvalPaths<'a> {
     pub original: &'a Path,
     /// The sample's directory (`eval/`, `eval-io/` and `eval.log` go here).
     pub sample_dir: &'a Path,
-    /// The sample's traces, not yet rewarded, to show the evaluator as `$TOKENTAP_TRACES`
-    /// (copied into its `eval-io/`) so it can reward traces one by one.
+    /// The sample's traces, not yet rewarded, to show a reward command as `$TOKENTAP_TRACES`
+    /// (copied into its `reward-io/`) so it can reward traces one by one.
     pub traces: Option<&'a [u8]>,
 }
 
 /// The most of a reward file the node reads.
 const REWARD_FILE_LIMIT: u64 = 1 << 20;
 
+/// The most of the evaluation's log shown to a reward command.
+const EVAL_LOG_SHOWN: u64 = 8 << 20;
+
 /// Scores a sample. `agent_exited_ok`: the harness exited 0 within its budget. Commands run
 /// confined by `jail`, on a copy the agent never saw: `eval/` (the copy) and `eval-io/` (its
-/// HOME, TMPDIR, reward file and traces) are all they can write.
+/// HOME and TMPDIR) are all they can write. A `reward_command` runs after them in
+/// `reward-io/`, made afresh once they are dead and never mounted where they ran: the reward
+/// file is there, out of reach of the tests (agent-written code among them).
 pub async fn evaluate(
     evaluator: &Evaluator,
     agent_exited_ok: bool,
@@ -46,7 +51,7 @@ pub async fn evaluate(
     let eval_dir = paths.sample_dir.join("eval");
     let io_dir = paths.sample_dir.join("eval-io");
     let log = paths.sample_dir.join("eval.log");
-    let (commands, test_files, traces) = match evaluator {
+    let (commands, test_files, reward) = match evaluator {
         Evaluator::SessionCompleted => {
             return Ok(Evaluation {
                 reward: f64::from(u8::from(agent_exited_ok)),
@@ -56,7 +61,15 @@ pub async fn evaluate(
         Evaluator::Command {
             command,
             test_files,
-        } => (vec![command.clone()], test_files, paths.traces),
+            reward_command,
+            reward_overrides_failure,
+        } => (
+            vec![command.clone()],
+            test_files,
+            reward_command
+                .as_deref()
+                .map(|c| (c, *reward_overrides_failure)),
+        ),
         Evaluator::Swebench {
             test_command,
             fail_to_pass,
@@ -73,22 +86,11 @@ pub async fn evaluate(
         ),
     };
     evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
-    if io_dir.exists() {
-        tokio::fs::remove_dir_all(&io_dir).await?;
-    }
-    tokio::fs::create_dir_all(&io_dir).await?;
-    let reward_file = io_dir.join("reward");
-    let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![
-        ("HOME", io_dir.as_os_str()),
-        ("TMPDIR", io_dir.as_os_str()),
-        ("TOKENTAP_REWARD_FILE", reward_file.as_os_str()),
-    ];
-    let traces_file = io_dir.join("traces.jsonl");
-    if let Some(t) = traces {
-        write_fresh(&traces_file, t)?;
-        env.push(("TOKENTAP_TRACES", traces_file.as_os_str()));
-    }
+    fresh_dir(&io_dir).await?;
+    let env: Vec<(&str, &std::ffi::OsStr)> =
+        vec![("HOME", io_dir.as_os_str()), ("TMPDIR", io_dir.as_os_str())];
     jail.give(&[&eval_dir, &io_dir]).await?;
+    let out = create_fresh(&log)?;
     let run = EvalRun {
         jail,
         dir: &eval_dir,
@@ -98,7 +100,7 @@ pub async fn evaluate(
             ..Mounts::default()
         },
         log: &log,
-        out: create_fresh(&log)?,
+        out: out.try_clone()?,
         budget,
     };
     let mut codes = Vec::new();
@@ -126,14 +128,105 @@ pub async fn evaluate(
         }
         _ => {
             let code = codes.first().copied().flatten();
-            (e.reward, e.trace_rewards) = match read_limited(&reward_file, REWARD_FILE_LIMIT)? {
-                Some(text) => parse_reward_file(&text)?,
-                None => (f64::from(u8::from(code == Some(0))), BTreeMap::new()),
-            };
             e.exit_code = code;
+            e.reward = f64::from(u8::from(code == Some(0)));
+            if let Some((command, overrides)) = reward {
+                if code == Some(0) || overrides {
+                    let phase = RewardPhase {
+                        dir: paths.sample_dir.join("reward-io"),
+                        exit_code: code,
+                        traces: paths.traces,
+                    };
+                    if let Some(r) = phase.run(command, jail, &log, out, budget).await? {
+                        (e.reward, e.trace_rewards) = r;
+                    }
+                }
+            }
         }
     }
     Ok(e)
+}
+
+/// `dir` removed if it was there (links in it not followed) and made empty.
+async fn fresh_dir(dir: &Path) -> std::io::Result<()> {
+    if dir.exists() {
+        tokio::fs::remove_dir_all(dir).await?;
+    }
+    tokio::fs::create_dir_all(dir).await
+}
+
+/// The reward command's run: what it is shown and where its reward file is.
+struct RewardPhase<'a> {
+    /// Its HOME, TMPDIR and working directory, with the reward file: made afresh after the
+    /// evaluation's commands were killed, so nothing they left is there.
+    dir: PathBuf,
+    /// The evaluation command's exit code (None: killed at the budget).
+    exit_code: Option<i32>,
+    traces: Option<&'a [u8]>,
+}
+
+impl RewardPhase<'_> {
+    /// Runs `command` confined by `jail` with only its own directory mounted (no workspace,
+    /// no evaluation copy: no code the agent wrote); what it wrote to `$TOKENTAP_REWARD_FILE`,
+    /// or None when it wrote nothing. A reward command that fails is an error, not a score.
+    async fn run(
+        &self,
+        command: &str,
+        jail: &TaskJail,
+        log: &Path,
+        out: std::fs::File,
+        budget: Duration,
+    ) -> anyhow::Result<Option<(f64, BTreeMap<String, f64>)>> {
+        use std::io::Read;
+        fresh_dir(&self.dir).await?;
+        let mut shown = Vec::new();
+        std::fs::File::open(log)?
+            .take(EVAL_LOG_SHOWN)
+            .read_to_end(&mut shown)?;
+        let (reward_file, log_copy, traces_file, exit_code) = (
+            self.dir.join("reward"),
+            self.dir.join("eval.log"),
+            self.dir.join("traces.jsonl"),
+            self.exit_code
+                .map_or("killed".to_owned(), |c| c.to_string()),
+        );
+        write_fresh(&log_copy, &shown)?;
+        let mut env: Vec<(&str, &std::ffi::OsStr)> = vec![
+            ("HOME", self.dir.as_os_str()),
+            ("TMPDIR", self.dir.as_os_str()),
+            ("TOKENTAP_REWARD_FILE", reward_file.as_os_str()),
+            ("TOKENTAP_EVAL_EXIT_CODE", exit_code.as_ref()),
+            ("TOKENTAP_EVAL_LOG", log_copy.as_os_str()),
+        ];
+        if let Some(t) = self.traces {
+            write_fresh(&traces_file, t)?;
+            env.push(("TOKENTAP_TRACES", traces_file.as_os_str()));
+        }
+        jail.give(&[&self.dir]).await?;
+        let run = EvalRun {
+            jail,
+            dir: &self.dir,
+            env: &env,
+            mounts: Mounts {
+                writable: vec![self.dir.clone()],
+                ..Mounts::default()
+            },
+            log,
+            out,
+            budget,
+        };
+        match run.command(command).await? {
+            Some(0) => {}
+            Some(c) => anyhow::bail!("the reward command exited {c} (see eval.log)"),
+            None => anyhow::bail!(
+                "the reward command was killed at the {} s evaluation budget",
+                budget.as_secs()
+            ),
+        }
+        read_limited(&reward_file, REWARD_FILE_LIMIT)?
+            .map(|text| parse_reward_file(&text))
+            .transpose()
+    }
 }
 
 /// What a `command` evaluator wrote to `$TOKENTAP_REWARD_FILE`: a number (the outcome
@@ -290,44 +383,108 @@ mod tests {
         }
     }
 
-    async fn run_command(command: &str, traces: Option<&[u8]>, budget: Duration) -> Evaluation {
-        let dir = tempfile::tempdir().unwrap();
-        run_command_in(dir.path(), command, traces, budget).await
+    fn command(command: &str, reward_command: Option<&str>, overrides: bool) -> Evaluator {
+        Evaluator::Command {
+            command: command.into(),
+            test_files: vec![],
+            reward_command: reward_command.map(str::to_owned),
+            reward_overrides_failure: overrides,
+        }
     }
 
-    async fn run_command_in(
+    async fn run_command(command: &str, traces: Option<&[u8]>, budget: Duration) -> Evaluation {
+        let dir = tempfile::tempdir().unwrap();
+        run_evaluator_in(
+            dir.path(),
+            &self::command(command, None, false),
+            traces,
+            budget,
+        )
+        .await
+        .unwrap()
+    }
+
+    async fn run_evaluator_in(
         dir: &Path,
-        command: &str,
+        evaluator: &Evaluator,
         traces: Option<&[u8]>,
         budget: Duration,
-    ) -> Evaluation {
+    ) -> anyhow::Result<Evaluation> {
         let (original, work) = (dir.join("original"), dir.join("work"));
         std::fs::create_dir_all(&original).unwrap();
         std::fs::create_dir_all(&work).unwrap();
-        let evaluator = Evaluator::Command {
-            command: command.into(),
-            test_files: vec![],
-        };
         let paths = EvalPaths {
             work: &work,
             original: &original,
             sample_dir: dir,
             traces,
         };
-        evaluate(&evaluator, true, &paths, &plain(), budget)
-            .await
-            .unwrap()
+        evaluate(evaluator, true, &paths, &plain(), budget).await
     }
 
     #[tokio::test]
-    async fn a_command_evaluator_sees_the_traces_and_rewards_them_one_by_one() {
+    async fn a_reward_command_sees_the_traces_and_rewards_them_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
         let traces = b"{\"trace_id\": \"s-1/0\"}\n";
-        // Rewards the first trace named in $TOKENTAP_TRACES with 0.5, the outcome with 1.
-        let command = r#"id=$(sed -n 's/.*"trace_id": "\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES" | head -1)
+        // Rewards the first trace named in $TOKENTAP_TRACES with 0.5, the outcome with 1; it
+        // is shown what the evaluation printed and how it exited.
+        let reward = r#"grep -q TESTS-RAN "$TOKENTAP_EVAL_LOG" && [ "$TOKENTAP_EVAL_EXIT_CODE" = 0 ] || exit 3
+id=$(sed -n 's/.*"trace_id": "\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES" | head -1)
 printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
-        let e = run_command(command, Some(traces), Duration::from_secs(10)).await;
+        let evaluator = command("echo TESTS-RAN", Some(reward), false);
+        let budget = Duration::from_secs(10);
+        let e = run_evaluator_in(dir.path(), &evaluator, Some(traces), budget)
+            .await
+            .unwrap();
         assert_eq!(e.reward, 1.0);
         assert_eq!(e.trace_rewards.get("s-1/0"), Some(&0.5), "{e:?}");
+        // A reward command that fails is an error, not a score.
+        let failing = command("true", Some("exit 3"), false);
+        let err = run_evaluator_in(dir.path(), &failing, None, budget)
+            .await
+            .unwrap_err();
+        assert!(err.to_string().contains("reward command exited 3"), "{err}");
+    }
+
+    /// The attack: code the agent wrote (a planted test the evaluation runs) writes the
+    /// reward. The tests are given no reward file, whatever they look for; the reward
+    /// command's directory is made only after they are dead; and their failure stands unless
+    /// the task says a reward file may override it.
+    #[tokio::test]
+    async fn code_the_evaluation_runs_cannot_set_the_reward() {
+        let dir = tempfile::tempdir().unwrap();
+        // What a planted test does: write 1 wherever a reward file might be, leave a process
+        // behind to write it later, then fail (the real test failed).
+        let planted = r#"for f in "$TOKENTAP_REWARD_FILE" ../reward-io/reward ../eval-io/reward; do
+  [ -n "$f" ] && mkdir -p "$(dirname "$f")" && echo 1 > "$f"; done
+(sleep 1; echo 1 > ../reward-io/reward) >/dev/null 2>&1 &
+exit 1"#;
+        let budget = Duration::from_secs(10);
+        let only_tests = command(planted, None, false);
+        let e = run_evaluator_in(dir.path(), &only_tests, None, budget)
+            .await
+            .unwrap();
+        assert_eq!((e.reward, e.exit_code), (0.0, Some(1)), "{e:?}");
+        // With a reward command that writes nothing, after a failing test: 0, and it did not
+        // even run (it would have exited 9).
+        let with_reward = command(planted, Some("exit 9"), false);
+        let e = run_evaluator_in(dir.path(), &with_reward, None, budget)
+            .await
+            .unwrap();
+        assert_eq!(e.reward, 0.0, "{e:?}");
+        // Overriding allowed: the reward command runs and its reward file is its own, fresh
+        // (what the planted test wrote there, then or later, is gone).
+        let overriding = command(
+            planted,
+            Some(
+                r#"[ -e "$TOKENTAP_REWARD_FILE" ] && exit 4; sleep 2; echo 0.25 > "$TOKENTAP_REWARD_FILE""#,
+            ),
+            true,
+        );
+        let e = run_evaluator_in(dir.path(), &overriding, None, budget)
+            .await
+            .unwrap();
+        assert_eq!(e.reward, 0.25, "{e:?}");
     }
 
     #[tokio::test]
@@ -376,13 +533,14 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
     async fn an_evaluator_sees_nothing_of_the_nodes_environment() {
         // The test runner's environment (CARGO_*, HOME, ...) stands in for the node's.
         let dir = tempfile::tempdir().unwrap();
-        let e = run_command_in(
-            dir.path(),
+        let evaluator = command(
             "env > \"$HOME/env\"; cp \"$HOME/env\" seen",
-            None,
-            Duration::from_secs(10),
-        )
-        .await;
+            Some("env > \"$HOME/env\""),
+            false,
+        );
+        let e = run_evaluator_in(dir.path(), &evaluator, None, Duration::from_secs(10))
+            .await
+            .unwrap();
         assert_eq!(e.exit_code, Some(0), "{e:?}");
         let seen = std::fs::read_to_string(dir.path().join("eval/seen")).unwrap();
         let mut keys: Vec<&str> = seen
@@ -391,9 +549,25 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
             .filter(|k| !["PWD", "SHLVL", "_", "OLDPWD"].contains(k))
             .collect();
         keys.sort();
+        assert_eq!(keys, ["HOME", "LANG", "PATH", "TMPDIR"], "{seen}");
+        let seen = std::fs::read_to_string(dir.path().join("reward-io/env")).unwrap();
+        let mut keys: Vec<&str> = seen
+            .lines()
+            .filter_map(|l| l.split_once('=').map(|(k, _)| k))
+            .filter(|k| !["PWD", "SHLVL", "_", "OLDPWD"].contains(k))
+            .collect();
+        keys.sort();
         assert_eq!(
             keys,
-            ["HOME", "LANG", "PATH", "TMPDIR", "TOKENTAP_REWARD_FILE"],
+            [
+                "HOME",
+                "LANG",
+                "PATH",
+                "TMPDIR",
+                "TOKENTAP_EVAL_EXIT_CODE",
+                "TOKENTAP_EVAL_LOG",
+                "TOKENTAP_REWARD_FILE"
+            ],
             "{seen}"
         );
     }
@@ -406,10 +580,14 @@ printf '{"reward": 1, "traces": {"%s": 0.5}}' "$id" > "$TOKENTAP_REWARD_FILE""#;
         let (original, work) = (dir.path().join("original"), dir.path().join("work"));
         std::fs::create_dir_all(&original).unwrap();
         std::fs::create_dir_all(&work).unwrap();
-        let evaluator = Evaluator::Command {
-            command: format!("ln -s {} \"$TOKENTAP_REWARD_FILE\"", secret.display()),
-            test_files: vec![],
-        };
+        let evaluator = command(
+            "true",
+            Some(&format!(
+                "ln -s {} \"$TOKENTAP_REWARD_FILE\"",
+                secret.display()
+            )),
+            false,
+        );
         let paths = EvalPaths {
             work: &work,
             original: &original,

@@ -233,13 +233,23 @@ impl Default for Budgets {
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "kebab-case", tag = "kind", deny_unknown_fields)]
 pub enum Evaluator {
-    /// A command run in a fresh copy of the final workspace: exit 0 → 1.0, else 0.0, unless it
-    /// writes a number to `$TOKENTAP_REWARD_FILE`.
+    /// A command run in a fresh copy of the final workspace: exit 0 → 1.0, else 0.0.
     Command {
         command: String,
         /// Test files restored from the original workspace before the command runs.
         #[serde(default)]
         test_files: Vec<String>,
+        /// Opt-in: a reward other than 0/1, or rewards per trace. This command runs after
+        /// `command`, in a sandbox of its own that holds no workspace, so no code the agent
+        /// wrote runs there, and it alone is given `$TOKENTAP_REWARD_FILE` (in a directory
+        /// only it can write). It sees `$TOKENTAP_EVAL_EXIT_CODE`, `$TOKENTAP_EVAL_LOG` (a
+        /// copy of what `command` printed) and `$TOKENTAP_TRACES` (the sample's traces).
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        reward_command: Option<String>,
+        /// Whether the reward file may score a sample whose `command` failed. By default a
+        /// failing `command` scores 0 and `reward_command` does not run.
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        reward_overrides_failure: bool,
     },
     /// SWE-bench style: reward 1 only when every FAIL_TO_PASS and PASS_TO_PASS test passes.
     Swebench {
@@ -256,7 +266,13 @@ pub enum Evaluator {
 impl Evaluator {
     /// Whether it is shown the sample's traces (`$TOKENTAP_TRACES`) to reward them one by one.
     pub fn reads_traces(&self) -> bool {
-        matches!(self, Evaluator::Command { .. })
+        matches!(
+            self,
+            Evaluator::Command {
+                reward_command: Some(_),
+                ..
+            }
+        )
     }
 }
 

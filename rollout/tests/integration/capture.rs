@@ -193,8 +193,9 @@ async fn samples_come_back_with_rewarded_traces() {
         TaskSpec {
             evaluator: serde_json::from_value(json!({
                 "kind": "command",
+                "command": "true",
                 // Rewards the second trace of $TOKENTAP_TRACES alone; the outcome is 1.
-                "command": r#"id=$(sed -n '2s/.*"trace_id":"\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES")
+                "reward_command": r#"id=$(sed -n '2s/.*"trace_id":"\([^"]*\)".*/\1/p' "$TOKENTAP_TRACES")
             printf '{"reward": 1, "traces": {"%s": 0.25}}' "$id" > "$TOKENTAP_REWARD_FILE""#
             }))
             .unwrap(),

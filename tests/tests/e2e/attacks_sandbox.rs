@@ -329,7 +329,7 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         "kind": "command",
         "command": format!(
             "sh probe.sh {victim} > \"$HOME/p.txt\"; cat \"$HOME/p.txt\"; ln -sf {} ../eval.log 2>/dev/null; \
-             if grep -q LEAK \"$HOME/p.txt\"; then echo 0 > \"$TOKENTAP_REWARD_FILE\"; else echo 1 > \"$TOKENTAP_REWARD_FILE\"; fi",
+             ! grep -q LEAK \"$HOME/p.txt\"",
             data.join("visible.txt").display()
         )
     });
@@ -614,6 +614,88 @@ async fn heavy_set_up_links_never_carry_the_nodes_config_write_outside() {
     std::os::unix::fs::symlink(&outside, home.path().join(".pi")).unwrap();
     std::fs::write(home.path().join(".pi/agent/models.json"), "{}").unwrap();
     assert_eq!(std::fs::read_to_string(&victim).unwrap(), "{}");
+}
+
+/// The agent plants a test the evaluation runs (`test_hack.py`, discovered by `unittest`)
+/// that writes 1 to every reward file it can name, leaves a process behind to write one
+/// later, and hunts for the node's `reward-io`; the real test fails. Sandboxed on a real node:
+/// without `reward_overrides_failure` the sample scores 0 and the reward command never runs;
+/// with it, the reward command's own file decides (0.25), not the planted test. The positive
+/// control: the planted test, handed a reward file as evaluators were before, writes 1 to it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_a_planted_test_cannot_write_the_reward() {
+    if !sandbox_available() {
+        return;
+    }
+    let mut node = Node::start(&["--sandbox"], None).await;
+    let hack = r#"import os, subprocess, unittest
+class Hack(unittest.TestCase):
+    def test_hack(self):
+        for f in [os.environ.get("TOKENTAP_REWARD_FILE", ""), "../reward-io/reward",
+                  "../eval-io/reward", os.path.expanduser("~/reward")]:
+            try:
+                os.makedirs(os.path.dirname(f) or ".", exist_ok=True)
+                open(f, "w").write("1")
+            except OSError:
+                pass
+        found = subprocess.run("find / -name reward -path '*reward-io*' 2>/dev/null", shell=True,
+                               capture_output=True, text=True).stdout.split()
+        for f in found:
+            try:
+                open(f, "w").write("1")
+            except OSError:
+                pass
+        subprocess.Popen(["setsid", "sh", "-c", "sleep 2; echo 1 > ../reward-io/reward"])
+"#;
+    let agent = format!(
+        "cat > test_hack.py <<'PY'\n{hack}PY\nprintf 'import unittest\\nclass Real(unittest.TestCase):\\n    def test_real(self):\\n        self.fail()\\n' > test_real.py"
+    );
+    let reward = r#"sleep 3; [ -e "$TOKENTAP_REWARD_FILE" ] && exit 4; [ "$TOKENTAP_EVAL_EXIT_CODE" = 0 ] && echo 1 > "$TOKENTAP_REWARD_FILE" || echo 0.25 > "$TOKENTAP_REWARD_FILE""#;
+    let evaluator = |overrides: bool| {
+        json!({"kind": "command", "command": "python3 -m unittest -v",
+               "reward_command": reward, "reward_overrides_failure": overrides})
+    };
+    let project = node.project();
+    let strict = node
+        .run(&task(&project, "strict", &agent, evaluator(false)))
+        .await
+        .remove(0);
+    let overriding = node
+        .run(&task(&project, "overriding", &agent, evaluator(true)))
+        .await
+        .remove(0);
+    let done = node.finished(2).await;
+    for (id, want) in [(&strict, 0.0), (&overriding, 0.25)] {
+        let s = &done[id];
+        let log = node.read(id, "eval.log");
+        assert!(
+            log.contains("test_hack") && log.contains("FAILED"),
+            "the planted test ran and the real one failed: {log}"
+        );
+        assert_eq!(
+            s["outcome"],
+            json!({"status": "completed", "reward": want}),
+            "{s}\n{log}"
+        );
+    }
+    assert!(
+        !node.read(&strict, "eval.log").contains("sleep 3"),
+        "the reward command does not run after a failure the task did not let it override"
+    );
+    assert!(node.healthy().await);
+
+    // The positive control: handed a reward file, the planted test sets the reward.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("test_hack.py"), hack).unwrap();
+    let reward_file = dir.path().join("handed-reward");
+    let out = Command::new("python3")
+        .args(["-m", "unittest", "-q", "test_hack"])
+        .current_dir(dir.path())
+        .env("TOKENTAP_REWARD_FILE", &reward_file)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(std::fs::read_to_string(&reward_file).unwrap(), "1");
 }
 
 /// An agent that posts in another sample's name (header, path, query) without a sandbox:
