@@ -129,6 +129,17 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
     (r, session)
 }
 
+/// The size of a request's head as a listener limits it: the target and every header's name
+/// and value (with the `: ` and line end each takes on the wire).
+fn header_bytes(head: &pingora::http::RequestHeader) -> usize {
+    let target = head.uri.path_and_query().map_or(0, |p| p.as_str().len());
+    head.headers
+        .iter()
+        .map(|(k, v)| k.as_str().len() + v.len() + 4)
+        .sum::<usize>()
+        + target
+}
+
 pub struct CaptureService {
     config: ProxyConfig,
     backend: Arc<dyn Backend>,
@@ -286,28 +297,27 @@ impl CaptureService {
         let method = http.req_header().method.as_str().to_owned();
         let path = http.req_header().uri.path().to_owned();
         let (route, path_session) = route(&method, &path);
-        if !matches!(route, Route::Health) && !self.client_admitted(http.req_header()) {
-            // Refused before any body is read or any engine is called, in the caller's shape.
-            let codec = match &route {
-                Route::Call(codec) => *codec,
-                _ => caller_codec(http.req_header()),
-            };
-            let err = CallError::new(
-                ErrorKind::InvalidRequest,
-                401,
-                "this tokentap listener needs its client token as the API key (Authorization: Bearer TOKEN or x-api-key: TOKEN)",
-            );
-            self.closed_by("client_token");
-            // The body was never read: the connection is closed after the answer.
-            self.write_error(http, codec, &err).await;
-            return false;
-        }
+        let session = match self.admit_request(http.req_header(), &route, fixed, path_session) {
+            Ok(session) => session,
+            Err(err) => {
+                // Refused before any body is read, any engine is called or anything is
+                // recorded, in the caller's shape; the connection is closed after the answer
+                // (its body was never read).
+                let codec = match &route {
+                    Route::Call(codec) => *codec,
+                    Route::CountTokens => &MESSAGES,
+                    _ => caller_codec(http.req_header()),
+                };
+                self.write_error(http, codec, &err).await;
+                return false;
+            }
+        };
         match route {
             Route::Call(codec) => {
                 let hints = path_session.map(str::to_owned);
                 self.handle_call(http, codec, hints, fixed).await
             }
-            Route::CountTokens => self.count_tokens(http).await,
+            Route::CountTokens => self.count_tokens(http, session.as_deref()).await,
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
             Route::Hello => write_body(http, 200, "application/json", Vec::new()).await,
             Route::WebSocketRefused => {
@@ -328,7 +338,7 @@ impl CaptureService {
                 )
                 .await
             }
-            Route::Models => match self.backend.models().await {
+            Route::Models => match self.models(session.as_deref()).await {
                 Ok(models) => write_json(http, 200, &models).await,
                 Err(e) => {
                     self.write_error(http, &CHAT_COMPLETIONS, &CallError::from(&e))
@@ -342,6 +352,69 @@ impl CaptureService {
                     .await
             }
         }
+    }
+
+    /// Checks a request's head before anything else happens to it: its size, the listener's
+    /// client token, and on a listener that resolves sessions (a rollout node's capture) the
+    /// session, for every route that reaches the engine or shows what the capture holds
+    /// (calls, `count_tokens`, `/v1/models`, `/metrics`, anything unknown). The session it
+    /// knows for the request (fixed or resolved), or the refusal, counted and never recorded.
+    fn admit_request(
+        &self,
+        head: &pingora::http::RequestHeader,
+        route: &Route,
+        fixed: Option<&str>,
+        path_session: Option<&str>,
+    ) -> Result<Option<String>, CallError> {
+        if matches!(route, Route::Health) {
+            return Ok(None);
+        }
+        let limit = self.config.limits.max_header_bytes;
+        let size = header_bytes(head);
+        if size > limit {
+            self.closed_by("header_bytes");
+            return Err(CallError::new(
+                ErrorKind::InvalidRequest,
+                431,
+                format!("the request's head is {size} bytes; this listener takes at most {limit}"),
+            ));
+        }
+        if !self.client_admitted(head) {
+            self.closed_by("client_token");
+            return Err(CallError::new(
+                ErrorKind::InvalidRequest,
+                401,
+                "this tokentap listener needs its client token as the API key (Authorization: Bearer TOKEN or x-api-key: TOKEN)",
+            ));
+        }
+        match (fixed, &self.resolver) {
+            (Some(id), _) => Ok(Some(id.to_owned())),
+            // Claude Code's connectivity probe reaches nothing.
+            (None, Some(_)) if matches!(route, Route::Hello) => Ok(None),
+            (None, Some(r)) => match session::resolve(r.as_ref(), path_session) {
+                Ok(s) => Ok(Some(s.id)),
+                Err(e) => {
+                    self.metrics
+                        .calls_refused
+                        .with_label_values(&["unknown_session"])
+                        .inc();
+                    Err(e)
+                }
+            },
+            (None, None) => Ok(None),
+        }
+    }
+
+    /// The engine's model list, held like a call while the gate holds calls.
+    async fn models(
+        &self,
+        session: Option<&str>,
+    ) -> Result<serde_json::Value, crate::backend::BackendError> {
+        let _held = match &self.gate {
+            Some(gate) => gate.hold(session).await,
+            None => None,
+        };
+        self.backend.models().await
     }
 
     /// Whether the request carries the listener's client token (always, when it has none).
@@ -470,7 +543,7 @@ impl CaptureService {
 
     /// Anthropic token counting: the engine's own count of the prompt it would see. Not a model
     /// call, so no record; errors come back in the Messages shape.
-    async fn count_tokens(&self, http: &mut ServerSession) -> bool {
+    async fn count_tokens(&self, http: &mut ServerSession, session: Option<&str>) -> bool {
         let body = match self.read_body(http).await {
             Ok(b) => b,
             Err(BodyError::TooLarge) => {
@@ -487,6 +560,10 @@ impl CaptureService {
         if let Some(model) = &self.config.backend_model {
             request.model = model.clone();
         }
+        let _held = match &self.gate {
+            Some(gate) => gate.hold(session).await,
+            None => None,
+        };
         match self.backend.count_prompt_tokens(&request).await {
             Ok(n) => write_json(http, 200, &json!({"input_tokens": n})).await,
             Err(e) => {
@@ -553,7 +630,7 @@ impl CaptureService {
         let head = http.req_header();
         let request = HarnessRequest {
             method: head.method.as_str().to_owned(),
-            path: head.uri.path().to_owned(),
+            path: self.recorded_path(head.uri.path()),
             query: head.uri.query().map(redact::query),
             headers: redact::headers(head.headers.iter().map(|(k, v)| (k.as_str(), v.as_bytes()))),
             body_bytes: 0,
@@ -561,6 +638,19 @@ impl CaptureService {
             body_text: None,
         };
         CallCapture::new(wire_api, request, self.backend_info())
+    }
+
+    /// The request's path as records keep it: on a listener that resolves sessions the
+    /// `/s/{prefix}` is a sample's secret (its session is in the record already), so it is
+    /// not kept.
+    fn recorded_path(&self, path: &str) -> String {
+        match (&self.resolver, path.strip_prefix("/s/")) {
+            (Some(_), Some(after)) => match after.find('/') {
+                Some(i) => format!("/s/{}{}", redact::REDACTED, &after[i..]),
+                None => format!("/s/{}", redact::REDACTED),
+            },
+            _ => path.to_owned(),
+        }
     }
 
     /// The engine as the records describe it.

@@ -26,4 +26,11 @@ pub trait CallGate: Send + Sync {
     /// sampling, model or passthrough fields, never its messages or tools: records rebuild
     /// the conversation from the harness body ([`crate::replay`]).
     async fn admit(&self, session: Option<&str>, request: &mut ChatRequest) -> Admission;
+
+    /// Called before a session's other engine requests (`count_tokens`, `/v1/models`): waits
+    /// as [`Self::admit`] would while calls are held (a weight update must not see them
+    /// either) and returns what to hold until the request is answered. Changes nothing.
+    async fn hold(&self, _session: Option<&str>) -> Option<Box<dyn Send + Sync>> {
+        None
+    }
 }

@@ -25,6 +25,9 @@ pub struct ListenerLimits {
     pub idle_timeout: Duration,
     /// Connections open at once, over all listeners of the service.
     pub max_connections: usize,
+    /// A request's head (target and headers) larger than this is refused with a 431 before
+    /// anything else is done with it.
+    pub max_header_bytes: usize,
 }
 
 impl Default for ListenerLimits {
@@ -35,6 +38,7 @@ impl Default for ListenerLimits {
             tls_handshake_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             max_connections: 4096,
+            max_header_bytes: 64 << 10,
         }
     }
 }

@@ -212,7 +212,7 @@ impl Metrics {
             },
             calls_refused: counter_vec(
                 "tokentap_calls_refused_total",
-                "Model calls refused before reaching the engine, by reason (spool_unwritable: --on-spool-error fail-closed while the spool cannot be written); refused calls have no record",
+                "Requests refused before reaching the engine, by reason (spool_unwritable: --on-spool-error fail-closed while the spool cannot be written; unknown_session: a rollout node's capture without a known sample secret); refused requests have no record",
                 &["reason"],
             ),
             websocket_refused: counter(

@@ -123,8 +123,30 @@ pub struct Gate(pub Arc<NodeGate>);
 #[async_trait]
 impl CallGate for Gate {
     async fn admit(&self, session: Option<&str>, request: &mut ChatRequest) -> Admission {
+        let (permit, node_version, session_policy) = self.enter(session).await;
+        let session_policy = session_policy.unwrap_or_default();
+        Admission {
+            normalizations: apply_sampling(&session_policy.sampling, request),
+            policy_version: node_version.or(session_policy.policy_version),
+            permit: Some(permit),
+            harness: session_policy.harness,
+        }
+    }
+
+    async fn hold(&self, session: Option<&str>) -> Option<Box<dyn Send + Sync>> {
+        Some(self.enter(session).await.0)
+    }
+}
+
+impl Gate {
+    /// Waits while generations are held, then counts one in flight (until the permit drops);
+    /// the node's policy version and the session's policy.
+    async fn enter(
+        &self,
+        session: Option<&str>,
+    ) -> (Box<dyn Send + Sync>, Option<String>, Option<SessionPolicy>) {
         let gate = &self.0;
-        let policy = loop {
+        let (version, policy) = loop {
             let changed = gate.changed.notified();
             tokio::pin!(changed);
             changed.as_mut().enable();
@@ -138,15 +160,7 @@ impl CallGate for Gate {
             }
             changed.await;
         };
-        let permit: Box<dyn Send + Sync> = Box::new(InFlight(gate.clone()));
-        let (node_version, session_policy) = policy;
-        let session_policy = session_policy.unwrap_or_default();
-        Admission {
-            normalizations: apply_sampling(&session_policy.sampling, request),
-            policy_version: node_version.or(session_policy.policy_version),
-            permit: Some(permit),
-            harness: session_policy.harness,
-        }
+        (Box::new(InFlight(gate.clone())), version, policy)
     }
 }
 
@@ -191,6 +205,27 @@ mod tests {
             "model": "m", "messages": [], "sampling": {"temperature": 1.0, "max_tokens": 4096}
         }))
         .unwrap()
+    }
+
+    /// `count_tokens` and `/v1/models` reach the engine too: held while paused, counted in
+    /// flight (a pause waits for them) until answered.
+    #[tokio::test]
+    async fn lookups_are_held_and_counted_like_calls() {
+        let node = NodeGate::new(None);
+        let gate = Arc::new(Gate(node.clone()));
+        node.pause(Duration::ZERO).await;
+        let held = tokio::spawn({
+            let gate = gate.clone();
+            async move { gate.hold(Some("s")).await }
+        });
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        assert!(!held.is_finished(), "a lookup waits while paused");
+        node.resume(None);
+        let permit = held.await.unwrap();
+        assert!(permit.is_some());
+        assert_eq!(node.status().in_flight, 1);
+        drop(permit);
+        assert_eq!(node.status().in_flight, 0);
     }
 
     #[tokio::test]

@@ -177,6 +177,10 @@ pub struct LimitArgs {
     /// Connections open at once; more are closed at once.
     #[arg(long, default_value_t = 4096)]
     max_connections: usize,
+    /// A request's head (target and headers) larger than this many bytes is refused (431)
+    /// and not recorded.
+    #[arg(long, default_value_t = 64 << 10)]
+    max_header_bytes: usize,
 }
 
 impl LimitArgs {
@@ -187,6 +191,7 @@ impl LimitArgs {
             tls_handshake_timeout: self.tls_handshake_timeout,
             idle_timeout: self.idle_timeout,
             max_connections: self.max_connections,
+            max_header_bytes: self.max_header_bytes,
         }
     }
 }

@@ -300,6 +300,8 @@ struct Shared {
     script: Script,
     tokens: Tokens,
     requests: Mutex<Vec<Value>>,
+    /// Requests to `/v1/models` and `/tokenize` (the engine calls that are not generations).
+    lookups: Mutex<Vec<String>>,
     /// Streams that ended because the client went away.
     disconnects: AtomicUsize,
     disconnected: Notify,
@@ -324,6 +326,7 @@ impl ScriptedBackend {
             script,
             tokens,
             requests: Mutex::new(Vec::new()),
+            lookups: Mutex::new(Vec::new()),
             disconnects: AtomicUsize::new(0),
             disconnected: Notify::new(),
         });
@@ -352,6 +355,11 @@ impl ScriptedBackend {
         self.shared.requests.lock().unwrap().clone()
     }
 
+    /// The paths of every `/v1/models` and `/tokenize` request received, in arrival order.
+    pub fn lookups(&self) -> Vec<String> {
+        self.shared.lookups.lock().unwrap().clone()
+    }
+
     /// How many streams ended because the client (tokentap) closed the connection.
     pub fn disconnects(&self) -> usize {
         self.shared.disconnects.load(Ordering::SeqCst)
@@ -374,6 +382,7 @@ impl ScriptedBackend {
 
 /// vLLM's `POST /tokenize` with chat messages: the prompt ids the chat call would use.
 async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
+    shared.lookups.lock().unwrap().push("/tokenize".into());
     let Ok(req) = serde_json::from_slice::<Value>(&body) else {
         return (
             StatusCode::BAD_REQUEST,
@@ -385,7 +394,8 @@ async fn tokenize(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
     axum::Json(json!({"count": ids.len(), "max_model_len": 8192, "tokens": ids})).into_response()
 }
 
-async fn models() -> Response {
+async fn models(State(shared): State<Arc<Shared>>) -> Response {
+    shared.lookups.lock().unwrap().push("/v1/models".into());
     axum::Json(json!({"object": "list", "data": [{"id": SCRIPTED_MODEL, "object": "model", "owned_by": "tokentap-e2e"}]}))
         .into_response()
 }

@@ -43,7 +43,7 @@ struct Node {
     dir: tempfile::TempDir,
     base: String,
     child: ChildGuard,
-    _engine: ScriptedBackend,
+    engine: ScriptedBackend,
 }
 
 impl Node {
@@ -85,7 +85,7 @@ impl Node {
             dir,
             base,
             child,
-            _engine: engine,
+            engine,
         }
     }
 
@@ -543,6 +543,103 @@ PY"#;
         "the node held {most} descriptors during the flood ({before} before)"
     );
     assert!(node.healthy().await);
+}
+
+/// An unauthenticated local client (here an unsandboxed agent) on the node's capture port:
+/// `/v1/models`, `count_tokens`, `/metrics` and calls without the sample's secret, or with a
+/// wrong one, are refused (403) before the engine is asked, counted in
+/// `tokentap_calls_refused_total{reason="unknown_session"}` and never recorded (100 of them
+/// with 30 KB headers leave the spool as it was); a head over 64 KiB is refused (431) even
+/// with the secret. With the secret, `/v1/models` and `count_tokens` are answered, and the
+/// sample's record keeps its path without the secret.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_capture_route_needs_the_samples_secret() {
+    let node = Node::start(&[], None).await;
+    // The node's own lookups at start (its engine check), before any sample.
+    let before = node.engine.lookups().len();
+    let project = node.project();
+    let code = |url: &str, extra: &str| {
+        format!(
+            "curl -sS -m 10 -o /dev/null -w '%{{http_code}}\\n' {extra} \"{url}\" >> codes.txt; "
+        )
+    };
+    let count_body = r#"-H 'content-type: application/json' -d '{"model":"m","max_tokens":5,"messages":[{"role":"user","content":"hi"}]}'"#;
+    let root = "${OPENAI_BASE_URL%/s/*}";
+    let pad = "x".repeat(30 << 10);
+    let script = [
+        // With its secret: answered.
+        code("$OPENAI_BASE_URL/models", ""),
+        code("$ANTHROPIC_BASE_URL/v1/messages/count_tokens", count_body),
+        // Without it, or with a wrong one: refused.
+        code(&format!("{root}/v1/models"), ""),
+        code(&format!("{root}/s/not-a-secret/v1/models"), ""),
+        code(&format!("{root}/v1/messages/count_tokens"), count_body),
+        code(&format!("{root}/metrics"), ""),
+        code(&format!("{root}/s/not-a-secret/metrics"), ""),
+        // A head over the limit, even with the secret.
+        "printf 'x-pad: %070000d\\n' 0 > pad.h; ".to_owned(),
+        code("$OPENAI_BASE_URL/models", "-H @pad.h"),
+        // 100 refused calls with 30 KB headers: nothing recorded.
+        format!("for i in $(seq 100); do curl -s -m 10 -o /dev/null \"{root}/v1/chat/completions\" -H 'x-pad: {pad}' -H 'content-type: application/json' -d '{{}}'; done; "),
+        curl_agent(1, "true"),
+    ]
+    .concat();
+    let id = node
+        .run(&task(
+            &project,
+            "prober",
+            &script,
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(1).await;
+    let s = &done[&id];
+    let codes = node.read(&id, "work/codes.txt");
+    assert_eq!(
+        codes.lines().collect::<Vec<_>>(),
+        ["200", "200", "403", "403", "403", "403", "403", "431"],
+        "{codes}\n{}",
+        node.read(&id, "agent.log")
+    );
+    assert_eq!(s["trajectory"]["calls"], 1, "{s}");
+    // The engine saw the two admitted lookups (and perhaps the capture's one template probe).
+    let lookups = node.engine.lookups().split_off(before);
+    assert_eq!(
+        lookups.iter().filter(|p| *p == "/v1/models").count(),
+        1,
+        "{lookups:?}"
+    );
+    assert!(
+        lookups.iter().filter(|p| *p == "/tokenize").count() <= 2,
+        "{lookups:?}"
+    );
+    let records = tokentap_e2e::tokentap::read_spool(&node.data().join("spool"));
+    assert_eq!(
+        records.len(),
+        1,
+        "only the admitted call is recorded: {:?}",
+        records.iter().map(|r| &r.session_id).collect::<Vec<_>>()
+    );
+    let path = &records[0].request.path;
+    assert_eq!(
+        path, "/s/[redacted]/v1/chat/completions",
+        "the secret is not kept"
+    );
+    let metrics = http_client()
+        .get(format!("{}/metrics", node.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    let refused = metrics
+        .lines()
+        .find(|l| l.starts_with("tokentap_calls_refused_total{reason=\"unknown_session\"}"))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
+    assert_eq!(refused, Some(105.0), "{metrics}");
 }
 
 /// Set-up (task code, sandboxed) plants links where the node then writes the harness's
