@@ -248,7 +248,10 @@ impl TransparentListener {
             Some(Attribution::NotCaptured)
         );
         let outcome = match (opening, &redirection) {
-            (_, None) if self.shared => Outcome::Dropped,
+            // Only what the kernel redirected from a captured cgroup is served: a local
+            // process dialling the listener directly (its port is no secret) must not get its
+            // calls into a capture's session and the engine's credentials.
+            (_, None) => Outcome::Dropped,
             (
                 Opening::TlsClientHello {
                     server_name: Some(host),
@@ -266,7 +269,6 @@ impl TransparentListener {
                 Outcome::Dropped
             }
             (_, Some(r)) => splice(conn, r.destination).await,
-            (_, None) => Outcome::Dropped,
         };
         self.service
             .metrics()

@@ -217,7 +217,7 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         listener6 = ?listen6,
         cgroup_root = %root.display(),
         sources = ?args.sources,
-        "tokentap node-agent capturing"
+        "tokentap node-agent capturing; the redirect listener serves only connections the kernel redirected from a captured workload's cgroup (a direct dial is dropped), so it takes no token"
     );
 
     let state = StatusState {

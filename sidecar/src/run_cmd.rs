@@ -228,7 +228,7 @@ impl TransparentArgs {
         if let Some(l6) = listener6 {
             runtime.spawn(front.serve(l6, watch));
         }
-        tracing::info!(listener = %at, cgroup = %cgroup.path().display(), "transparent capture on");
+        tracing::info!(listener = %at, cgroup = %cgroup.path().display(), "transparent capture on; the listener serves only connections the kernel redirected from the cgroup (a direct dial is dropped), so it takes no token");
         Ok(Capture {
             runtime,
             shutdown,

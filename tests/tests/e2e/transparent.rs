@@ -215,6 +215,29 @@ async fn heavy_transparent_other_hosts_pass_through_and_outsiders_are_not_redire
     // hard-coded address is not redirected, so its connect is refused.
     let outside = tokio::net::TcpStream::connect("127.0.0.2:443").await;
     assert!(outside.is_err(), "an outside connect was redirected");
+    // Nor does one dialling the run's listener itself get in: with the run's CA trusted and
+    // an intercepted host's name, its call is dropped unanswered, not sent to the engine.
+    let log = std::fs::read_to_string(&err).unwrap_or_default();
+    let listener = log
+        .split("listener=")
+        .nth(1)
+        .and_then(|l| l.split_whitespace().next())
+        .unwrap_or_else(|| panic!("no listener in the run's log:\n{log}"))
+        .to_owned();
+    let port = listener.rsplit(':').next().unwrap();
+    let direct = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "10", "--cacert"])
+        .arg(ca.join("ca.pem"))
+        .args(["--resolve", &format!("api.openai.com:{port}:127.0.0.1")])
+        .arg(format!("https://api.openai.com:{port}/v1/chat/completions"))
+        .args(["-H", "content-type: application/json", "-d"])
+        .arg(r#"{"model":"m","messages":[{"role":"user","content":"injected"}]}"#)
+        .output()
+        .unwrap();
+    assert!(
+        !direct.status.success() && direct.stdout.is_empty(),
+        "a direct dial of the listener was served: {direct:?}"
+    );
     std::fs::write(&done, "").unwrap();
     let status = child.wait_limited(Duration::from_secs(30)).await;
     let stdout = std::fs::read_to_string(&out).unwrap_or_default();
