@@ -127,7 +127,8 @@ impl LimitedCgroup {
             }
             match controller {
                 "memory" => {
-                    let bytes = limits.memory_mb.unwrap_or(0) << 20;
+                    // Saturating: a shift would wrap a huge ask (2^44 + 1024 MB) to 1 GiB.
+                    let bytes = memory_bytes(limits.memory_mb.unwrap_or(0));
                     if h.v2 {
                         write(&dir, "memory.max", &bytes.to_string())?;
                         let _ = write(&dir, "memory.swap.max", "0");
@@ -209,9 +210,23 @@ impl Drop for LimitedCgroup {
     }
 }
 
+/// `mb` megabytes in bytes, `u64::MAX` (no limit the kernel can tell from unlimited) when
+/// that does not fit.
+fn memory_bytes(mb: u64) -> u64 {
+    mb.checked_mul(1 << 20).unwrap_or(u64::MAX)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_huge_memory_ask_saturates_instead_of_wrapping() {
+        assert_eq!(memory_bytes(512), 512 << 20);
+        // (2^44 + 1024) << 20 wraps to 1 GiB.
+        assert_eq!(((1u64 << 44) + 1024).wrapping_shl(20), 1 << 30);
+        assert_eq!(memory_bytes((1 << 44) + 1024), u64::MAX);
+    }
 
     /// A node killed with its agents still running left `tokentap-…-pid<dead>`; the next
     /// node's start kills what runs there and removes it, and leaves a live node's alone.

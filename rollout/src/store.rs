@@ -93,6 +93,20 @@ pub struct Store {
 
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
+        // Tasks hold prompts and callback URLs: the file is the node's alone (0600), made so
+        // before redb writes a byte, and tightened if an older node left it readable.
+        {
+            use std::os::unix::fs::{OpenOptionsExt, PermissionsExt};
+            let file = std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .mode(0o600)
+                .open(path)
+                .map_err(redb::DatabaseError::from)?;
+            file.set_permissions(std::fs::Permissions::from_mode(0o600))
+                .map_err(redb::DatabaseError::from)?;
+        }
         let db = Database::create(path)?;
         let tx = db.begin_write()?;
         tx.open_table(ROLLOUTS)?;
@@ -511,6 +525,20 @@ mod tests {
             "num_samples": n, "priority": priority
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn the_store_is_the_nodes_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("node.redb");
+        drop(Store::open(&path).unwrap());
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode(&path), 0o600);
+        // One an older node left readable is tightened.
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).unwrap();
+        drop(Store::open(&path).unwrap());
+        assert_eq!(mode(&path), 0o600);
     }
 
     #[test]
