@@ -213,7 +213,7 @@ impl Drop for LimitedCgroup {
 /// `mb` megabytes in bytes, `u64::MAX` (no limit the kernel can tell from unlimited) when
 /// that does not fit.
 fn memory_bytes(mb: u64) -> u64 {
-    mb.checked_mul(1 << 20).unwrap_or(u64::MAX)
+    mb.saturating_mul(1 << 20)
 }
 
 #[cfg(test)]
