@@ -6,6 +6,7 @@ pub mod activity;
 pub mod app;
 pub mod backend;
 pub mod canonical;
+pub mod capped_body;
 pub mod capture;
 pub mod gate;
 pub mod harness;
