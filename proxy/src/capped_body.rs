@@ -29,6 +29,8 @@ pub enum BodyJsonError {
     TooLarge(usize),
     #[error("the answer's body is not the JSON expected: {0}")]
     Json(#[from] serde_json::Error),
+    #[error("reading the answer's body: {0}")]
+    Read(#[from] std::io::Error),
 }
 
 impl BodyExcerpt {
@@ -77,6 +79,14 @@ pub fn read_sync(body: impl Read, cap: usize) -> std::io::Result<BodyExcerpt> {
     let truncated = bytes.len() > cap;
     bytes.truncate(cap);
     Ok(BodyExcerpt { bytes, truncated })
+}
+
+/// A blocking body as a `T`, read to at most `cap` bytes (more is an error).
+pub fn read_sync_json<T: serde::de::DeserializeOwned>(
+    body: impl Read,
+    cap: usize,
+) -> Result<T, BodyJsonError> {
+    read_sync(body, cap)?.json()
 }
 
 #[cfg(test)]

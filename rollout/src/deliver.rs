@@ -5,10 +5,18 @@
 //! sample. The outbox row goes only after a 2xx, so a receiver that dedupes by the
 //! `Idempotency-Key` header (the sample id) sees each result exactly once, even across node
 //! restarts.
+//!
+//! Deliveries run side by side, at most [`DeliveryPolicy::max_in_flight`] at once and
+//! [`DeliveryPolicy::max_per_receiver`] to one receiver (host and port), so a receiver that is
+//! slow or never answers holds only its own few slots for its timeout while every other
+//! receiver's callbacks go out. A receiver's answer is read to at most
+//! [`MAX_BODY_READ`](tokentap_proxy::capped_body::MAX_BODY_READ) (its error message).
 
-use std::sync::Arc;
-use std::time::{Duration, SystemTime};
+use std::collections::{HashMap, HashSet};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant, SystemTime};
 use tokentap_proxy::backend::error_chain;
+use tokentap_proxy::capped_body::{self, MAX_BODY_READ};
 
 use serde_json::{json, Value};
 use tokio::sync::Notify;
@@ -27,6 +35,10 @@ pub struct DeliveryPolicy {
     /// CA certificates trusted besides the built-in roots (`--ca-file`), for https:// callback
     /// URLs.
     pub ca_roots: Vec<reqwest::Certificate>,
+    /// Deliveries in flight at once, to all receivers.
+    pub max_in_flight: usize,
+    /// Deliveries in flight at once to one receiver (host and port).
+    pub max_per_receiver: usize,
 }
 
 impl Default for DeliveryPolicy {
@@ -37,6 +49,8 @@ impl Default for DeliveryPolicy {
             max_backoff: Duration::from_secs(60),
             timeout: Duration::from_secs(30),
             ca_roots: Vec::new(),
+            max_in_flight: 32,
+            max_per_receiver: 4,
         }
     }
 }
@@ -53,28 +67,162 @@ pub(crate) enum Attempt {
 /// Runs deliveries until the process ends; `wake` is notified whenever a sample finishes.
 pub async fn run(store: Arc<Store>, wake: Arc<Notify>, policy: DeliveryPolicy) {
     let client = http_client(&policy);
+    let in_flight = Arc::new(InFlight::new(&policy));
     loop {
         let notified = wake.notified();
         tokio::pin!(notified);
         notified.as_mut().enable();
-        let (due, next) = match store.outbox_due(now_ms(), 32) {
+        let mut slots = HashMap::new();
+        // Only what can start now: not in flight already, its receiver and the node with room.
+        let due = store.outbox_due(now_ms(), policy.max_in_flight, |sample_id, entry| {
+            in_flight
+                .try_take(sample_id, &entry.url)
+                .map(|slot| slots.insert(sample_id.to_owned(), slot))
+                .is_some()
+        });
+        let (due, next) = match due {
             Ok(d) => d,
             Err(e) => {
                 tracing::error!(error = %e, "reading the callback outbox");
                 (Vec::new(), Some(now_ms() + 1000))
             }
         };
-        let busy = !due.is_empty();
+        let started = !due.is_empty();
         for (sample_id, entry) in due {
-            deliver(&store, &client, &policy, &sample_id, entry).await;
+            let Some(slot) = slots.remove(&sample_id) else {
+                continue;
+            };
+            let (store, client, policy, wake) =
+                (store.clone(), client.clone(), policy.clone(), wake.clone());
+            tokio::spawn(async move {
+                deliver(&store, &client, &policy, &sample_id, entry).await;
+                drop(slot);
+                // What waited for this slot (or its receiver's) may start.
+                wake.notify_one();
+            });
         }
-        if busy {
+        if started {
             continue;
         }
         let wait = next.map_or(Duration::from_secs(5), |n| {
             Duration::from_millis(n.saturating_sub(now_ms())).min(Duration::from_secs(5))
         });
         let _ = tokio::time::timeout(wait, notified).await;
+    }
+}
+
+/// The deliveries a node has in flight, within its policy's limits: in all, and to each
+/// receiver.
+pub(crate) struct InFlight {
+    max_total: usize,
+    max_per_receiver: usize,
+    state: Mutex<InFlightState>,
+    /// Notified whenever a slot is given back.
+    freed: Notify,
+}
+
+#[derive(Default)]
+struct InFlightState {
+    samples: HashSet<String>,
+    /// When each delivery in flight to a receiver started.
+    receivers: HashMap<String, Vec<Instant>>,
+}
+
+/// One delivery in flight; its slot is given back when it is dropped.
+pub(crate) struct Slot {
+    in_flight: Arc<InFlight>,
+    sample_id: String,
+    receiver: String,
+    started: Instant,
+}
+
+impl InFlight {
+    pub(crate) fn new(policy: &DeliveryPolicy) -> InFlight {
+        InFlight {
+            max_total: policy.max_in_flight.max(1),
+            max_per_receiver: policy.max_per_receiver.max(1),
+            state: Mutex::default(),
+            freed: Notify::new(),
+        }
+    }
+
+    /// A slot for delivering `sample_id` to `url`, unless that sample is in flight already,
+    /// its receiver has its most or the node its most.
+    pub(crate) fn try_take(self: &Arc<Self>, sample_id: &str, url: &str) -> Option<Slot> {
+        let receiver = receiver_of(url);
+        let mut state = self.state.lock().expect("not poisoned");
+        let to_receiver = state.receivers.get(&receiver).map_or(0, Vec::len);
+        if state.samples.len() >= self.max_total
+            || to_receiver >= self.max_per_receiver
+            || state.samples.contains(sample_id)
+        {
+            return None;
+        }
+        let started = Instant::now();
+        state.samples.insert(sample_id.to_owned());
+        state
+            .receivers
+            .entry(receiver.clone())
+            .or_default()
+            .push(started);
+        Some(Slot {
+            in_flight: self.clone(),
+            sample_id: sample_id.to_owned(),
+            receiver,
+            started,
+        })
+    }
+
+    /// Returns once the node has room for another delivery (to some receiver).
+    pub(crate) async fn room(&self) {
+        loop {
+            let freed = self.freed.notified();
+            if self.state.lock().expect("not poisoned").samples.len() < self.max_total {
+                return;
+            }
+            freed.await;
+        }
+    }
+
+    /// How long the oldest delivery in flight to `url`'s receiver has taken so far (zero
+    /// when there is none): about how long that receiver takes to free a slot.
+    pub(crate) fn oldest_to(&self, url: &str) -> Duration {
+        let state = self.state.lock().expect("not poisoned");
+        state
+            .receivers
+            .get(&receiver_of(url))
+            .and_then(|starts| starts.iter().min())
+            .map_or(Duration::ZERO, Instant::elapsed)
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut state = self.in_flight.state.lock().expect("not poisoned");
+        state.samples.remove(&self.sample_id);
+        if let Some(starts) = state.receivers.get_mut(&self.receiver) {
+            if let Some(i) = starts.iter().position(|s| *s == self.started) {
+                starts.swap_remove(i);
+            }
+            if starts.is_empty() {
+                state.receivers.remove(&self.receiver);
+            }
+        }
+        drop(state);
+        self.in_flight.freed.notify_one();
+    }
+}
+
+/// Who a callback URL is delivered to, for the per-receiver limit: its host and port (the
+/// URL itself when it is not one; its delivery fails anyway).
+fn receiver_of(url: &str) -> String {
+    match reqwest::Url::parse(url) {
+        Ok(u) => format!(
+            "{}:{}",
+            u.host_str().unwrap_or_default(),
+            u.port_or_known_default().unwrap_or_default()
+        ),
+        Err(_) => url.to_owned(),
     }
 }
 
@@ -133,6 +281,11 @@ pub(crate) fn backoff(policy: &DeliveryPolicy, attempts: u32) -> Duration {
         .first_backoff
         .saturating_mul(1 << attempts.saturating_sub(1).min(16))
         .min(policy.max_backoff);
+    jittered(base)
+}
+
+/// `base` ±25%.
+pub(crate) fn jittered(base: Duration) -> Duration {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.subsec_nanos());
@@ -192,10 +345,14 @@ pub(crate) async fn post(
         .get(reqwest::header::RETRY_AFTER)
         .and_then(|v| v.to_str().ok())
         .and_then(|v| parse_retry_after(v, SystemTime::now()));
-    let text = response.text().await.unwrap_or_default();
+    // The receiver's message, for the note on the sample: however much it sends, the node
+    // reads a bounded start of it.
+    let excerpt = capped_body::read(response, MAX_BODY_READ)
+        .await
+        .unwrap_or_default();
     let why = format!(
         "HTTP {status}: {}",
-        text.chars().take(200).collect::<String>()
+        excerpt.text().chars().take(200).collect::<String>()
     );
     if matches!(status.as_u16(), 408 | 425 | 429) || status.is_server_error() {
         Attempt::Transient(why, retry_after)
@@ -227,6 +384,45 @@ mod tests {
         assert!(b1 >= Duration::from_millis(375) && b1 <= Duration::from_millis(625));
         assert!(b4 >= Duration::from_millis(3000) && b4 <= Duration::from_millis(5000));
         assert!(backoff(&p, 40) <= p.max_backoff.mul_f64(1.25));
+    }
+
+    #[test]
+    fn slots_are_bounded_in_all_per_receiver_and_per_sample() {
+        let in_flight = Arc::new(InFlight::new(&DeliveryPolicy {
+            max_in_flight: 3,
+            max_per_receiver: 2,
+            ..DeliveryPolicy::default()
+        }));
+        let a1 = in_flight.try_take("s1", "http://a:9000/results").unwrap();
+        assert!(
+            in_flight.try_take("s1", "http://b/").is_none(),
+            "a sample in flight"
+        );
+        // The same host and port, however the URL goes on.
+        let a2 = in_flight.try_take("s2", "http://a:9000/other?x").unwrap();
+        assert!(in_flight.try_take("s3", "http://a:9000/results").is_none());
+        let b = in_flight.try_take("s3", "http://a:9001/results").unwrap();
+        assert!(
+            in_flight.try_take("s4", "https://c/").is_none(),
+            "3 in flight in all"
+        );
+        drop(a1);
+        let c = in_flight.try_take("s4", "https://c/").unwrap();
+        assert!(in_flight.oldest_to("http://a:9000/") > Duration::ZERO);
+        assert_eq!(in_flight.oldest_to("http://d/"), Duration::ZERO);
+        drop((a2, b, c));
+        let state = in_flight.state.lock().unwrap();
+        assert!(state.samples.is_empty() && state.receivers.is_empty());
+    }
+
+    #[test]
+    fn a_receiver_is_its_host_and_port() {
+        assert_eq!(
+            receiver_of("https://Trainer.example/cb"),
+            "trainer.example:443"
+        );
+        assert_eq!(receiver_of("http://[::1]:9000/cb"), "[::1]:9000");
+        assert_eq!(receiver_of("not a url"), "not a url");
     }
 
     #[test]

@@ -428,8 +428,15 @@ impl Store {
             .map(|_| ())
     }
 
-    /// Deliveries due at `now_ms`, soonest first, and when the next one after them is due.
-    pub fn outbox_due(&self, now_ms: u64, limit: usize) -> Result<OutboxDue, StoreError> {
+    /// Deliveries due at `now_ms` that `admit` takes (at most `limit`), soonest first, and
+    /// when the next one not yet due is. A due delivery `admit` turns down (already in flight,
+    /// or its receiver busy) is left for a later call.
+    pub fn outbox_due(
+        &self,
+        now_ms: u64,
+        limit: usize,
+        mut admit: impl FnMut(&str, &OutboxEntry) -> bool,
+    ) -> Result<OutboxDue, StoreError> {
         let tx = self.db.begin_read()?;
         let t = tx.open_table(OUTBOX)?;
         let mut due = Vec::new();
@@ -437,10 +444,10 @@ impl Store {
         for item in t.iter()? {
             let (k, v) = item?;
             let e: OutboxEntry = serde_json::from_slice(v.value())?;
-            if e.next_ms <= now_ms && due.len() < limit {
-                due.push((k.value().to_owned(), e));
-            } else {
+            if e.next_ms > now_ms {
                 next = Some(next.map_or(e.next_ms, |n| n.min(e.next_ms)));
+            } else if due.len() < limit && admit(k.value(), &e) {
+                due.push((k.value().to_owned(), e));
             }
         }
         due.sort_by_key(|(_, e)| e.next_ms);

@@ -191,3 +191,170 @@ impl Default for TaskKeyFile {
         TaskKeyFile::new()
     }
 }
+
+/// A request's head and body off `s`; None if the caller closed first.
+async fn read_request(s: &mut tokio::net::TcpStream) -> Option<(String, Vec<u8>)> {
+    use tokio::io::AsyncReadExt;
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 << 10];
+    let head_end = loop {
+        if let Some(i) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+            break i + 4;
+        }
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => got.extend_from_slice(&buf[..n]),
+        }
+    };
+    let head = String::from_utf8_lossy(&got[..head_end]).into_owned();
+    let length: usize = header(&head, "content-length").map_or(0, |v| v.parse().unwrap_or(0));
+    let mut body = got.split_off(head_end);
+    while body.len() < length {
+        match s.read(&mut buf).await {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => body.extend_from_slice(&buf[..n]),
+        }
+    }
+    Some((head, body))
+}
+
+/// A header's value in a request head (`name` in lowercase).
+fn header<'a>(head: &'a str, name: &str) -> Option<&'a str> {
+    head.lines().find_map(|l| {
+        let (n, v) = l.split_once(':')?;
+        n.trim().eq_ignore_ascii_case(name).then(|| v.trim())
+    })
+}
+
+/// What a [`HeldReceiver`] has seen.
+#[derive(Debug, Default, Clone)]
+pub struct Held {
+    /// Requests held unanswered now, and the most at once.
+    pub open: usize,
+    pub most_open: usize,
+    /// Requests whose caller gave up (closed the connection) before an answer.
+    pub dropped: usize,
+    /// Requests answered 200 (after the release).
+    pub answered: usize,
+    /// Requests by Idempotency-Key (the sample id).
+    pub arrivals: std::collections::HashMap<String, u32>,
+}
+
+/// A callback receiver that never answers until [`HeldReceiver::release`]: it reads each
+/// request whole and holds it; from the release on it answers every request 200.
+pub struct HeldReceiver {
+    pub url: String,
+    seen: std::sync::Arc<std::sync::Mutex<Held>>,
+    release: tokio::sync::watch::Sender<bool>,
+}
+
+impl HeldReceiver {
+    pub async fn start() -> HeldReceiver {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/results", listener.local_addr().unwrap());
+        let seen = std::sync::Arc::new(std::sync::Mutex::new(Held::default()));
+        let (release, released) = tokio::sync::watch::channel(false);
+        let state = seen.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut s, _)) = listener.accept().await else {
+                    return;
+                };
+                let (seen, mut released) = (state.clone(), released.clone());
+                tokio::spawn(async move {
+                    let Some((head, _)) = read_request(&mut s).await else {
+                        return;
+                    };
+                    {
+                        let mut seen = seen.lock().unwrap();
+                        let key = header(&head, "idempotency-key").unwrap_or_default();
+                        *seen.arrivals.entry(key.to_owned()).or_default() += 1;
+                        seen.open += 1;
+                        seen.most_open = seen.most_open.max(seen.open);
+                    }
+                    let mut buf = [0u8; 1024];
+                    let answered = tokio::select! {
+                        _ = async { released.wait_for(|r| *r).await.map(|_| ()) } => {
+                            s.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                                .await
+                                .is_ok()
+                        }
+                        // The caller closed (its timeout) or sent something else: either way,
+                        // it gave this request up.
+                        _ = s.read(&mut buf) => false,
+                    };
+                    let mut seen = seen.lock().unwrap();
+                    seen.open -= 1;
+                    if answered {
+                        seen.answered += 1;
+                    } else {
+                        seen.dropped += 1;
+                    }
+                });
+            }
+        });
+        HeldReceiver { url, seen, release }
+    }
+
+    pub fn seen(&self) -> Held {
+        self.seen.lock().unwrap().clone()
+    }
+
+    /// Answers the requests held and every one after.
+    pub fn release(&self) {
+        self.release.send_replace(true);
+    }
+}
+
+/// A callback receiver answering every request 500 with a 1 GiB body (as its content-length
+/// says), written from one 64 KiB buffer for as long as the caller reads: the bytes written to
+/// each connection the caller closed, in the order they closed.
+pub async fn flooding_receiver() -> (String, std::sync::Arc<std::sync::Mutex<Vec<u64>>>) {
+    use tokio::io::AsyncWriteExt;
+    const GIB: u64 = 1 << 30;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/results", listener.local_addr().unwrap());
+    let written = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let closed = written.clone();
+    tokio::spawn(async move {
+        loop {
+            let Ok((mut s, _)) = listener.accept().await else {
+                return;
+            };
+            let closed = closed.clone();
+            tokio::spawn(async move {
+                if read_request(&mut s).await.is_none() {
+                    return;
+                }
+                let head = format!(
+                    "HTTP/1.1 500 Internal Server Error\r\ncontent-type: text/plain\r\ncontent-length: {GIB}\r\n\r\n"
+                );
+                if s.write_all(head.as_bytes()).await.is_err() {
+                    return;
+                }
+                let chunk = vec![b'x'; 64 << 10];
+                let mut sent = 0u64;
+                while sent < GIB {
+                    if s.write_all(&chunk).await.is_err() {
+                        break;
+                    }
+                    sent += chunk.len() as u64;
+                }
+                closed.lock().unwrap().push(sent);
+            });
+        }
+    });
+    (url, written)
+}
+
+/// A process's peak resident memory (`VmHWM`), in bytes.
+pub fn peak_rss(pid: u32) -> u64 {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).unwrap();
+    let kb: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmHWM:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .expect("VmHWM in /proc/PID/status");
+    kb << 10
+}

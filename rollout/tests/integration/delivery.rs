@@ -1,6 +1,7 @@
 //! Results leave the node two more ways: POSTed to a `callback_url` (a flaky receiver gets
 //! every result exactly once when it dedupes by `Idempotency-Key`; a refusal is not retried
-//! and is noted on the sample), and streamed as server-sent events per rollout.
+//! and is noted on the sample; a receiver that never answers holds only its own few slots),
+//! and streamed as server-sent events per rollout.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -11,21 +12,30 @@ use axum::response::IntoResponse;
 use axum::routing::post;
 use axum::{Json, Router};
 use serde_json::{json, Value};
+use tokentap_e2e::node_api::{callback_receiver, HeldReceiver};
 use tokentap_rollout::api::{router, ApiState};
 use tokentap_rollout::deliver::DeliveryPolicy;
 use tokentap_rollout::pipeline::{Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
 
 async fn node(dir: &std::path::Path) -> String {
-    let store = Arc::new(Store::open(&dir.join("node.redb")).unwrap());
-    let config = PipelineConfig {
-        delivery: DeliveryPolicy {
+    node_delivering(
+        dir,
+        DeliveryPolicy {
             first_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_millis(200),
             timeout: Duration::from_millis(500),
             max_attempts: 8,
             ..DeliveryPolicy::default()
         },
+    )
+    .await
+}
+
+async fn node_delivering(dir: &std::path::Path, delivery: DeliveryPolicy) -> String {
+    let store = Arc::new(Store::open(&dir.join("node.redb")).unwrap());
+    let config = PipelineConfig {
+        delivery,
         ..PipelineConfig::new(dir.join("data"))
     };
     let pipeline = Arc::new(Pipeline::start(store, config).await.unwrap());
@@ -218,6 +228,73 @@ async fn a_flaky_receiver_gets_each_result_exactly_once() {
         s["callback"]["error"].as_str().unwrap().contains("400"),
         "{s}"
     );
+}
+
+/// Waits until `ready` (fails the test after `limit`, saying `what`).
+async fn until(what: &str, limit: Duration, ready: impl Fn() -> bool) {
+    let deadline = Instant::now() + limit;
+    while !ready() {
+        assert!(Instant::now() < deadline, "{what}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A receiver that never answers gets at most the policy's 4 callbacks at once, each waiting
+/// out the 30 s timeout, and holds nothing else: another receiver's callbacks all arrive while
+/// it still holds its requests. Once it answers it gets all of its own, each attempt counted
+/// once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_receiver_that_never_answers_holds_only_its_own_slots() {
+    let dir = tempfile::tempdir().unwrap();
+    let held = HeldReceiver::start().await;
+    let (fast, fast_got) = callback_receiver().await;
+    let policy = DeliveryPolicy::default();
+    assert_eq!(
+        (policy.timeout, policy.max_per_receiver),
+        (Duration::from_secs(30), 4)
+    );
+    let url = node_delivering(dir.path(), policy).await;
+
+    let slow = submit(&url, &task(dir.path(), 6, "true", Some(held.url.clone()))).await;
+    until(
+        "4 callbacks held by the receiver",
+        Duration::from_secs(60),
+        || held.seen().open == 4,
+    )
+    .await;
+    submit(&url, &task(dir.path(), 3, "true", Some(fast))).await;
+    until(
+        "the other receiver's 3 callbacks",
+        Duration::from_secs(60),
+        || fast_got.lock().unwrap().len() == 3,
+    )
+    .await;
+    let seen = held.seen();
+    assert_eq!(
+        (seen.open, seen.dropped, seen.answered, seen.most_open),
+        (4, 0, 0, 4),
+        "the other receiver's callbacks all arrived while this one's were still held, never more than 4: {seen:?}"
+    );
+
+    held.release();
+    let delivered = |v: &Value| {
+        v["samples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["callback"].is_object())
+    };
+    let slow = wait_rollout(&url, slow["rollout_id"].as_str().unwrap(), delivered).await;
+    let seen = held.seen();
+    for s in slow["samples"].as_array().unwrap() {
+        let id = s["sample_id"].as_str().unwrap();
+        assert_eq!(
+            s["callback"],
+            json!({"delivered": true, "attempts": seen.arrivals[id]}),
+            "{s} {seen:?}"
+        );
+    }
+    assert_eq!(seen.arrivals.len(), 6);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
