@@ -131,13 +131,20 @@ static AUTH_SCHEME: LazyLock<Regex> = LazyLock::new(|| {
     Regex::new(r"(?i)\b(bearer|basic)(\s+)([A-Za-z0-9._~+/=\-]{6,})").expect("valid regex")
 });
 
-/// `name: value`, `name=value`, `"name": "value"`: an assignment whose value is redacted when
-/// the name is a credential's (`OPENAI_API_KEY=...` in an environment dump, a header line, a
-/// truncated JSON body).
+/// The start of `name: value`, `name=value`, `"name": "value"`: an assignment whose value is
+/// redacted when the name is a credential's (`OPENAI_API_KEY=...` in an environment dump, a
+/// header line, a truncated JSON body). Captures the name, the separator and the value's
+/// opening quote; where the value ends is [`assigned_value_end`]'s to say (a regex cannot:
+/// a passphrase has spaces, a quoted value ends at its quote).
 static ASSIGNMENT: LazyLock<Regex> = LazyLock::new(|| {
-    Regex::new(r#"([A-Za-z_][A-Za-z0-9_.\-]*)(["']?[ \t]*[:=][ \t]*["']?)([^\s"'&,;}\]]+)"#)
-        .expect("valid regex")
+    Regex::new(r#"([A-Za-z_][A-Za-z0-9_.\-]*)(["']?[ \t]*[:=][ \t]*)(["']?)"#).expect("valid regex")
 });
+
+/// Where an unquoted credential value on an environment-style line gives way to the next
+/// assignment (`OPENAI_API_KEY=sk-... MODEL=m`, `Password=pw;Server=db`, `?password=pw&page=2`):
+/// a separator, then `NAME=`.
+static NEXT_ASSIGNMENT: LazyLock<Regex> =
+    LazyLock::new(|| Regex::new(r"[ \t&;,][ \t]*[A-Za-z_][A-Za-z0-9_.\-]*=").expect("valid regex"));
 
 /// Whether the word after an authorization scheme is a credential rather than prose: long, or
 /// not all letters.
@@ -145,6 +152,68 @@ fn looks_like_credential(w: &str) -> bool {
     // A sentence's full stop is not part of the word.
     let w = w.trim_end_matches('.');
     w.len() >= 16 || !w.chars().all(|c| c.is_ascii_alphabetic())
+}
+
+/// Whether a credential name's value is the whole rest of its line: an authorization or cookie
+/// header's value is a list of its own (`Digest username="u", response="..."`,
+/// `AWS4-HMAC-SHA256 Credential=..., Signature=...`, `a=1; session=...`), every part of which
+/// may be the credential.
+fn assigns_whole_line(name: &str) -> bool {
+    SECRET_HEADERS.contains(&name.to_ascii_lowercase().as_str())
+        || words(name)
+            .iter()
+            .any(|w| matches!(w.as_str(), "authorization" | "cookie"))
+}
+
+/// Where the value that starts at `start` of `s`, assigned to a credential name, ends: at the
+/// closing quote if it opened with `quote`, else at the end of the line (a passphrase is
+/// `correct horse battery staple`, an authorization header `Token abc`), or, but for
+/// [`assigns_whole_line`] names, before the next `NAME=` on that line. Trailing spaces are not
+/// part of it.
+fn assigned_value_end(s: &str, start: usize, quote: &str, whole_line: bool) -> usize {
+    let line_end = s[start..].find(['\n', '\r']).map_or(s.len(), |i| start + i);
+    let line = &s[..line_end];
+    let closing = quote.bytes().next().and_then(|q| {
+        let bytes = line.as_bytes();
+        (start..line_end).find(|&i| bytes[i] == q && !quote_escaped(bytes, i))
+    });
+    let end = closing.unwrap_or_else(|| match whole_line {
+        true => line_end,
+        false => NEXT_ASSIGNMENT
+            .find_at(line, start)
+            .map_or(line_end, |m| m.start()),
+    });
+    start + s[start..end].trim_end().len()
+}
+
+/// Values assigned to credential names in `s` redacted ([`ASSIGNMENT`]). After a name that is
+/// not a credential's the search goes on right after its separator, so `note: password: x` is
+/// read as the assignment to `password` it holds.
+fn redact_assignments(s: Cow<'_, str>) -> Cow<'_, str> {
+    let mut out = String::new();
+    let (mut copied, mut at) = (0, 0);
+    while let Some(c) = ASSIGNMENT.captures_at(&s, at) {
+        let (head, name) = (c.get(0).expect("whole match"), &c[1]);
+        let start = head.end();
+        at = start;
+        if !is_secret_assignment(name) {
+            continue;
+        }
+        let end = assigned_value_end(&s, start, &c[3], assigns_whole_line(name));
+        let value = &s[start..end];
+        if value.is_empty() || value == REDACTED {
+            continue;
+        }
+        out.push_str(&s[copied..start]);
+        out.push_str(REDACTED);
+        (copied, at) = (end, end);
+    }
+    if copied == 0 {
+        // Nothing redacted (a redaction copies up to past its name at least).
+        return s;
+    }
+    out.push_str(&s[copied..]);
+    Cow::Owned(out)
 }
 
 /// Whether `name` in `name: value` free text names a credential. A lone common word ("key:",
@@ -315,10 +384,7 @@ pub fn text(s: &str) -> Cow<'_, str> {
     if !NAME_PARTS.is_match(s.as_ref()) {
         return s;
     }
-    replace(s, &ASSIGNMENT, |c| {
-        (is_secret_assignment(&c[1]) && &c[3] != REDACTED)
-            .then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
-    })
+    redact_assignments(s)
 }
 
 /// Headers with lower-case names and credentials redacted.
@@ -1028,6 +1094,49 @@ mod tests {
         let plain = "The tokens were counted; I like keyboards and sk- prefixes. A basic \
                      understanding of bearer tokens. The key: it is here. max_tokens: 5";
         assert_eq!(text(plain), plain);
+    }
+
+    /// Issue 37 item 9: only the first word after a credential name was redacted, so an
+    /// authorization header's scheme hid its credential and a passphrase kept all but its
+    /// first word.
+    #[test]
+    fn a_credential_value_runs_to_the_end_of_its_line() {
+        for (line, secret) in [
+            ("PASSWORD: correct horse battery staple", "horse battery staple"),
+            ("password=correct horse battery staple", "horse battery staple"),
+            ("Authorization: Token 9f8e7d6c5b", "9f8e7d6c5b"),
+            ("Authorization: ApiKey 9f8e7d6c5b", "9f8e7d6c5b"),
+            ("authorization: Negotiate YIIKzgYGKwYB", "YIIKzgYGKwYB"),
+            (
+                r#"Authorization: Digest username="bob", realm="r", response="6629fae49393a053""#,
+                "6629fae49393a053",
+            ),
+            (
+                "Authorization: AWS4-HMAC-SHA256 Credential=AKIDEXAMPLE/20150830/us-east-1/iam, SignedHeaders=host, Signature=5d672d79c15b13162d9279b0855cfba6",
+                "5d672d79c15b13162d9279b0855cfba6",
+            ),
+            ("Cookie: theme=dark; session=7f3a9c2e1b", "7f3a9c2e1b"),
+            (r#"{"password": "two words", "model": "m"}"#, "two words"),
+            ("client_secret = 'a b c'", "a b c"),
+        ] {
+            let lines = format!("GET /x\n{line}\nmax_tokens: 5");
+            let r = text(&lines);
+            assert!(!r.contains(secret), "{secret} kept in {r}");
+            assert!(r.starts_with("GET /x\n") && r.ends_with("\nmax_tokens: 5"), "{r}");
+        }
+        // What follows a quoted value, or an unquoted one's next `NAME=`, is not the credential.
+        assert_eq!(
+            text(r#"{"password": "two words", "model": "m"}"#),
+            r#"{"password": "[redacted]", "model": "m"}"#
+        );
+        assert_eq!(
+            text("OPENAI_API_KEY=sk-proj-1 two MODEL=m;Password=a b;Server=db&page=2"),
+            "OPENAI_API_KEY=[redacted] MODEL=m;Password=[redacted];Server=db&page=2"
+        );
+        // A name that is not a credential's does not hide one after it.
+        assert_eq!(text("note: password: x y"), "note: password: [redacted]");
+        // Redacting twice changes nothing more.
+        assert_eq!(text("password: [redacted]  "), "password: [redacted]  ");
     }
 
     /// Text made of the pieces the rules look for: names, separators, prefixes, schemes.
