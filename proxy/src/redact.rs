@@ -216,6 +216,72 @@ fn redact_assignments(s: Cow<'_, str>) -> Cow<'_, str> {
     Cow::Owned(out)
 }
 
+/// The spans of URL userinfo (`scheme://userinfo@host`) that are credentials, in order: the
+/// password of `user:password` (the user is kept: `postgres://app:[redacted]@db`), or the
+/// whole userinfo when it has no password but looks like a token rather than a login name
+/// (`https://<token>@github.com/...`; `ssh://git@github.com` is kept).
+///
+/// The authority runs from `://` (either slash may be written `\/`, as JSON text quoted in
+/// text has it) to the first whitespace, `/`, `?`, `#`, `<`, `>`, `"` or `` ` `` (none of them
+/// is allowed in a URL as it stands), and the userinfo ends at its last `@`, as URL parsers
+/// read it: a password written with a raw `@` in it is still all redacted.
+fn userinfo_credentials(s: &str) -> impl Iterator<Item = std::ops::Range<usize>> + '_ {
+    memchr::memchr_iter(b':', s.as_bytes()).filter_map(move |colon| {
+        let mut start = colon + 1;
+        for _ in 0..2 {
+            start += match s.as_bytes().get(start..)? {
+                [b'/', ..] => 1,
+                [b'\\', b'/', ..] => 2,
+                _ => return None,
+            };
+        }
+        let authority = &s[start..];
+        let len = authority
+            .find(|c: char| {
+                c.is_whitespace() || matches!(c, '/' | '?' | '#' | '<' | '>' | '"' | '`')
+            })
+            .unwrap_or(authority.len());
+        let userinfo = &authority[..authority[..len].rfind('@')?];
+        let span = match userinfo.split_once(':') {
+            Some((user, _)) => start + user.len() + 1..start + userinfo.len(),
+            None if looks_like_token(userinfo) => start..start + userinfo.len(),
+            None => return None,
+        };
+        (!span.is_empty() && &s[span.clone()] != REDACTED).then_some(span)
+    })
+}
+
+/// Whether a URL's user name without a password is rather a token: long, or with characters a
+/// login name does not have.
+fn looks_like_token(user: &str) -> bool {
+    user.len() >= 16
+        || !user
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b'-'))
+}
+
+/// `s` with [`userinfo_credentials`] redacted.
+fn redact_userinfo(s: Cow<'_, str>) -> Cow<'_, str> {
+    let mut out = String::new();
+    let mut copied = 0;
+    for span in userinfo_credentials(&s) {
+        out.push_str(&s[copied..span.start]);
+        out.push_str(REDACTED);
+        copied = span.end;
+    }
+    if copied == 0 {
+        return s;
+    }
+    out.push_str(&s[copied..]);
+    Cow::Owned(out)
+}
+
+/// A URL as records and logs show it (the engine's `--backend`): its userinfo's password (or a
+/// token given as the user name) redacted, and anything else [`text`] redacts (`?api_key=`).
+pub fn url(u: &str) -> Cow<'_, str> {
+    text(u)
+}
+
 /// Whether `name` in `name: value` free text names a credential. A lone common word ("key:",
 /// "auth:") in prose is not enough; `password:`, `api_key=`, `Authorization:` are.
 fn is_secret_assignment(name: &str) -> bool {
@@ -367,13 +433,15 @@ impl LiteralSearch {
     }
 }
 
-/// Credentials in free text redacted, everything else kept: credential-shaped strings, the
-/// credential after an authorization scheme, and values assigned to credential names. The
-/// last two regexes run only where their literal prefilter finds what they need (most text
-/// has no scheme name and no credential word, and capturing every `word: value` of prose is
-/// the costliest part of redaction).
+/// Credentials in free text redacted, everything else kept: URL userinfo credentials,
+/// credential-shaped strings, the credential after an authorization scheme, and values
+/// assigned to credential names. The last two regexes run only where their literal prefilter
+/// finds what they need (most text has no scheme name and no credential word, and capturing
+/// every `word: value` of prose is the costliest part of redaction); the userinfo rule needs
+/// `://`.
 pub fn text(s: &str) -> Cow<'_, str> {
-    let s = replace(Cow::Borrowed(s), &SECRET_SHAPES, |_| Some(REDACTED.into()));
+    let s = redact_userinfo(Cow::Borrowed(s));
+    let s = replace(s, &SECRET_SHAPES, |_| Some(REDACTED.into()));
     let s = if SCHEME_NAMES.is_match(s.as_ref()) {
         replace(s, &AUTH_SCHEME, |c| {
             looks_like_credential(&c[3]).then(|| format!("{}{}{REDACTED}", &c[1], &c[2]))
@@ -502,6 +570,9 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
 /// - so every prefix, scheme name and `ſ` in a string is in the bytes too, and every `name:`
 ///   assignment is, with its quote (`\"`) and tabs (`\t`) escaped, which the look-back reads
 ///   ([`assigns_secret_in_json`]); an escape's letter only ever adds candidates;
+/// - a URL's `://` is a `:` and two slashes in the bytes too (each maybe `\/`, after a
+///   `\\`), and the authority after it ends no earlier in the bytes than in the text
+///   ([`userinfo_may_follow`]);
 /// - an object key is followed by `:` and ends with an unescaped quote ([`colon_after`]); one
 ///   with an escape goes to the scan, any other is its own text and is judged exactly by name
 ///   (a credential name, even under a schema's `properties`, sends the body to the scan);
@@ -538,6 +609,9 @@ fn clean_as_bytes(json: &[u8]) -> bool {
         return false;
     }
     memchr::memchr2_iter(b':', b'=', json).all(|sep| {
+        if json[sep] == b':' && userinfo_may_follow(json, sep) {
+            return false;
+        }
         let before = &json[..sep];
         match colon_after(before) {
             _ if json[sep] == b'=' => !assigns_secret_in_json(before),
@@ -548,6 +622,36 @@ fn clean_as_bytes(json: &[u8]) -> bool {
             ColonAfter::OtherKey => false,
         }
     })
+}
+
+/// Whether the `:` at `colon` of JSON text may start a URL's `://` with userinfo after it, read
+/// as [`userinfo_credentials`] reads text: each `/` of the text may be spelled `\/` in JSON,
+/// and may follow a backslash of the text (`\\`); an escape in the authority is passed over
+/// (what it stands for might end the authority; read as if it did not, an `@` can only be
+/// found more often). A raw `"` ends the string, so the authority.
+fn userinfo_may_follow(json: &[u8], colon: usize) -> bool {
+    let mut i = colon + 1;
+    for _ in 0..2 {
+        if json[i..].starts_with(b"\\\\") {
+            i += 2;
+        }
+        match json.get(i..) {
+            Some([b'/', ..]) => i += 1,
+            Some([b'\\', b'/', ..]) => i += 2,
+            _ => return false,
+        }
+    }
+    while let Some(&b) = json.get(i) {
+        match b {
+            b'@' => return true,
+            b'\\' => i += 2,
+            b' ' | b'\t' | b'\n' | b'\r' | b'/' | b'?' | b'#' | b'<' | b'>' | b'"' | b'`' => {
+                return false
+            }
+            _ => i += 1,
+        }
+    }
+    false
 }
 
 /// Whether the text before `json[at]` certainly ends with an ASCII letter, digit or `_` (a
@@ -759,6 +863,7 @@ fn may_be_secret_name(name: &str) -> bool {
 /// - a credential assignment needs `:` or `=` after an optional quote and spaces or tabs,
 ///   right after a name that holds a credential name part: the regex's name ends where the
 ///   run of name characters before the separator ends, none of them can start a separator.
+/// - a URL userinfo credential is found exactly, by [`userinfo_credentials`] itself.
 ///
 /// Non-overlapping matches suffice: a scheme's first letters can hide only a match that starts
 /// inside a word, where the shape rules (`\b` first, but the PEM header, which starts with
@@ -773,7 +878,8 @@ fn text_changes(s: &str) -> bool {
         .filter(|w| !w.is_ascii())
         // The word's first byte, found by memchr, before the whole word is looked for.
         .any(|w| memchr::memchr(w.as_bytes()[0], bytes).is_some_and(|_| s.contains(w)))
-        || memchr::memchr2_iter(b':', b'=', bytes).any(|sep| secret_name_before(&bytes[..sep]));
+        || memchr::memchr2_iter(b':', b'=', bytes).any(|sep| secret_name_before(&bytes[..sep]))
+        || userinfo_credentials(s).next().is_some();
     maybe && text(s) != s
 }
 
@@ -1139,6 +1245,66 @@ mod tests {
         assert_eq!(text("password: [redacted]  "), "password: [redacted]  ");
     }
 
+    /// Issue 37 item 9: a password in a URL's userinfo was kept in headers, the query, bodies
+    /// and the engine URL.
+    #[test]
+    fn url_userinfo_credentials_are_redacted_everywhere() {
+        for (url, shown) in [
+            (
+                "postgres://app:hunter2pw@db:5432/x",
+                "postgres://app:[redacted]@db:5432/x",
+            ),
+            (
+                "https://u:p@ss:w0rd@h.example/a?b=c",
+                "https://u:[redacted]@h.example/a?b=c",
+            ),
+            ("https://:onlypw@h", "https://:[redacted]@h"),
+            (
+                "https://0123456789abcdef0123@github.com/o/r.git",
+                "https://[redacted]@github.com/o/r.git",
+            ),
+            (
+                r"postgres:\/\/app:esc4pw@db\/x",
+                r"postgres:\/\/app:[redacted]@db\/x",
+            ),
+        ] {
+            assert_eq!(text(&format!("see {url} now")), format!("see {shown} now"));
+        }
+        // Not credentials: a login name alone, an address in a path, an e-mail address.
+        for kept in [
+            "ssh://git@github.com/o/r.git",
+            "https://mastodon.social/@Gargron",
+            "mail bob@example.com or see https://example.com?to=a@b",
+            "plugin://<plugin-name>@<marketplace-name>",
+        ] {
+            assert_eq!(text(kept), kept);
+        }
+        let h = headers([("Referer", b"https://u:refpw123@h/x".as_slice())].into_iter());
+        assert_eq!(h["referer"], "https://u:[redacted]@h/x");
+        assert_eq!(
+            query("next=https%3A%2F%2Fu%3Aqpw123%40h%2F&page=2"),
+            "next=[redacted]&page=2"
+        );
+        let b = json!({"a": [{"b": {"dsn": "postgres://app:bodypw1@db/x", "n": 3}}]});
+        let kept = recorded_body(b.to_string().as_bytes()).unwrap();
+        assert!(!kept.verbatim);
+        assert_eq!(
+            kept.body.to_value()["a"][0]["b"],
+            json!({"dsn": "postgres://app:[redacted]@db/x", "n": 3})
+        );
+        // Slashes spelled `\/` in the JSON text are still a URL's.
+        let spelled = br#"{"dsn": "postgres:\/\/app:bodypw1@db"}"#;
+        assert!(!recorded_body(spelled)
+            .unwrap()
+            .body
+            .get()
+            .contains("bodypw1"));
+        assert_eq!(
+            url("http://app:pw@engine:8000"),
+            "http://app:[redacted]@engine:8000"
+        );
+    }
+
     /// Text made of the pieces the rules look for: names, separators, prefixes, schemes.
     fn rule_pieces() -> impl Strategy<Value = String> {
         let piece = prop::sample::select(vec![
@@ -1184,6 +1350,14 @@ mod tests {
             "to",
             "ken",
             "-----",
+            "://",
+            ":\\/\\/",
+            "/",
+            "@",
+            "u:p@",
+            "https://",
+            "0123456789abcdef0123@",
+            "<",
         ]);
         prop::collection::vec(piece, 0..14).prop_map(|v| v.concat())
     }
@@ -1470,6 +1644,15 @@ mod tests {
             "ASIAABCDEFGHIJKLMNOP",
             "Bearer\tabcdefgh",
             "sk-abcdefghijklmnopqrstu",
+            "https://u:p@h",
+            "://",
+            ":/",
+            "@",
+            "\\",
+            "u:",
+            "0123456789abcdef0123@",
+            "ssh://git@h",
+            "x:\\/\\/u:p@h",
         ])
     }
 
@@ -1749,6 +1932,10 @@ mod tests {
             r#"{"note":"ba\u017fic abcdefgh12"}"#,
             r#"{"n\u006fte":"x"}"#,
             r#"{"\u212Aey":"x"}"#,
+            r#"{"dsn":"postgres://u:pw@h"}"#,
+            r#"{"dsn":"postgres:\/\/u:pw@h"}"#,
+            r#"{"dsn":"postgres:\\/\\/u:pw@h"}"#,
+            r#"{"dsn":"postgres:\\\/\\\/u:pw@h"}"#,
         ] {
             assert!(!clean_as_bytes(json.as_bytes()), "{json}");
         }

@@ -237,7 +237,8 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     server.add_service(listener);
     tracing::info!(
         listen = %args.listen,
-        backend = %capture.backend,
+        // The engine URL's userinfo password stays out of the log.
+        backend = %tokentap_proxy::redact::url(&capture.backend),
         spool = %capture.spool.display(),
         capture = !capture.no_capture,
         "tokentap proxy ready; point harnesses at http://{}/v1",

@@ -837,3 +837,39 @@ async fn sglang_contract_double_without_token_data_gives_gaps_never_ids() {
         assert_eq!(acc.content, "Hi!");
     }
 }
+
+/// Issue 37 item 9: a password in the engine URL's userinfo reached every record's
+/// `backend.url` (and the proxy's start-up log, which prints the same URL through
+/// `redact::url`).
+#[test]
+fn the_engine_url_is_shown_without_its_password() {
+    for kind in [
+        BackendKind::Vllm,
+        BackendKind::Sglang,
+        BackendKind::Llamacpp,
+    ] {
+        for (url, shown) in [
+            (
+                "https://app:s3cr3t-pw@engine.example:8443/v1",
+                "https://app:[redacted]@engine.example:8443",
+            ),
+            (
+                "http://0123456789abcdef0123@10.0.0.5:8000/",
+                "http://[redacted]@10.0.0.5:8000",
+            ),
+            ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
+        ] {
+            let backend = build(BackendConfig {
+                kind,
+                url: url.to_owned(),
+                api_key: None,
+                ca_roots: Vec::new(),
+                connect_timeout: Duration::from_secs(2),
+                idle_timeout: Duration::from_secs(5),
+                max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
+            })
+            .unwrap();
+            assert_eq!(backend.url(), shown, "{kind:?}");
+        }
+    }
+}

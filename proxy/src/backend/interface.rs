@@ -28,7 +28,8 @@ pub enum CallMode {
 pub trait Backend: Send + Sync {
     fn kind(&self) -> BackendKind;
 
-    /// Base URL of the engine, without credentials.
+    /// Base URL of the engine as records and logs show it: a password in its userinfo
+    /// redacted (`redact::url`; the engine is still called with it).
     fn url(&self) -> &str;
 
     /// How this engine can serve a call the harness wants answered in `wanted` mode. An engine

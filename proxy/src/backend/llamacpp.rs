@@ -102,7 +102,7 @@ impl Backend for LlamaCppBackend {
     }
 
     fn url(&self) -> &str {
-        self.client.base()
+        self.client.shown()
     }
 
     fn call_mode(

@@ -29,6 +29,8 @@ use crate::canonical::{
 pub(crate) struct EngineClient {
     http: reqwest::Client,
     base: String,
+    /// `base` as records and logs show it: without a password in its userinfo.
+    shown: String,
     api_key: Option<String>,
     idle_timeout: Duration,
     max_answer_bytes: usize,
@@ -54,6 +56,7 @@ impl EngineClient {
         Ok(EngineClient {
             http,
             base: config.base_url().to_owned(),
+            shown: crate::redact::url(config.base_url()).into_owned(),
             api_key: config.api_key.clone(),
             idle_timeout: config.idle_timeout,
             max_answer_bytes: config.max_answer_bytes,
@@ -61,8 +64,10 @@ impl EngineClient {
         })
     }
 
-    pub(crate) fn base(&self) -> &str {
-        &self.base
+    /// The engine's base URL as records and logs may show it (`base` has the credentials
+    /// its requests are sent with).
+    pub(crate) fn shown(&self) -> &str {
+        &self.shown
     }
 
     /// POSTs a JSON body (already serialized) to `path`; a non-2xx answer becomes a classified

@@ -80,7 +80,7 @@ impl Backend for SglangBackend {
     }
 
     fn url(&self) -> &str {
-        self.client.base()
+        self.client.shown()
     }
 
     fn call_mode(

@@ -98,7 +98,7 @@ impl Backend for VllmBackend {
     }
 
     fn url(&self) -> &str {
-        self.client.base()
+        self.client.shown()
     }
 
     async fn generate(
