@@ -24,6 +24,19 @@ pub async fn get_json(url: &str, token: &str) -> Value {
         .unwrap()
 }
 
+/// GET `url` with the node's bearer `token`, as text (`/metrics`).
+pub async fn get_text(url: &str, token: &str) -> String {
+    http_client()
+        .get(url)
+        .bearer_auth(token)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
 /// POST `body` as JSON to `url` with the node's bearer `token`: the status and the answer.
 pub async fn post_json(url: &str, token: &str, body: &Value) -> (u16, Value) {
     let r = http_client()

@@ -626,15 +626,7 @@ async fn every_capture_route_needs_the_samples_secret() {
         path, "/s/[redacted]/v1/chat/completions",
         "the secret is not kept"
     );
-    let metrics = http_client()
-        .get(format!("{}/metrics", node.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = node_api::get_text(&format!("{}/metrics", node.base), TOKEN).await;
     let refused = metrics
         .lines()
         .find(|l| l.starts_with("tokentap_calls_refused_total{reason=\"unknown_session\"}"))
