@@ -129,6 +129,11 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
     (r, session)
 }
 
+/// The id of the session a request was admitted under, if any.
+fn session_id(session: &Option<session::Session>) -> Option<&str> {
+    session.as_ref().map(|s| s.id.as_str())
+}
+
 /// The size of a request's head as a listener limits it: the target and every header's name
 /// and value (with the `: ` and line end each takes on the wire).
 fn header_bytes(head: &pingora::http::RequestHeader) -> usize {
@@ -315,9 +320,9 @@ impl CaptureService {
         match route {
             Route::Call(codec) => {
                 let hints = path_session.map(str::to_owned);
-                self.handle_call(http, codec, hints, fixed).await
+                self.handle_call(http, codec, hints, session).await
             }
-            Route::CountTokens => self.count_tokens(http, session.as_deref()).await,
+            Route::CountTokens => self.count_tokens(http, session_id(&session)).await,
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
             Route::Hello => write_body(http, 200, "application/json", Vec::new()).await,
             Route::WebSocketRefused => {
@@ -338,7 +343,7 @@ impl CaptureService {
                 )
                 .await
             }
-            Route::Models => match self.models(session.as_deref()).await {
+            Route::Models => match self.models(session_id(&session)).await {
                 Ok(models) => write_json(http, 200, &models).await,
                 Err(e) => {
                     self.write_error(http, &CHAT_COMPLETIONS, &CallError::from(&e))
@@ -358,14 +363,15 @@ impl CaptureService {
     /// client token, and on a listener that resolves sessions (a rollout node's capture) the
     /// session, for every route that reaches the engine or shows what the capture holds
     /// (calls, `count_tokens`, `/v1/models`, `/metrics`, anything unknown). The session it
-    /// knows for the request (fixed or resolved), or the refusal, counted and never recorded.
+    /// knows for the request (fixed or resolved; None: a call is attributed from what it
+    /// says), or the refusal, counted and never recorded.
     fn admit_request(
         &self,
         head: &pingora::http::RequestHeader,
         route: &Route,
         fixed: Option<&str>,
         path_session: Option<&str>,
-    ) -> Result<Option<String>, CallError> {
+    ) -> Result<Option<session::Session>, CallError> {
         if matches!(route, Route::Health) {
             return Ok(None);
         }
@@ -388,11 +394,14 @@ impl CaptureService {
             ));
         }
         match (fixed, &self.resolver) {
-            (Some(id), _) => Ok(Some(id.to_owned())),
+            (Some(id), _) => Ok(Some(session::Session {
+                id: id.to_owned(),
+                source: SessionSource::Run,
+            })),
             // Claude Code's connectivity probe reaches nothing.
             (None, Some(_)) if matches!(route, Route::Hello) => Ok(None),
             (None, Some(r)) => match session::resolve(r.as_ref(), path_session) {
-                Ok(s) => Ok(Some(s.id)),
+                Ok(s) => Ok(Some(s)),
                 Err(e) => {
                     self.metrics
                         .calls_refused
@@ -579,7 +588,7 @@ impl CaptureService {
         http: &mut ServerSession,
         codec: &dyn WireCodec,
         path_session: Option<String>,
-        fixed: Option<&str>,
+        admitted: Option<session::Session>,
     ) -> bool {
         if let Some(cause) = self.sink.refusal() {
             return self.refuse_unwritable_spool(http, codec, &cause).await;
@@ -591,7 +600,7 @@ impl CaptureService {
             .with_label_values(&self.engine_labels());
         inflight.inc();
         let reusable = self
-            .run_call(http, codec, path_session, fixed, &mut call)
+            .run_call(http, codec, path_session, admitted, &mut call)
             .await;
         inflight.dec();
         self.end_call(call).await;
@@ -669,37 +678,36 @@ impl CaptureService {
         http: &mut ServerSession,
         codec: &dyn WireCodec,
         path_session: Option<String>,
-        fixed: Option<&str>,
+        admitted: Option<session::Session>,
         call: &mut CallCapture,
     ) -> bool {
-        // Identify the session.
-        let head = http.req_header();
-        let header_session = head
-            .headers
-            .get(SESSION_HEADER)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
-        let query_session = head.uri.query().and_then(query_param_session);
-        let api_key = api_key(head);
-        let harness = HARNESS_SESSION_HEADERS.iter().find_map(|(name, prefix)| {
-            let v = head.headers.get(*name)?.to_str().ok()?;
-            Some((*prefix, v))
-        });
-        let hints = SessionHints {
-            header: header_session.as_deref(),
-            path_prefix: path_session.as_deref(),
-            query: query_session.as_deref(),
-            harness,
-            api_key: api_key.as_deref(),
-        };
-        let attributed = match (fixed, &self.resolver) {
-            (Some(id), _) => Ok(session::Session {
-                id: id.to_owned(),
-                source: tokentap_schema::SessionSource::Run,
-            }),
-            (None, Some(r)) => session::resolve(r.as_ref(), path_session.as_deref()),
-            (None, None) => session::attribute(&hints, || format!("call-{}", call.record_id))
-                .map_err(CallError::from),
+        // Identify the session: the one the listener fixed or resolved, else from what the
+        // request says.
+        let attributed = match admitted {
+            Some(s) => Ok(s),
+            None => {
+                let head = http.req_header();
+                let header_session = head
+                    .headers
+                    .get(SESSION_HEADER)
+                    .and_then(|v| v.to_str().ok())
+                    .map(str::to_owned);
+                let query_session = head.uri.query().and_then(query_param_session);
+                let api_key = api_key(head);
+                let harness = HARNESS_SESSION_HEADERS.iter().find_map(|(name, prefix)| {
+                    let v = head.headers.get(*name)?.to_str().ok()?;
+                    Some((*prefix, v))
+                });
+                let hints = SessionHints {
+                    header: header_session.as_deref(),
+                    path_prefix: path_session.as_deref(),
+                    query: query_session.as_deref(),
+                    harness,
+                    api_key: api_key.as_deref(),
+                };
+                session::attribute(&hints, || format!("call-{}", call.record_id))
+                    .map_err(CallError::from)
+            }
         };
         let session = match attributed {
             Ok(s) => s,

@@ -11,30 +11,24 @@ use tokentap_rollout::task::Sample;
 use crate::artefacts::tokentap_bin;
 use crate::procs::{http_client, spawn_guarded, wait_healthy, ChildGuard, KillScope};
 
-/// GET `url` with the node's bearer `token`, as JSON.
-pub async fn get_json(url: &str, token: &str) -> Value {
+/// GET `url` with the node's bearer `token`.
+async fn get(url: &str, token: &str) -> reqwest::Response {
     http_client()
         .get(url)
         .bearer_auth(token)
         .send()
-        .await
-        .unwrap()
-        .json()
         .await
         .unwrap()
 }
 
+/// GET `url` with the node's bearer `token`, as JSON.
+pub async fn get_json(url: &str, token: &str) -> Value {
+    get(url, token).await.json().await.unwrap()
+}
+
 /// GET `url` with the node's bearer `token`, as text (`/metrics`).
 pub async fn get_text(url: &str, token: &str) -> String {
-    http_client()
-        .get(url)
-        .bearer_auth(token)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap()
+    get(url, token).await.text().await.unwrap()
 }
 
 /// POST `body` as JSON to `url` with the node's bearer `token`: the status and the answer.

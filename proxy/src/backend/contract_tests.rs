@@ -422,13 +422,9 @@ fn chat_request() -> ChatRequest {
     }
 }
 
-async fn generate(
-    kind: BackendKind,
-    url: &str,
-    request: &ChatRequest,
-    mode: CallMode,
-) -> Result<Vec<GenerationEvent>, BackendError> {
-    let backend = build(BackendConfig {
+/// A backend of `kind` at `url` with the tests' timeouts and no key.
+fn config(kind: BackendKind, url: &str) -> BackendConfig {
+    BackendConfig {
         kind,
         url: url.to_owned(),
         api_key: None,
@@ -436,7 +432,16 @@ async fn generate(
         connect_timeout: Duration::from_secs(2),
         idle_timeout: Duration::from_secs(5),
         max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
-    })?;
+    }
+}
+
+async fn generate(
+    kind: BackendKind,
+    url: &str,
+    request: &ChatRequest,
+    mode: CallMode,
+) -> Result<Vec<GenerationEvent>, BackendError> {
+    let backend = build(config(kind, url))?;
     let events = backend.generate(request, mode).await?;
     events.collect::<Vec<_>>().await.into_iter().collect()
 }
@@ -859,16 +864,7 @@ fn the_engine_url_is_shown_without_its_password() {
             ),
             ("http://127.0.0.1:8000/v1", "http://127.0.0.1:8000"),
         ] {
-            let backend = build(BackendConfig {
-                kind,
-                url: url.to_owned(),
-                api_key: None,
-                ca_roots: Vec::new(),
-                connect_timeout: Duration::from_secs(2),
-                idle_timeout: Duration::from_secs(5),
-                max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
-            })
-            .unwrap();
+            let backend = build(config(kind, url)).unwrap();
             assert_eq!(backend.url(), shown, "{kind:?}");
         }
     }

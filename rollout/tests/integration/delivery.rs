@@ -83,6 +83,15 @@ async fn submit(url: &str, body: &Value) -> Value {
     r.json().await.unwrap()
 }
 
+/// Whether every sample of a rollout (as `GET /v1/rollouts/ID` shows it) has its callback.
+fn every_callback_made(v: &Value) -> bool {
+    v["samples"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .all(|s| s["callback"].is_object())
+}
+
 async fn wait_rollout<F: Fn(&Value) -> bool>(url: &str, id: &str, done: F) -> Value {
     let deadline = Instant::now() + Duration::from_secs(30);
     loop {
@@ -189,15 +198,18 @@ async fn a_flaky_receiver_gets_each_result_exactly_once() {
         ),
     )
     .await;
-    let delivered = |v: &Value| {
-        v["samples"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s["callback"].is_object())
-    };
-    let ok = wait_rollout(&url, ok["rollout_id"].as_str().unwrap(), delivered).await;
-    let refused = wait_rollout(&url, refused["rollout_id"].as_str().unwrap(), delivered).await;
+    let ok = wait_rollout(
+        &url,
+        ok["rollout_id"].as_str().unwrap(),
+        every_callback_made,
+    )
+    .await;
+    let refused = wait_rollout(
+        &url,
+        refused["rollout_id"].as_str().unwrap(),
+        every_callback_made,
+    )
+    .await;
 
     let r = receiver.lock().unwrap();
     for s in ok["samples"].as_array().unwrap() {
@@ -277,14 +289,12 @@ async fn a_receiver_that_never_answers_holds_only_its_own_slots() {
     );
 
     held.release();
-    let delivered = |v: &Value| {
-        v["samples"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s["callback"].is_object())
-    };
-    let slow = wait_rollout(&url, slow["rollout_id"].as_str().unwrap(), delivered).await;
+    let slow = wait_rollout(
+        &url,
+        slow["rollout_id"].as_str().unwrap(),
+        every_callback_made,
+    )
+    .await;
     let seen = held.seen();
     for s in slow["samples"].as_array().unwrap() {
         let id = s["sample_id"].as_str().unwrap();
