@@ -575,7 +575,8 @@ pub fn recorded_body(bytes: &[u8]) -> Option<RecordedBody> {
 ///   ([`userinfo_may_follow`]);
 /// - an object key is followed by `:` and ends with an unescaped quote ([`colon_after`]); one
 ///   with an escape goes to the scan, any other is its own text and is judged exactly by name
-///   (a credential name, even under a schema's `properties`, sends the body to the scan);
+///   (a credential name sends the body to the scan, but a schema parameter's whose schema
+///   certainly gives no value: [`parameter_schema_is_clean`]);
 ///   every other `:` is in a string, as every `=` is.
 ///
 /// The literal search reports every match start here (a rejected scheme match restarts one
@@ -617,7 +618,9 @@ fn clean_as_bytes(json: &[u8]) -> bool {
             _ if json[sep] == b'=' => !assigns_secret_in_json(before),
             ColonAfter::Text => !assigns_secret_in_json(before),
             ColonAfter::PlainKey(k) => {
-                !may_be_secret_name(k) || !is_secret_name(k) || schema_parameter_name(json, sep)
+                !may_be_secret_name(k)
+                    || !is_secret_name(k)
+                    || (schema_parameter_name(json, sep) && parameter_schema_is_clean(json, sep))
             }
             ColonAfter::OtherKey => false,
         }
@@ -674,8 +677,9 @@ fn quote_escaped(json: &[u8], i: usize) -> bool {
 
 /// Whether the key whose `:` is at `colon` names a parameter of a JSON Schema: its object is
 /// the value of a `properties` key whose own object is not (a parameter named `properties`
-/// would make it an ordinary object). [`Scan`] judges no name there; anything less certain
-/// (an escaped key on the way, a malformed text) is `false`.
+/// would make it an ordinary object). [`Scan`] redacts nothing for a name there, only, under a
+/// credential's name, the values its schema gives ([`Under::SecretParameter`]); anything less
+/// certain (an escaped key on the way, a malformed text) is `false`.
 fn schema_parameter_name(json: &[u8], colon: usize) -> bool {
     let Some(object) = key_open_quote(json, colon).and_then(|q| container_start(json, q)) else {
         return false;
@@ -690,6 +694,64 @@ fn schema_parameter_name(json: &[u8], colon: usize) -> bool {
         }
         _ => false,
     }
+}
+
+/// Whether the value after the `:` at `colon`, a credential parameter's schema, certainly
+/// holds nothing [`Under::SecretParameter`] redacts: `true`, `false` or `null`, or an object in
+/// which no schema value keyword and no `properties` appear at all, in a key or not (an escape
+/// spells a letter only as `\u`, and [`clean_as_bytes`] sends any such body to the scan).
+fn parameter_schema_is_clean(json: &[u8], colon: usize) -> bool {
+    let rest = &json[colon + 1..];
+    let Some(start) = rest
+        .iter()
+        .position(|b| !matches!(b, b' ' | b'\t' | b'\n' | b'\r'))
+    else {
+        return false;
+    };
+    let value = &rest[start..];
+    if [&b"true"[..], b"false", b"null"]
+        .iter()
+        .any(|w| value.starts_with(w))
+    {
+        return true;
+    }
+    value.first() == Some(&b'{')
+        && object_len(value).is_some_and(|len| !PARAMETER_SCHEMA_WORDS.is_match(&value[..len]))
+}
+
+/// [`SCHEMA_VALUE_KEYWORDS`] (`example` is in `examples`) and `properties`: the keys under
+/// which a credential parameter's schema has something to redact.
+static PARAMETER_SCHEMA_WORDS: LazyLock<AhoCorasick> = LazyLock::new(|| {
+    AhoCorasick::new(["default", "const", "enum", "example", "properties"]).expect("valid patterns")
+});
+
+/// The length of the object that opens `json` (`json[0]` is `{`), strings skipped; `None` if
+/// it does not close.
+fn object_len(json: &[u8]) -> Option<usize> {
+    let mut depth = 0usize;
+    let mut i = 0;
+    while i < json.len() {
+        match json[i] {
+            b'"' => loop {
+                i += 1;
+                match json.get(i)? {
+                    b'\\' => i += 1,
+                    b'"' => break,
+                    _ => {}
+                }
+            },
+            b'{' | b'[' => depth += 1,
+            b'}' | b']' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i + 1);
+                }
+            }
+            _ => {}
+        }
+        i += 1;
+    }
+    None
 }
 
 /// The opening quote of the plain key whose `:` is at `colon`.
@@ -931,27 +993,23 @@ impl<'de> Visitor<'de> for Scan {
     }
 
     fn visit_i64<E>(self, _: i64) -> Result<bool, E> {
-        Ok(self.0 == Under::Secret)
+        Ok(self.0.scalar_is_secret())
     }
 
     fn visit_u64<E>(self, _: u64) -> Result<bool, E> {
-        Ok(self.0 == Under::Secret)
+        Ok(self.0.scalar_is_secret())
     }
 
     fn visit_f64<E>(self, _: f64) -> Result<bool, E> {
-        Ok(self.0 == Under::Secret)
+        Ok(self.0.scalar_is_secret())
     }
 
     fn visit_str<E>(self, s: &str) -> Result<bool, E> {
-        Ok(self.0 == Under::Secret || text_changes(s))
+        Ok(self.0.scalar_is_secret() || text_changes(s))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<bool, A::Error> {
-        // Under `properties` only an object holds parameter names.
-        let under = match self.0 {
-            Under::SchemaProperties => Under::Plain,
-            u => u,
-        };
+        let under = self.0.element();
         let mut hit = false;
         while let Some(h) = seq.next_element_seed(Scan(under))? {
             hit |= h;
@@ -964,16 +1022,7 @@ impl<'de> Visitor<'de> for Scan {
         while let Some(key) = map.next_key_seed(KeySeed)? {
             let k: &str = &key;
             hit |= text_changes(k);
-            let child = match self.0 {
-                Under::Secret => Under::Secret,
-                Under::SchemaProperties => Under::Plain,
-                Under::Plain if may_be_secret_name(k) && is_secret_name(k) => Under::Secret,
-                // An object under `properties` holds parameter names; anything else there is
-                // scanned as plain (see `visit_seq` and the scalars).
-                Under::Plain if k == "properties" => Under::SchemaProperties,
-                Under::Plain => Under::Plain,
-            };
-            hit |= map.next_value_seed(Scan(child))?;
+            hit |= map.next_value_seed(Scan(self.0.child(k)))?;
         }
         Ok(hit)
     }
@@ -1014,30 +1063,85 @@ enum Under {
     Secret,
     /// A JSON Schema `properties` object: its keys are parameter names, not credentials.
     SchemaProperties,
+    /// The schema of a parameter named as a credential (`db_password` under `properties`): a
+    /// value there that is no schema (a string, a number, an array) is the credential itself;
+    /// an object is read as [`Under::SecretSchema`].
+    SecretParameter,
+    /// Inside a credential parameter's schema: as [`Under::Plain`], but the values the schema
+    /// gives the parameter (`default`, `const`, `enum`, `examples`, `example`, at any depth:
+    /// `anyOf`, `items`, ...) are the credential's, and so is every parameter of its own
+    /// `properties` ([`Under::SecretProperties`]).
+    SecretSchema,
+    /// A credential parameter schema's `properties`: each parameter in it is part of the
+    /// credential, whatever its name.
+    SecretProperties,
+}
+
+/// The JSON Schema keywords whose values are values of the parameter itself.
+const SCHEMA_VALUE_KEYWORDS: [&str; 5] = ["default", "const", "enum", "examples", "example"];
+
+impl Under {
+    /// What the value of `key`, in an object under `self`, is under.
+    fn child(self, key: &str) -> Under {
+        let secret_name = || may_be_secret_name(key) && is_secret_name(key);
+        match self {
+            Under::Secret => Under::Secret,
+            Under::SchemaProperties if secret_name() => Under::SecretParameter,
+            // Any other parameter's schema is read as plain (a parameter called `token` is no
+            // credential, nor is its `default`).
+            Under::SchemaProperties => Under::Plain,
+            Under::SecretProperties => Under::SecretParameter,
+            Under::Plain => match key {
+                _ if secret_name() => Under::Secret,
+                // An object under `properties` holds parameter names; anything else there is
+                // read as plain (see `element` and `scalar_is_secret`).
+                "properties" => Under::SchemaProperties,
+                _ => Under::Plain,
+            },
+            Under::SecretParameter | Under::SecretSchema => match key {
+                _ if SCHEMA_VALUE_KEYWORDS.contains(&key) || secret_name() => Under::Secret,
+                "properties" => Under::SecretProperties,
+                _ => Under::SecretSchema,
+            },
+        }
+    }
+
+    /// What the elements of an array under `self` are under: under `properties` only an
+    /// object holds parameter names, and a credential parameter's array is no schema.
+    fn element(self) -> Under {
+        match self {
+            Under::SchemaProperties => Under::Plain,
+            Under::SecretProperties => Under::SecretSchema,
+            Under::SecretParameter => Under::Secret,
+            u => u,
+        }
+    }
+
+    /// Whether a string or a number under `self` is a credential.
+    fn scalar_is_secret(self) -> bool {
+        matches!(self, Under::Secret | Under::SecretParameter)
+    }
 }
 
 fn redact_value(v: Value, under: Under) -> Value {
     match v {
-        Value::String(_) | Value::Number(_) if under == Under::Secret => {
+        Value::String(_) | Value::Number(_) if under.scalar_is_secret() => {
             Value::String(REDACTED.into())
         }
         Value::String(s) => match text(&s) {
             Cow::Borrowed(_) => Value::String(s),
             Cow::Owned(o) => Value::String(o),
         },
-        Value::Array(items) => {
-            Value::Array(items.into_iter().map(|i| redact_value(i, under)).collect())
-        }
+        Value::Array(items) => Value::Array(
+            items
+                .into_iter()
+                .map(|i| redact_value(i, under.element()))
+                .collect(),
+        ),
         Value::Object(fields) => {
             let mut out = Map::with_capacity(fields.len());
             for (k, val) in fields {
-                let child = match under {
-                    Under::Secret => Under::Secret,
-                    Under::SchemaProperties => Under::Plain,
-                    Under::Plain if is_secret_name(&k) => Under::Secret,
-                    Under::Plain if k == "properties" && val.is_object() => Under::SchemaProperties,
-                    Under::Plain => Under::Plain,
-                };
+                let child = under.child(&k);
                 out.insert(text(&k).into_owned(), redact_value(val, child));
             }
             Value::Object(out)
@@ -1303,6 +1407,73 @@ mod tests {
             url("http://app:pw@engine:8000"),
             "http://app:[redacted]@engine:8000"
         );
+    }
+
+    /// Issue 37 item 9: a tool's JSON Schema kept the `default` (and `const`, `enum`,
+    /// `examples`) of a parameter named as a credential.
+    #[test]
+    fn values_a_schema_gives_a_credential_parameter_are_redacted() {
+        let parameters = json!({
+            "type": "object",
+            "properties": {
+                "db_password": {"type": "string", "description": "the DB password",
+                                "default": "hunter2a", "examples": ["hunter2b"]},
+                "apiKey": {"anyOf": [{"const": "hunter2c"}, {"enum": ["hunter2d", 7]}]},
+                "credentials": {"type": "object", "default": {"user": "hunter2e"},
+                                "properties": {"user": {"type": "string", "example": "hunter2f"},
+                                               "pin": "hunter2g"}},
+                "token": "hunter2h",
+                "password": ["hunter2i"],
+                "max_tokens": {"type": "integer", "default": 512},
+                "mode": {"enum": ["fast", "slow"], "default": "fast"},
+                "confirm": true
+            },
+            "required": ["db_password"],
+            "default": {"mode": "fast"}
+        });
+        let sent = json!({"model": "m", "tools": [{"type": "function",
+            "function": {"name": "connect", "parameters": parameters}}]});
+        let redacted = body(sent.clone());
+        let s = redacted.to_string();
+        assert!(!s.contains("hunter2"), "{s}");
+        let p = &redacted["tools"][0]["function"]["parameters"];
+        // The schemas themselves, and every other parameter's values, are kept.
+        assert_eq!(
+            p["properties"]["db_password"],
+            json!({"type": "string", "description": "the DB password",
+                   "default": REDACTED, "examples": [REDACTED]})
+        );
+        assert_eq!(
+            p["properties"]["credentials"]["properties"]["user"]["type"],
+            "string"
+        );
+        for kept in ["max_tokens", "mode", "confirm"] {
+            assert_eq!(
+                p["properties"][kept], parameters["properties"][kept],
+                "{kept}"
+            );
+        }
+        assert_eq!(p["required"], json!(["db_password"]));
+        assert_eq!(p["default"], json!({"mode": "fast"}));
+        // The record's body agrees, whatever the byte pass reads.
+        let kept = recorded_body(sent.to_string().as_bytes()).unwrap();
+        assert!(!kept.verbatim);
+        assert_eq!(kept.body.to_value(), redacted);
+        // The issue's own: one parameter, and the schema without a value kept as sent.
+        let issue = br#"{"properties": {"db_password": {"type":"string","default":"hunter2"}}}"#;
+        assert!(!recorded_body(issue).unwrap().body.get().contains("hunter2"));
+        let plain = br#"{"properties": {"db_password": {"type":"string","description":"x"}, "token": true}}"#;
+        assert!(recorded_body(plain).unwrap().verbatim);
+        assert!(clean_as_bytes(plain));
+    }
+
+    #[test]
+    fn the_byte_pass_looks_for_every_schema_value_keyword() {
+        for keyword in SCHEMA_VALUE_KEYWORDS {
+            let json = format!(r#"{{"properties": {{"password": {{"{keyword}": "x"}}}}}}"#);
+            assert!(!clean_as_bytes(json.as_bytes()), "{json}");
+            assert!(scan(json.as_bytes()), "{json}");
+        }
     }
 
     /// Text made of the pieces the rules look for: names, separators, prefixes, schemes.
@@ -1783,6 +1954,17 @@ mod tests {
             json!({"type": "string"}),
             json!(null),
             json!({}),
+            json!(true),
+            json!(["abc"]),
+            json!({"type": "string", "default": "abc"}),
+            json!({"enum": [1, "abc"]}),
+            json!({"anyOf": [{"const": "abc"}]}),
+            json!({"examples": []}),
+            json!({"default": null}),
+            json!({"properties": {"user": "abc"}}),
+            json!({"properties": {"user": {"type": "string"}}}),
+            json!({"description": "the default is abc"}),
+            json!({"items": {"example": 5}}),
         ]);
         let shape = prop::sample::select(vec![0u8, 1, 2, 3, 4, 5, 6, 7]);
         (key, value, shape).prop_map(|(k, v, shape)| {
