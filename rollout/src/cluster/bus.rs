@@ -24,6 +24,10 @@ pub const EVENTS_STREAM: &str = "TOKENTAP_EVENTS";
 pub const CALLBACK_STREAM: &str = "TOKENTAP_CALLBACKS";
 pub const CALLBACK_SUBJECT: &str = "tokentap.callbacks";
 pub const CALLBACK_CONSUMER: &str = "deliverers";
+/// Callback attempts made so far (sample id → how many, once there was one that failed). A
+/// job a node deferred (its receiver had that node's most in flight) comes back from the queue
+/// unattempted, so the queue's delivery count is not the attempts.
+pub const CALLBACK_ATTEMPTS_BUCKET: &str = "tokentap_callback_attempts";
 /// Rollouts as submitted (rollout id → `Rollout`).
 pub const ROLLOUTS_BUCKET: &str = "tokentap_rollouts";
 /// Every sample's state (sample id → `Sample`), written by the node holding its claim, each
@@ -67,6 +71,7 @@ pub struct ClusterBus {
     pub results: stream::Stream,
     pub events: stream::Stream,
     pub callbacks: consumer::PullConsumer,
+    pub callback_attempts: kv::Store,
     pub rollouts: kv::Store,
     pub samples: kv::Store,
     pub nodes: kv::Store,
@@ -157,6 +162,7 @@ impl ClusterBus {
             results,
             events,
             callbacks,
+            callback_attempts: open_bucket(&js, CALLBACK_ATTEMPTS_BUCKET, RETENTION).await?,
             rollouts: open_bucket(&js, ROLLOUTS_BUCKET, RETENTION).await?,
             samples: open_bucket(&js, SAMPLES_BUCKET, RETENTION).await?,
             nodes: open_bucket(&js, NODES_BUCKET, NODE_TTL).await?,

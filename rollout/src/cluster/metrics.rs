@@ -11,7 +11,8 @@ pub struct ClusterMetrics {
     pub claims: IntCounterVec,
     pub claims_lost: IntCounter,
     pub held: IntGauge,
-    /// `outcome`: `delivered`, `retried`, `refused`, `gave_up`.
+    /// `outcome`: `delivered`, `retried`, `refused`, `gave_up`; `deferred` (not an attempt:
+    /// its receiver had this node's most in flight).
     pub callbacks: IntCounterVec,
     pub bus_errors: IntCounter,
     /// `reason`: `unsealed`, `seal_mismatch`, `foreign_sample`, `over_ceilings`,
@@ -46,7 +47,7 @@ impl ClusterMetrics {
             ),
             callbacks: vec(
                 "tokentap_cluster_callbacks_total",
-                "Callback attempts made by this node for the cluster, by outcome",
+                "Callback jobs this node handled for the cluster, by outcome (deferred: not attempted, its receiver had this node's most callbacks in flight)",
                 "outcome",
             ),
             bus_errors: counter_in(

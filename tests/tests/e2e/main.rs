@@ -11,6 +11,7 @@ mod attacks_sandbox;
 mod backend_failures;
 mod bad_input;
 mod bus;
+mod callbacks;
 mod chaos;
 mod control_plane;
 mod deploy_manifests;
