@@ -172,6 +172,28 @@ impl InFlight {
             started,
         })
     }
+
+    /// Returns once the node has room for another delivery (to some receiver).
+    pub(crate) async fn room(&self) {
+        loop {
+            let freed = self.freed.notified();
+            if self.state.lock().expect("not poisoned").samples.len() < self.max_total {
+                return;
+            }
+            freed.await;
+        }
+    }
+
+    /// How long the oldest delivery in flight to `url`'s receiver has taken so far (zero
+    /// when there is none): about how long that receiver takes to free a slot.
+    pub(crate) fn oldest_to(&self, url: &str) -> Duration {
+        let state = self.state.lock().expect("not poisoned");
+        state
+            .receivers
+            .get(&receiver_of(url))
+            .and_then(|starts| starts.iter().min())
+            .map_or(Duration::ZERO, Instant::elapsed)
+    }
 }
 
 impl Drop for Slot {
@@ -386,6 +408,8 @@ mod tests {
         );
         drop(a1);
         let c = in_flight.try_take("s4", "https://c/").unwrap();
+        assert!(in_flight.oldest_to("http://a:9000/") > Duration::ZERO);
+        assert_eq!(in_flight.oldest_to("http://d/"), Duration::ZERO);
         drop((a2, b, c));
         let state = in_flight.state.lock().unwrap();
         assert!(state.samples.is_empty() && state.receivers.is_empty());

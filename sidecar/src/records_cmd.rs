@@ -255,14 +255,17 @@ impl Detokenizer {
 
     pub(crate) fn piece(&self, id: u32) -> Option<String> {
         let url = self.url.as_ref()?;
-        let v: serde_json::Value = self
+        let answer = self
             .client
             .post(format!("{url}/detokenize"))
             .json(&serde_json::json!({"tokens": [id]}))
             .send()
-            .ok()?
-            .json()
             .ok()?;
+        let v: serde_json::Value = tokentap_proxy::capped_body::read_sync_json(
+            answer,
+            tokentap_proxy::capped_body::MAX_BODY_READ,
+        )
+        .ok()?;
         v.get("content")?.as_str().map(str::to_owned)
     }
 }

@@ -7,6 +7,12 @@
 //! its ack) goes to the dead-letter file next to the cursor, loudly and counted, before the
 //! cursor moves past it. Only a worker that is down or refuses the token holds the stream, and
 //! that is retried until it comes back.
+//!
+//! What a worker says is believed only so far: a body limit below [`MIN_WORKER_LIMIT`]
+//! (advertised, or in a 413) is ignored with a warning, so a worker misconfigured with a tiny
+//! `--max-body-bytes` (or something else answering at its address) cannot have every record
+//! dead-lettered unsent; its answers are read to at most 1 MiB; and redirects are not
+//! followed, so the token and the records go only to `--to`.
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
@@ -14,6 +20,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokentap_proxy::backend::error_chain;
+use tokentap_proxy::capped_body::{self, MAX_BODY_READ};
 
 use anyhow::Context;
 use clap::Args;
@@ -21,6 +28,13 @@ use prometheus::IntCounter;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
 use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
+
+/// The least body limit of a worker the shipper believes. A record is tens of KB, a long
+/// session's last calls a few MB; a worker that says it takes less than this is misconfigured
+/// or not a worker, and believing it would dead-letter nearly every record without sending
+/// it. Below it, batches are sized by the shipper's own budget and split on 413s, and only a
+/// record the worker answers 413 to when sent alone is dead-lettered.
+pub const MIN_WORKER_LIMIT: u64 = 1 << 20;
 
 /// Next to the spool's segments; the spool reader ignores other files.
 pub const CURSOR_FILE: &str = "ship-cursor.json";
@@ -179,6 +193,10 @@ pub fn ship(
     let mut reader = SpoolReader::open_at(spool, start)
         .with_context(|| format!("opening the spool at {}", spool.display()))?;
     let mut builder = reqwest::blocking::Client::builder()
+        // The worker's API never redirects; following one would send the token (kept by
+        // reqwest on the same host and port, even from https to http) and the records to
+        // wherever it points.
+        .redirect(reqwest::redirect::Policy::none())
         .connect_timeout(Duration::from_secs(5))
         // Room for a batch of the worker's largest body over a slow link.
         .timeout(Duration::from_secs(300));
@@ -344,7 +362,9 @@ pub fn ship(
                 None
             }
             Sent::TooLarge(max) => {
-                let known = max.or_else(|| client.limits());
+                let known = max
+                    .and_then(|m| believed(m, "in its 413"))
+                    .or_else(|| client.limits());
                 tracing::warn!(batch_bytes = bytes, records = n, worker_limit = ?known, "the worker found the batch too large; sending fewer records");
                 if known.is_some() {
                     worker_max = known;
@@ -448,20 +468,23 @@ impl Worker {
         }
     }
 
-    /// The worker's body limit, when it tells it (an older worker does not).
+    /// The worker's body limit, when it tells it (an older worker does not) and it is
+    /// [`believed`].
     fn limits(&self) -> Option<u64> {
         let r = self.request(reqwest::Method::GET, SHIP_LIMITS_PATH).send();
         match r {
-            Ok(r) if r.status().is_success() => match r.json::<ShipLimits>() {
-                Ok(l) => {
-                    tracing::info!(max_body_bytes = l.max_body_bytes, "the worker's limits");
-                    Some(l.max_body_bytes)
+            Ok(r) if r.status().is_success() => {
+                match capped_body::read_sync_json::<ShipLimits>(r, MAX_BODY_READ) {
+                    Ok(l) => {
+                        tracing::info!(max_body_bytes = l.max_body_bytes, "the worker's limits");
+                        believed(l.max_body_bytes, "at /v1/ship/limits")
+                    }
+                    Err(e) => {
+                        tracing::warn!(error = %e, "unreadable worker limits");
+                        None
+                    }
                 }
-                Err(e) => {
-                    tracing::warn!(error = %e, "unreadable worker limits");
-                    None
-                }
-            },
+            }
             Ok(r) => {
                 tracing::warn!(status = %r.status(), "the worker did not tell its limits");
                 None
@@ -485,28 +508,51 @@ impl Worker {
         };
         let status = response.status();
         if status.is_success() {
-            return match response.json::<ShipAck>() {
+            return match capped_body::read_sync_json::<ShipAck>(response, MAX_BODY_READ) {
                 Ok(ack) => Sent::Acked(ack),
-                Err(e) => Sent::Transient(format!("unreadable ack: {}", error_chain(&e))),
+                Err(e) => Sent::Transient(format!("unreadable ack: {e}")),
             };
         }
-        let text = response.text().unwrap_or_default();
+        let location = response
+            .headers()
+            .get(reqwest::header::LOCATION)
+            .map(|l| String::from_utf8_lossy(l.as_bytes()).into_owned());
+        let excerpt = capped_body::read_sync(response, MAX_BODY_READ).unwrap_or_default();
+        let text = excerpt.text();
         let why = format!(
             "worker answered {status}: {}",
             text.chars().take(300).collect::<String>()
         );
         match status.as_u16() {
             413 => Sent::TooLarge(
-                serde_json::from_str::<serde_json::Value>(&text)
+                excerpt
+                    .json::<serde_json::Value>()
                     .ok()
                     .and_then(|v| v["max_body_bytes"].as_u64()),
             ),
             401 | 403 => Sent::Unauthorized(why),
+            300..=399 => Sent::Transient(format!(
+                "worker answered {status} to {location:?}: not followed (the token and records go only to --to)",
+                location = location.unwrap_or_default()
+            )),
             408 | 425 | 429 => Sent::Transient(why),
             400..=499 => Sent::Refused(why),
             _ => Sent::Transient(why),
         }
     }
+}
+
+/// A body limit a worker told (`source`: where), if it is at least [`MIN_WORKER_LIMIT`].
+fn believed(max_body_bytes: u64, source: &str) -> Option<u64> {
+    if max_body_bytes >= MIN_WORKER_LIMIT {
+        return Some(max_body_bytes);
+    }
+    tracing::warn!(
+        max_body_bytes,
+        floor = MIN_WORKER_LIMIT,
+        "the worker's body limit {source} is below the least the shipper believes: ignored (batches are split on 413s instead); raise the worker's --max-body-bytes"
+    );
+    None
 }
 
 fn unix_ms() -> u64 {
@@ -596,6 +642,148 @@ mod tests {
     use std::sync::Mutex;
     use tokentap_reconstruct::synthetic::LongSession;
     use tokentap_spool::{SpoolConfig, SpoolWriter};
+
+    /// A runtime with `app` served on loopback: its base URL.
+    fn serve(app: axum::Router) -> (tokio::runtime::Runtime, String) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let url = rt.block_on(async move {
+            let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+            let url = format!("http://{}", listener.local_addr().unwrap());
+            tokio::spawn(async move { axum::serve(listener, app).await });
+            url
+        });
+        (rt, url)
+    }
+
+    /// A spool of `n` small records (a few KB each).
+    fn spool_of(dir: &Path, n: usize) -> Vec<tokentap_schema::CaptureRecord> {
+        let records = LongSession {
+            calls: n,
+            first_prompt: 200,
+            last_prompt: 400,
+            sampled: 8,
+            subagent_every: 0,
+            subagent_calls: 0,
+            subagent_prompt: 0,
+        }
+        .records("spooled", 3);
+        let mut w = SpoolWriter::open(dir, SpoolConfig::default()).unwrap();
+        w.append_batch(&records).unwrap();
+        w.sync().unwrap();
+        records
+    }
+
+    fn drained(deadline: Duration) -> ShipStop {
+        ShipStop {
+            drain: Arc::new(AtomicBool::new(true)),
+            drain_deadline: deadline,
+        }
+    }
+
+    /// A worker that says it takes 16 bytes (at `/v1/ship/limits`, and 10 in a 413 to the
+    /// first batch) but takes what it is sent: the shipper does not believe a limit that
+    /// small, so nothing is dead-lettered unsent and every record arrives.
+    #[test]
+    fn a_tiny_advertised_limit_is_not_believed() {
+        use axum::response::IntoResponse;
+        let received: Arc<Mutex<Vec<String>>> = Arc::default();
+        let first = Arc::new(AtomicBool::new(true));
+        let sink = received.clone();
+        let app = axum::Router::new()
+            .route(
+                SHIP_LIMITS_PATH,
+                axum::routing::get(|| async { axum::Json(ShipLimits { max_body_bytes: 16 }) }),
+            )
+            .route(
+                SHIP_PATH,
+                axum::routing::post(move |body: axum::body::Bytes| async move {
+                    if first.swap(false, Ordering::SeqCst) {
+                        let limit = axum::Json(ShipLimits { max_body_bytes: 10 });
+                        return (axum::http::StatusCode::PAYLOAD_TOO_LARGE, limit).into_response();
+                    }
+                    let mut ack = ShipAck::default();
+                    for line in body.split(|b| *b == b'\n').filter(|l| !l.is_empty()) {
+                        let r: tokentap_schema::CaptureRecord =
+                            serde_json::from_slice(line).unwrap();
+                        sink.lock().unwrap().push(r.record_id);
+                        ack.accepted += 1;
+                    }
+                    axum::Json(ack).into_response()
+                }),
+            );
+        let (_rt, url) = serve(app);
+        let dir = tempfile::tempdir().unwrap();
+        let records = spool_of(dir.path(), 20);
+        let target = ShipTarget {
+            to: url,
+            token: None,
+            ca_roots: Vec::new(),
+        };
+        let totals = ship(
+            dir.path(),
+            &target,
+            &drained(Duration::from_secs(5)),
+            BatchLimits::default(),
+            ShipMetrics::unregistered(),
+        )
+        .unwrap();
+        assert_eq!(totals.dead_lettered, 0, "{totals:?}");
+        let want: Vec<String> = records.iter().map(|r| r.record_id.clone()).collect();
+        assert_eq!(*received.lock().unwrap(), want);
+        assert!(!dir.path().join(DEAD_LETTER_FILE).exists());
+    }
+
+    /// A "worker" that redirects both its routes elsewhere: the shipper follows neither, so
+    /// the place they point to never sees the token, nor the records; it retries, and a drain
+    /// gives up at its deadline with the cursor where it was.
+    #[test]
+    fn redirects_are_not_followed_with_the_token() {
+        let elsewhere: Arc<Mutex<Vec<String>>> = Arc::default();
+        let seen = elsewhere.clone();
+        let (_rt_elsewhere, elsewhere_url) = serve(axum::Router::new().fallback(
+            move |headers: axum::http::HeaderMap, uri: axum::http::Uri| async move {
+                let auth = headers
+                    .get("authorization")
+                    .map(|v| v.to_str().unwrap_or_default().to_owned());
+                seen.lock().unwrap().push(format!("{uri} {auth:?}"));
+                axum::Json(ShipLimits {
+                    max_body_bytes: 64 << 20,
+                })
+            },
+        ));
+        let to = elsewhere_url.clone();
+        let (_rt, url) = serve(axum::Router::new().fallback(move |uri: axum::http::Uri| {
+            let to = to.clone();
+            async move {
+                (
+                    axum::http::StatusCode::TEMPORARY_REDIRECT,
+                    [("location", format!("{to}{uri}"))],
+                )
+            }
+        }));
+        let dir = tempfile::tempdir().unwrap();
+        spool_of(dir.path(), 3);
+        let target = ShipTarget {
+            to: url,
+            token: Some("the-worker-token".into()),
+            ca_roots: Vec::new(),
+        };
+        let totals = ship(
+            dir.path(),
+            &target,
+            &drained(Duration::from_secs(1)),
+            BatchLimits::default(),
+            ShipMetrics::unregistered(),
+        )
+        .unwrap();
+        assert_eq!(*elsewhere.lock().unwrap(), Vec::<String>::new());
+        assert!(totals.retries > 0, "{totals:?}");
+        assert_eq!((totals.records, totals.dead_lettered), (0, 0));
+    }
 
     /// A worker of an older kind: no `/v1/ship/limits`, and a bare 413 (no limit in it) for
     /// a body over `limit`. The shipper must still get every record through that fits, and

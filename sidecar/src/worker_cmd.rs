@@ -63,8 +63,9 @@ pub struct WorkerArgs {
     /// Largest batch body read, in bytes (told to shippers at /v1/ship/limits; a record
     /// bigger than this is dead-lettered by its shipper). Records hold the harness request
     /// and the engine's prompt, so leave room for about three times the proxies'
-    /// --max-body-bytes.
-    #[arg(long, default_value_t = 128 << 20)]
+    /// --max-body-bytes. At least 1 MiB: shippers ignore a smaller limit (it would
+    /// dead-letter nearly every record unsent).
+    #[arg(long, default_value_t = 128 << 20, value_parser = at_least_the_shippers_floor)]
     max_body_bytes: usize,
     #[command(flatten)]
     tls: crate::control_plane::TlsListenArgs,
@@ -324,6 +325,19 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--max-body-bytes`, refused below [`crate::ship::MIN_WORKER_LIMIT`], the least limit a
+/// shipper believes.
+fn at_least_the_shippers_floor(s: &str) -> Result<usize, String> {
+    let n: usize = s.parse().map_err(|e| format!("{e}"))?;
+    if (n as u64) < crate::ship::MIN_WORKER_LIMIT {
+        return Err(format!(
+            "{n} is below {} bytes, the least body limit a shipper believes; a record is tens of KB, a long session's calls a few MB",
+            crate::ship::MIN_WORKER_LIMIT
+        ));
+    }
+    Ok(n)
+}
+
 fn router(state: AppState, token: BearerToken, max_body_bytes: usize) -> Router {
     let guarded = Router::new()
         .route(SHIP_PATH, post(receive))
@@ -474,4 +488,24 @@ fn unix_ms() -> u64 {
     SystemTime::now()
         .duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker cannot be started with a body limit its shippers would not believe (and
+    /// would, before, have dead-lettered nearly every record for).
+    #[test]
+    fn a_body_limit_under_the_shippers_floor_is_refused() {
+        let floor = crate::ship::MIN_WORKER_LIMIT as usize;
+        let err = at_least_the_shippers_floor("1000").unwrap_err();
+        assert!(
+            err.contains("1000") && err.contains(&floor.to_string()),
+            "{err}"
+        );
+        assert!(at_least_the_shippers_floor(&(floor - 1).to_string()).is_err());
+        assert_eq!(at_least_the_shippers_floor(&floor.to_string()), Ok(floor));
+        assert!(at_least_the_shippers_floor("lots").is_err());
+    }
 }

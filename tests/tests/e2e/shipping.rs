@@ -127,7 +127,8 @@ async fn a_40_mb_record_is_delivered_alone_and_later_records_keep_flowing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backlog_over_the_worker_limit_is_split_and_a_record_over_it_is_dead_lettered() {
-    const LIMIT: usize = 256 << 10;
+    // The least limit a worker takes (and a shipper believes).
+    const LIMIT: usize = 1 << 20;
     let engine = engine().await;
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("worker-out");
@@ -137,11 +138,11 @@ async fn a_backlog_over_the_worker_limit_is_split_and_a_record_over_it_is_dead_l
     )
     .await;
     let proxy = Tokentap::start(shipping_proxy(&engine, &worker)).await;
-    // A backlog builds while the worker is down: ten records of ~60 KB, 600 KB together,
-    // far over the worker's 256 KiB (and under the shipper's own 8 MiB batches).
+    // A backlog builds while the worker is down: ten records of ~250 KB, 2.5 MB together,
+    // far over the worker's 1 MiB (and under the shipper's own 8 MiB batches).
     worker.kill();
     for i in 0..10 {
-        call(&proxy, &format!("backlog-{i}"), 60_000).await;
+        call(&proxy, &format!("backlog-{i}"), 250_000).await;
     }
     // One record the worker can never take, then more that must not wait behind it.
     call(&proxy, "too-big", 2 * LIMIT).await;
