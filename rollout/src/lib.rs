@@ -35,6 +35,7 @@ pub mod pipeline;
 pub mod preset;
 pub mod sample_files;
 pub mod sandbox;
+pub mod seccomp;
 pub mod store;
 pub mod task;
 pub mod transparent;

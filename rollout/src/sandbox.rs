@@ -456,6 +456,13 @@ pub async fn shim(args: ShimArgs) -> io::Result<i32> {
         // std drops the supplementary groups too when it changes uid as root.
         cmd.uid(uid).gid(gid);
     }
+    // The system calls task code is refused (crate::seccomp), installed after the uid drop
+    // (std changes ids before it runs this) and before the exec; compiled here, not there.
+    let filters: &'static [seccompiler::BpfProgram] = &crate::seccomp::SANDBOX_FILTERS;
+    // SAFETY: install makes system calls only, safe between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || crate::seccomp::install(filters));
+    }
     if let Some(fd) = args.ready_fd {
         // SAFETY: the descriptor was handed to us for this one write.
         let ready = unsafe { OwnedFd::from_raw_fd(fd) };

@@ -145,6 +145,14 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         Command::Serve(args) => serve_cmd::run(args).map(|()| ok),
         Command::Generate(args) => generate_cmd::run(args).map(|()| ok),
         Command::SandboxShim(args) => {
+            // Checked before the runtime opens descriptors of its own: were the ready fd not
+            // handed over, its number could be the runtime's, which the shim would close.
+            if let Some(fd) = args.ready_fd {
+                // SAFETY: F_GETFD only reads the descriptor's flags.
+                if unsafe { libc::fcntl(fd, libc::F_GETFD) } < 0 {
+                    anyhow::bail!("sandbox-shim: --ready-fd {fd} is not an open descriptor");
+                }
+            }
             let rt = tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build()?;

@@ -977,6 +977,32 @@ fn under_a_terminal(mut cmd: Command) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// `cmd` (a [`wrap`]ped command) with a descriptor where the shim reports readiness, as the
+/// node gives it (`/dev/null` here: the tests read the command's output instead).
+///
+/// [`wrap`]: tokentap_rollout::sandbox::wrap
+fn handed_a_ready_fd(mut cmd: Command) -> Command {
+    use std::os::fd::AsRawFd;
+    use std::os::unix::process::CommandExt;
+    let null = std::fs::File::create("/dev/null").unwrap();
+    // SAFETY: dup2 only, async-signal-safe, between fork and exec; `null` lives in the closure.
+    unsafe {
+        cmd.pre_exec(move || {
+            let (fd, ready) = (null.as_raw_fd(), tokentap_rollout::sandbox::READY_FD);
+            // dup2 onto itself would keep close-on-exec.
+            let r = match fd == ready {
+                true => libc::fcntl(fd, libc::F_SETFD, 0),
+                false => libc::dup2(fd, ready),
+            };
+            if r < 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+    cmd
+}
+
 /// Task code cannot reach the terminal of a node run by hand (`generate`, a node started in a
 /// shell): every sandboxed command runs in a session of its own, with no controlling
 /// terminal, so it cannot open `/dev/tty` to push keystrokes into the operator's shell
@@ -1013,6 +1039,106 @@ fn sandboxed_code_has_no_controlling_terminal() {
         // SAFETY: geteuid has no preconditions.
         run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, 65534),
     };
-    let sandboxed = wrap(&probe_command(), &cfg, &Mounts::default());
+    let sandboxed = handed_a_ready_fd(wrap(&probe_command(), &cfg, &Mounts::default()));
     assert_eq!(under_a_terminal(sandboxed), "no-tty");
+}
+
+/// What the sandbox's seccomp filters refuse, tried by task code: a user namespace, a kernel
+/// keyring, a perf counter on itself, and TIOCSTI into a terminal it made its own (allowed to
+/// any process on its own controlling terminal, so no terminal of the test's is needed). Run
+/// once as the sandbox's uid outside the sandbox, each works (the positive control: without
+/// the filters nothing else here stops them); inside, each is refused with EPERM, and the
+/// probe itself (python, threads and all) still runs.
+#[test]
+fn sandboxed_code_is_refused_the_filtered_system_calls() {
+    use std::os::unix::process::CommandExt;
+    use tokentap_rollout::sandbox::{wrap, Mounts, SandboxConfig};
+    if !sandbox_available() {
+        return;
+    }
+    const PROBE: &str = r#"
+import ctypes, fcntl, os, termios, threading
+libc = ctypes.CDLL(None, use_errno=True)
+libc.syscall.restype = ctypes.c_long
+def report(name, r):
+    print(name, "ok" if r >= 0 else "errno %d" % ctypes.get_errno())
+def unshare_user():
+    return libc.syscall(272, 0x10000000)
+def keyctl():
+    return libc.syscall(250, 1, 0)
+def perf():
+    attr = (ctypes.c_uint64 * 16)()
+    attr[0] = 1 | (128 << 32)
+    attr[5] = 1 | (1 << 5) | (1 << 6)
+    return libc.syscall(298, attr, 0, -1, -1, 0)
+def tiocsti():
+    master, slave = os.openpty()
+    os.setsid()
+    fcntl.ioctl(slave, termios.TIOCSCTTY, 0)
+    try:
+        fcntl.ioctl(slave, termios.TIOCSTI, b"x")
+        return 0
+    except OSError as e:
+        ctypes.set_errno(e.errno)
+        return -1
+for name, probe in [("unshare-user", unshare_user), ("keyctl", keyctl), ("perf", perf)]:
+    report(name, probe())
+t = threading.Thread(target=lambda: report("tiocsti", tiocsti()))
+t.start(); t.join()
+"#;
+    assert_eq!(
+        std::env::consts::ARCH,
+        "x86_64",
+        "the probe's system call numbers are x86_64's"
+    );
+    let nobody = 65534;
+    let probe_command = || {
+        let mut c = Command::new("python3");
+        c.args(["-c", PROBE])
+            .env_clear()
+            .env("PATH", "/usr/bin:/bin")
+            .current_dir("/");
+        c
+    };
+    let run = |mut c: Command| {
+        let out = c.output().unwrap();
+        let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+        assert!(out.status.success(), "{out:?}");
+        stdout
+    };
+    let mut outside = probe_command();
+    outside.uid(nobody).gid(nobody);
+    let outside = run(outside);
+    assert_eq!(
+        outside.lines().collect::<Vec<_>>(),
+        ["unshare-user ok", "keyctl ok", "perf ok", "tiocsti ok"],
+        "positive control: each call works for the sandbox's uid outside the sandbox"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let cfg = SandboxConfig {
+        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
+        shim: tokentap_bin(),
+        always: true,
+        data_dir: data,
+        // SAFETY: geteuid has no preconditions.
+        run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, nobody),
+    };
+    let inside = run(handed_a_ready_fd(wrap(
+        &probe_command(),
+        &cfg,
+        &Mounts::default(),
+    )));
+    let eperm = libc::EPERM;
+    assert_eq!(
+        inside.lines().collect::<Vec<_>>(),
+        [
+            format!("unshare-user errno {eperm}"),
+            format!("keyctl errno {eperm}"),
+            format!("perf errno {eperm}"),
+            format!("tiocsti errno {eperm}"),
+        ],
+    );
 }
