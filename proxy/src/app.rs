@@ -63,6 +63,9 @@ pub struct ProxyConfig {
     /// as harnesses send their API key) on every route but `/health`; None: the listener is
     /// open, which only a loopback listener may be.
     pub client_token: Option<String>,
+    /// The most a session may use (calls, request bytes) before its calls are refused; only
+    /// where sessions are authenticated (a rollout node's samples).
+    pub session_budget: session::SessionBudget,
 }
 
 impl Default for ProxyConfig {
@@ -77,6 +80,7 @@ impl Default for ProxyConfig {
             limits: ListenerLimits::default(),
             durable_answers: false,
             client_token: None,
+            session_budget: session::SessionBudget::default(),
         }
     }
 }
@@ -132,6 +136,22 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
 /// The id of the session a request was admitted under, if any.
 fn session_id(session: &Option<session::Session>) -> Option<&str> {
     session.as_ref().map(|s| s.id.as_str())
+}
+
+/// How much of a request body a record keeps when it keeps no whole body: one that is not
+/// JSON, or one no call was made of.
+pub const BODY_EXCERPT_BYTES: usize = 64 << 10;
+
+/// The start of `body` as text, at most [`BODY_EXCERPT_BYTES`]: redacted whole, then cut (a
+/// cut first could leave half a secret unrecognised).
+fn body_excerpt(body: &[u8]) -> String {
+    let mut shown = redact::text(&String::from_utf8_lossy(body)).into_owned();
+    let mut cut = shown.len().min(BODY_EXCERPT_BYTES);
+    while !shown.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    shown.truncate(cut);
+    shown
 }
 
 /// The size of a request's head as a listener limits it: the target and every header's name
@@ -279,6 +299,17 @@ impl CaptureService {
         self
     }
 
+    /// Bounds what each session may use ([`session::SessionBudget`]).
+    pub fn with_session_budget(mut self, budget: session::SessionBudget) -> Self {
+        self.config.session_budget = budget;
+        self
+    }
+
+    /// What the session `id` has used so far (calls, request bytes, refusals).
+    pub fn session_use(&self, id: &str) -> session::SessionUse {
+        self.sessions.used(id)
+    }
+
     /// The system-message layout for this engine; `Auto` asks the engine's template once.
     async fn system_layout(&self, model: &str) -> SystemLayout {
         if self.config.system_layout != SystemLayout::Auto {
@@ -393,25 +424,39 @@ impl CaptureService {
                 "this tokentap listener needs its client token as the API key (Authorization: Bearer TOKEN or x-api-key: TOKEN)",
             ));
         }
-        match (fixed, &self.resolver) {
-            (Some(id), _) => Ok(Some(session::Session {
+        let admitted = match (fixed, &self.resolver) {
+            (Some(id), _) => session::Session {
                 id: id.to_owned(),
                 source: SessionSource::Run,
-            })),
+            },
             // Claude Code's connectivity probe reaches nothing.
-            (None, Some(_)) if matches!(route, Route::Hello) => Ok(None),
+            (None, Some(_)) if matches!(route, Route::Hello) => return Ok(None),
             (None, Some(r)) => match session::resolve(r.as_ref(), path_session) {
-                Ok(s) => Ok(Some(s)),
+                Ok(s) => s,
                 Err(e) => {
                     self.metrics
                         .calls_refused
                         .with_label_values(&["unknown_session"])
                         .inc();
-                    Err(e)
+                    return Err(e);
                 }
             },
-            (None, None) => Ok(None),
+            (None, None) => return Ok(None),
+        };
+        // Refused before the body is read, and not recorded: a session past its budget
+        // costs the node nothing more (and its trajectory ends with its last admitted call).
+        let used = self.sessions.used(&admitted.id);
+        if let Some(why) = self.config.session_budget.spent(used) {
+            self.metrics
+                .calls_refused
+                .with_label_values(&["session_budget"])
+                .inc();
+            if self.sessions.note_refused(&admitted.id) == 1 {
+                tracing::warn!(session = %admitted.id, calls = used.calls, request_bytes = used.request_bytes, "{why}; its further calls are refused");
+            }
+            return Err(CallError::new(ErrorKind::InvalidRequest, 400, why));
         }
+        Ok(Some(admitted))
     }
 
     /// The engine's model list, held like a call while the gate holds calls.
@@ -765,6 +810,10 @@ impl CaptureService {
             }
         };
         call.request.body_bytes = body.len() as u64;
+        if let Some((session, _)) = &call.session {
+            self.sessions
+                .add_request_bytes(&session.id, call.request.body_bytes);
+        }
         // Under --no-capture nothing is built for a record that goes nowhere.
         match self
             .sink
@@ -776,22 +825,22 @@ impl CaptureService {
                 call.request.body = Some(kept.body);
                 call.body_verbatim = kept.verbatim;
             }
-            Some(None) => {
-                // Redacted whole, then cut: a cut first could leave half a secret unrecognised.
-                let mut shown = redact::text(&String::from_utf8_lossy(&body)).into_owned();
-                let mut cut = shown.len().min(64 << 10);
-                while !shown.is_char_boundary(cut) {
-                    cut -= 1;
-                }
-                shown.truncate(cut);
-                call.request.body_text = Some(shown);
-            }
+            Some(None) => call.request.body_text = Some(body_excerpt(&body)),
         }
 
         // Parse the provider request into the canonical one.
         let parsed = match codec.parse(&body) {
             Ok(p) => p,
-            Err(e) => return self.fail(http, codec, call, e.into()).await,
+            Err(e) => {
+                // A body no call was made of is kept as an excerpt past 64 KiB, so refused
+                // calls cannot fill the spool (nor a watched session's records) at the rate
+                // the harness sends bytes.
+                if body.len() > BODY_EXCERPT_BYTES && call.request.body.take().is_some() {
+                    call.request.body_text = Some(body_excerpt(&body));
+                    call.body_verbatim = false;
+                }
+                return self.fail(http, codec, call, e.into()).await;
+            }
         };
         let meta = ResponseMeta {
             id: format!("{}{}", codec.id_prefix(), call.record_id.replace('-', "")),

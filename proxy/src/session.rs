@@ -134,9 +134,48 @@ fn validate(id: &str, origin: &str) -> Result<(), WireError> {
 /// `seq` 0 (its records stay in arrival order in the spool).
 pub const SESSION_COUNTERS_CAP: usize = 65_536;
 
-/// Hands out per-session sequence numbers (from 0, in arrival order).
+/// What a session has used so far: the calls it began and the request body bytes it sent.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionUse {
+    pub calls: u64,
+    pub request_bytes: u64,
+    /// Calls refused since its budget was spent.
+    pub refused: u64,
+}
+
+/// The most one session may use, on a listener whose sessions are authenticated (a rollout
+/// node's samples; elsewhere a client picks its session ids, so a budget would bind nothing).
+/// A call that finds its session at either bound is refused before its body is read, so a
+/// session overshoots the bytes by at most one body (`max_body_bytes`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SessionBudget {
+    pub max_calls: Option<u64>,
+    pub max_request_bytes: Option<u64>,
+}
+
+impl SessionBudget {
+    /// Why a session that has used `used` may begin no more calls, if it may not.
+    pub fn spent(&self, used: SessionUse) -> Option<String> {
+        if let Some(max) = self.max_calls.filter(|&m| used.calls >= m) {
+            return Some(format!(
+                "this session's capture budget is spent: it has made {} calls, of at most {max}",
+                used.calls
+            ));
+        }
+        if let Some(max) = self.max_request_bytes.filter(|&m| used.request_bytes >= m) {
+            return Some(format!(
+                "this session's capture budget is spent: it has sent {} bytes of requests, of at most {max}",
+                used.request_bytes
+            ));
+        }
+        None
+    }
+}
+
+/// Hands out per-session sequence numbers (from 0, in arrival order) and counts what each
+/// session used.
 pub struct SessionCounters {
-    next: Mutex<lru::LruCache<String, u64>>,
+    next: Mutex<lru::LruCache<String, SessionUse>>,
 }
 
 impl Default for SessionCounters {
@@ -153,26 +192,49 @@ impl SessionCounters {
         }
     }
 
+    fn lock(&self) -> std::sync::MutexGuard<'_, lru::LruCache<String, SessionUse>> {
+        self.next.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
     pub fn next_seq(&self, session: &Session) -> u64 {
         if session.source == SessionSource::Generated {
             return 0; // a generated session holds exactly one call
         }
-        let mut map = self.next.lock().unwrap_or_else(|e| e.into_inner());
-        let n = map.get_or_insert_mut(session.id.clone(), || 0);
-        let seq = *n;
-        *n += 1;
+        let mut map = self.lock();
+        let used = map.get_or_insert_mut(session.id.clone(), SessionUse::default);
+        let seq = used.calls;
+        used.calls += 1;
         seq
+    }
+
+    /// Counts `bytes` of request body against the session `id`.
+    pub fn add_request_bytes(&self, id: &str, bytes: u64) {
+        if let Some(used) = self.lock().get_mut(id) {
+            used.request_bytes = used.request_bytes.saturating_add(bytes);
+        }
+    }
+
+    /// Counts a call of the session `id` refused for its budget; returns how many so far.
+    pub fn note_refused(&self, id: &str) -> u64 {
+        let mut map = self.lock();
+        let used = map.get_or_insert_mut(id.to_owned(), SessionUse::default);
+        used.refused += 1;
+        used.refused
     }
 
     /// Calls begun so far in the session `id` (asking does not count as use).
     pub fn calls(&self, id: &str) -> u64 {
-        let map = self.next.lock().unwrap_or_else(|e| e.into_inner());
-        map.peek(id).copied().unwrap_or(0)
+        self.used(id).calls
+    }
+
+    /// What the session `id` has used (asking does not count as use).
+    pub fn used(&self, id: &str) -> SessionUse {
+        self.lock().peek(id).copied().unwrap_or_default()
     }
 
     /// Sessions whose counters are held.
     pub fn len(&self) -> usize {
-        self.next.lock().unwrap_or_else(|e| e.into_inner()).len()
+        self.lock().len()
     }
 
     pub fn is_empty(&self) -> bool {
@@ -183,6 +245,47 @@ impl SessionCounters {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A session's calls and bytes count against its budget; at either bound it is spent
+    /// (and without bounds never).
+    #[test]
+    fn a_budget_is_spent_at_either_bound() {
+        let counters = SessionCounters::default();
+        let s = Session {
+            id: "sample-1".into(),
+            source: SessionSource::PathPrefix,
+        };
+        let budget = SessionBudget {
+            max_calls: Some(2),
+            max_request_bytes: Some(100),
+        };
+        assert_eq!(budget.spent(counters.used("sample-1")), None);
+        counters.next_seq(&s);
+        counters.add_request_bytes("sample-1", 60);
+        assert_eq!(budget.spent(counters.used("sample-1")), None);
+        counters.next_seq(&s);
+        let why = budget.spent(counters.used("sample-1")).unwrap();
+        assert!(why.contains("2 calls, of at most 2"), "{why}");
+        let bytes_only = SessionBudget {
+            max_calls: None,
+            ..budget
+        };
+        assert_eq!(bytes_only.spent(counters.used("sample-1")), None);
+        counters.add_request_bytes("sample-1", 40);
+        assert!(bytes_only
+            .spent(counters.used("sample-1"))
+            .unwrap()
+            .contains("100 bytes of requests, of at most 100"));
+        assert_eq!(
+            SessionBudget::default().spent(counters.used("sample-1")),
+            None
+        );
+        assert_eq!(counters.note_refused("sample-1"), 1);
+        assert_eq!(counters.note_refused("sample-1"), 2);
+        // Bytes of a session never begun are not counted (nor is it remembered).
+        counters.add_request_bytes("other", 10);
+        assert_eq!(counters.used("other"), SessionUse::default());
+    }
 
     fn fresh() -> String {
         "gen-1".into()

@@ -322,6 +322,8 @@ impl CaptureArgs {
             durable_answers: args.fsync == FsyncPolicy::Always && !args.no_capture,
             // Set by the commands whose listener takes one (`proxy --client-token`).
             client_token: None,
+            // Set by the commands whose sessions are authenticated (`serve`'s samples).
+            session_budget: Default::default(),
         };
         Ok((
             CaptureService::new(config, backend, sink, metrics),

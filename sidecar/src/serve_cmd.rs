@@ -72,6 +72,15 @@ pub struct NodeArgs {
     /// The host uid (and gid) sandboxed task code runs as when the node runs as root.
     #[arg(long, default_value_t = 65534)]
     sandbox_uid: u32,
+    /// Most model calls one sample's agent may make; past it its calls are refused (400,
+    /// counted in tokentap_calls_refused_total{reason="session_budget"}, not recorded).
+    #[arg(long, default_value_t = 4096)]
+    sample_max_calls: u64,
+    /// Most bytes of requests one sample's agent may send to the capture (each call's body
+    /// counts; the records a running sample holds grow with it); past it its calls are
+    /// refused like past --sample-max-calls.
+    #[arg(long, default_value_t = 512 << 20)]
+    sample_max_request_bytes: u64,
     /// Most samples one task may ask for.
     #[arg(long, default_value_t = 1024)]
     max_samples_per_task: u32,
@@ -134,7 +143,12 @@ impl NodeArgs {
             .capture
             .build_observed(None, Some(observer(index.clone())))?;
         let gate = NodeGate::new(self.capture.policy_version.clone());
-        let service = service.with_gate(Arc::new(Gate(gate.clone())));
+        let service = service
+            .with_gate(Arc::new(Gate(gate.clone())))
+            .with_session_budget(tokentap_proxy::session::SessionBudget {
+                max_calls: Some(self.sample_max_calls),
+                max_request_bytes: Some(self.sample_max_request_bytes),
+            });
         let store = Arc::new(
             Store::open(&data.join("node.redb"))
                 .with_context(|| format!("opening the node's store in {}", data.display()))?,
