@@ -119,9 +119,13 @@ fn log_event(url: &str, client: &str, event: async_nats::Event) {
         Event::ServerError(ServerError::AuthorizationViolation) => {
             tracing::error!(bus = %url, client, "the bus refused our credentials (authorization violation)");
         }
-        Event::ServerError(e) => tracing::warn!(bus = %url, client, error = %e, "the bus reported an error"),
+        Event::ServerError(e) => {
+            tracing::warn!(bus = %url, client, error = %e, "the bus reported an error")
+        }
         Event::ClientError(e) => tracing::warn!(bus = %url, client, error = %e, "bus client error"),
-        Event::SlowConsumer(sid) => tracing::warn!(bus = %url, client, sid, "slow consumer on the bus"),
+        Event::SlowConsumer(sid) => {
+            tracing::warn!(bus = %url, client, sid, "slow consumer on the bus")
+        }
         Event::Disconnected => tracing::info!(bus = %url, client, "disconnected from the bus"),
         Event::Connected => tracing::debug!(bus = %url, client, "connected to the bus"),
         other => tracing::debug!(bus = %url, client, event = %other, "bus event"),

@@ -108,8 +108,14 @@ impl NatsServer {
         if self.roles {
             let mut conf = std::fs::read_to_string(deployed_conf()).expect("deploy's nats.conf");
             for (line, ours) in [
-                ("listen: 0.0.0.0:4222", format!("listen: 127.0.0.1:{}", self.port)),
-                ("http: 0.0.0.0:8222", format!("http: 127.0.0.1:{}", self.monitor_port)),
+                (
+                    "listen: 0.0.0.0:4222",
+                    format!("listen: 127.0.0.1:{}", self.port),
+                ),
+                (
+                    "http: 0.0.0.0:8222",
+                    format!("http: 127.0.0.1:{}", self.monitor_port),
+                ),
                 ("store_dir: /data", format!("store_dir: {:?}", self.dir)),
             ] {
                 assert!(conf.contains(line), "deploy's nats.conf has no `{line}`");

@@ -28,9 +28,8 @@ use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
 use tokentap_e2e::traces::record_ids_in;
 use tokentap_e2e::worker::Worker;
 use tokentap_rollout::cluster::bus::{
-    next_message, ClusterBus, QueueOptions, QUEUE_CONSUMER, QUEUE_STREAM, QUEUE_SUBJECT, RESULTS_STREAM,
-    ROLLOUTS_BUCKET,
-    SAMPLES_BUCKET,
+    next_message, ClusterBus, QueueOptions, QUEUE_CONSUMER, QUEUE_STREAM, QUEUE_SUBJECT,
+    RESULTS_STREAM, ROLLOUTS_BUCKET, SAMPLES_BUCKET,
 };
 
 const BUS_TOKEN: &str = "e2e-bus-roles-token";
@@ -249,7 +248,10 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
     // chose (asserted below); a node refuses it as a task that does not parse. Known gap
     // (docs/scale-out.md, "Roles on the bus"): closed only by putting the records and the
     // rollout nodes' state in separate NATS accounts.
-    for reply in [QUEUE_SUBJECT.to_owned(), format!("$KV.{SAMPLES_BUCKET}.reply")] {
+    for reply in [
+        QUEUE_SUBJECT.to_owned(),
+        format!("$KV.{SAMPLES_BUCKET}.reply"),
+    ] {
         publisher
             .client
             .publish_with_reply("tokentap.records.1", reply, "{\"run\":\"rm -rf /\"}".into())
@@ -277,7 +279,11 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
     }
     // Nothing of it is on the bus.
     tokio::time::sleep(Duration::from_secs(1)).await;
-    let mut queue = cluster.js.get_stream(QUEUE_STREAM).await.expect("still there");
+    let mut queue = cluster
+        .js
+        .get_stream(QUEUE_STREAM)
+        .await
+        .expect("still there");
     let only_an_ack = |bytes: &[u8]| {
         let v: Value = serde_json::from_slice(bytes).unwrap();
         let fields: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
@@ -297,7 +303,12 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
         "the queue holds more than an acknowledgement: {:?}",
         on_queue.payload
     );
-    let in_bucket = cluster.samples.get("reply").await.unwrap().expect("the ack");
+    let in_bucket = cluster
+        .samples
+        .get("reply")
+        .await
+        .unwrap()
+        .expect("the ack");
     assert!(only_an_ack(&in_bucket), "{in_bucket:?}");
     assert!(cluster.rollouts.get("planted").await.unwrap().is_none());
     assert!(cluster.samples.get("planted").await.unwrap().is_none());
@@ -320,7 +331,8 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
     let node = Raw::connect(&nats, Some("node")).await;
     let attempts = attack(&node).await;
     for a in &attempts {
-        let refused = a.what.contains("stream deleted") || a.what.contains("every client's replies");
+        let refused =
+            a.what.contains("stream deleted") || a.what.contains("every client's replies");
         assert_eq!(
             a.result.is_err(),
             refused,
@@ -490,8 +502,13 @@ async fn heavy_a_rollout_node_runs_a_sample_with_the_node_role() {
         "callback_url": callback
     });
     node_api::submit(&base, NODE_TOKEN, &task).await;
-    let results = node_api::results_within(&base, NODE_TOKEN, 0, 1, 10, Duration::from_secs(120)).await;
-    assert!(marks.join("ran").exists(), "the sample did not run: {results:?}");
+    let results =
+        node_api::results_within(&base, NODE_TOKEN, 0, 1, 10, Duration::from_secs(120)).await;
+    assert_eq!(results[0]["outcome"]["status"], "completed", "{results:?}");
+    assert!(
+        marks.join("ran").exists(),
+        "the sample did not run: {results:?}"
+    );
     let deadline = Instant::now() + Duration::from_secs(60);
     while deliveries.lock().unwrap().is_empty() {
         assert!(Instant::now() < deadline, "no callback");
