@@ -29,7 +29,7 @@ pub struct BusConnect {
     /// The server's `authorization { token }`, if it has one.
     pub token: Option<String>,
     /// A user of the server's `authorization { users }` and its password: the role this
-    /// process has on the bus (`deploy/nats/tokentap-roles.conf`: publisher, worker, node),
+    /// process has on the bus (`deploy/kubernetes/components/bus/nats.conf`: publisher, worker, node),
     /// each allowed only the subjects that role needs. The client's reply inboxes are
     /// `_INBOX.<user>.…`, so a role's permissions can keep other roles' replies from it.
     pub user: Option<BusUser>,

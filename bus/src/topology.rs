@@ -107,7 +107,7 @@ impl Topology {
 
 /// What a publisher needs of the bus: JetStream and the partition count. A publisher only
 /// looks these up (the records stream's info, the `partitions` key of the progress bucket):
-/// on a bus with roles (`deploy/nats/tokentap-roles.conf`) its user may create nothing, and
+/// on a bus with roles (`deploy/kubernetes/components/bus/nats.conf`) its user may create nothing, and
 /// the worker group creates the streams and decides the count. On a bus without roles (one
 /// token for all), a publisher that comes first still creates them, as it always did.
 #[derive(Clone)]
