@@ -161,6 +161,7 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
     let bus = BusConnect {
         url: nats.url.clone(),
         token: None,
+        user: None,
         ca: None,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -21,7 +21,7 @@ use bytes::Bytes;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
 
-use crate::topology::{record_subject, Topology};
+use crate::topology::{record_subject, PublishTopology};
 
 /// Next to the spool's segments (the spool reader ignores other files).
 pub const CURSOR_FILE: &str = "bus-cursor.json";
@@ -120,7 +120,7 @@ pub async fn publish_spool(
         }
     };
     let topology = loop {
-        match Topology::ensure(crate::jetstream(client.clone()), partitions).await {
+        match PublishTopology::open(crate::jetstream(client.clone()), partitions).await {
             Ok(t) => break t,
             Err(e) => {
                 metrics.errors.inc();

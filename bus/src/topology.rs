@@ -82,12 +82,7 @@ impl Topology {
         let _ = progress
             .create(PARTITIONS_KEY, wanted.to_string().into())
             .await; // exists already: the first process decided
-        let stored = progress
-            .get(PARTITIONS_KEY)
-            .await?
-            .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
-            .filter(|&n| n > 0)
-            .ok_or_else(|| anyhow::anyhow!("the bus's partition count is unreadable"))?;
+        let stored = read_partitions(&progress).await?;
         if stored != wanted {
             tracing::info!(
                 partitions = stored,
@@ -108,6 +103,56 @@ impl Topology {
     pub fn partition_of(&self, session_id: &str) -> u32 {
         partition_of(session_id, self.partitions)
     }
+}
+
+/// What a publisher needs of the bus: JetStream and the partition count. A publisher only
+/// looks these up (the records stream's info, the `partitions` key of the progress bucket):
+/// on a bus with roles (`deploy/kubernetes/components/bus/nats.conf`) its user may create nothing, and
+/// the worker group creates the streams and decides the count. On a bus without roles (one
+/// token for all), a publisher that comes first still creates them, as it always did.
+#[derive(Clone)]
+pub struct PublishTopology {
+    pub js: jetstream::Context,
+    pub partitions: u32,
+}
+
+impl PublishTopology {
+    pub async fn open(js: jetstream::Context, wanted: u32) -> anyhow::Result<PublishTopology> {
+        let looked_up = async {
+            js.get_stream(RECORDS_STREAM)
+                .await
+                .map_err(|e| anyhow::anyhow!("the records stream {RECORDS_STREAM}: {e}"))?;
+            let progress = js
+                .get_key_value(PROGRESS_BUCKET)
+                .await
+                .map_err(|e| anyhow::anyhow!("the bucket {PROGRESS_BUCKET}: {e}"))?;
+            read_partitions(&progress).await
+        }
+        .await;
+        let partitions = match looked_up {
+            Ok(n) => n,
+            Err(missing) => match Topology::ensure(js.clone(), wanted).await {
+                Ok(t) => t.partitions,
+                Err(creating) => anyhow::bail!(
+                    "{missing}; creating them: {creating} (on a bus with roles a publisher may not create them: they appear when a worker of the group starts)"
+                ),
+            },
+        };
+        Ok(PublishTopology { js, partitions })
+    }
+
+    pub fn partition_of(&self, session_id: &str) -> u32 {
+        partition_of(session_id, self.partitions)
+    }
+}
+
+async fn read_partitions(progress: &kv::Store) -> anyhow::Result<u32> {
+    progress
+        .get(PARTITIONS_KEY)
+        .await?
+        .and_then(|v| std::str::from_utf8(&v).ok()?.parse::<u32>().ok())
+        .filter(|&n| n > 0)
+        .ok_or_else(|| anyhow::anyhow!("the bus's partition count is unreadable"))
 }
 
 /// Opens (creating) a KV bucket of one value per key. The bucket's stream is created here, the

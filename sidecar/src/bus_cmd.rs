@@ -21,7 +21,7 @@ use tokentap_bus::group::Member;
 use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
 use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
-use tokentap_bus::BusConnect;
+use tokentap_bus::{BusConnect, BusUser};
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
 use tokentap_rollout::bearer::{self, BearerToken};
@@ -43,6 +43,37 @@ pub struct BusArgs {
         requires = "bus"
     )]
     pub bus_token: Option<String>,
+    /// This process's user on the bus (a role of the server's `authorization { users }`:
+    /// `publisher` for proxies, sidecars and node agents, `worker` for workers, `node` for
+    /// rollout nodes; docs/scale-out.md, "Roles on the bus"). Its password comes from
+    /// --bus-password-file or TOKENTAP_BUS_PASSWORD.
+    #[arg(
+        long,
+        value_name = "USER",
+        env = "TOKENTAP_BUS_USER",
+        requires = "bus",
+        conflicts_with = "bus_token"
+    )]
+    pub bus_user: Option<String>,
+    /// A file holding the password of --bus-user (one line; a trailing newline is ignored).
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "TOKENTAP_BUS_PASSWORD_FILE",
+        requires = "bus_user"
+    )]
+    pub bus_password_file: Option<PathBuf>,
+    /// The password of --bus-user, from the environment only (a command line is readable by
+    /// every user of the machine).
+    #[arg(
+        long,
+        env = "TOKENTAP_BUS_PASSWORD",
+        hide_env_values = true,
+        hide = true,
+        requires = "bus_user",
+        conflicts_with = "bus_password_file"
+    )]
+    pub bus_password: Option<String>,
     /// CA certificates (PEM) the bus's TLS certificate chains to; requires TLS.
     #[arg(long, value_name = "PEM", requires = "bus")]
     pub bus_ca: Option<PathBuf>,
@@ -53,12 +84,41 @@ pub struct BusArgs {
 }
 
 impl BusArgs {
-    pub fn connect(&self) -> Option<BusConnect> {
-        self.bus.as_ref().map(|url| BusConnect {
+    /// Where the bus is and the credentials to present there (None: no --bus).
+    pub fn connect(&self) -> anyhow::Result<Option<BusConnect>> {
+        let Some(url) = &self.bus else {
+            return Ok(None);
+        };
+        let user = match &self.bus_user {
+            None => None,
+            Some(name) => {
+                let password = match (&self.bus_password_file, &self.bus_password) {
+                    (Some(file), _) => {
+                        let text = std::fs::read_to_string(file).with_context(|| {
+                            format!("reading --bus-password-file {}", file.display())
+                        })?;
+                        text.trim_end_matches(['\r', '\n']).to_owned()
+                    }
+                    (None, Some(password)) => password.clone(),
+                    (None, None) => anyhow::bail!(
+                        "--bus-user needs its password: --bus-password-file FILE or TOKENTAP_BUS_PASSWORD"
+                    ),
+                };
+                if password.is_empty() {
+                    anyhow::bail!("the password of --bus-user {name} is empty");
+                }
+                Some(BusUser {
+                    name: name.clone(),
+                    password,
+                })
+            }
+        };
+        Ok(Some(BusConnect {
             url: url.clone(),
             token: self.bus_token.clone(),
+            user,
             ca: self.bus_ca.clone(),
-        })
+        }))
     }
 }
 

@@ -60,7 +60,7 @@ impl DownstreamArgs {
         let stop = Arc::new(AtomicBool::new(false));
         let finish_open = Arc::new(AtomicBool::new(false));
         let spool = spool.to_path_buf();
-        let thread = if let Some(bus) = self.bus.connect() {
+        let thread = if let Some(bus) = self.bus.connect()? {
             if self.ship_to.is_some() {
                 anyhow::bail!("--bus and --ship-to both say where records go: choose one");
             }

@@ -302,7 +302,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         Ok(limit) => tracing::debug!(limit, "open files"),
         Err(e) => tracing::warn!(error = %e, "could not raise the open-files limit"),
     }
-    let bus = args.bus.connect();
+    let bus = args.bus.connect()?;
     let task_key = match (&bus, &args.task_key_file) {
         (Some(_), Some(path)) => Some(tokentap_rollout::cluster::TaskKey::from_file(path)?),
         (Some(_), None) => anyhow::bail!(

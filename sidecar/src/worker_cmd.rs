@@ -238,7 +238,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "--token",
         "TOKENTAP_WORKER_TOKEN",
     )?;
-    if let Some(bus) = args.bus.connect() {
+    if let Some(bus) = args.bus.connect()? {
         return crate::bus_cmd::run_worker(crate::bus_cmd::BusWorker {
             bus,
             partitions: args.bus.bus_partitions,

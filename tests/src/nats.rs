@@ -1,6 +1,7 @@
 //! A real `nats-server` with JetStream (Debian's 2.9.10), on loopback, storing in a directory
 //! of the test's; stoppable and restartable on the same port and store (a bus that goes down
-//! and comes back).
+//! and comes back). Either with one token for every client, or with deploy/'s `nats.conf`: a
+//! user per role (publisher, worker, node) with that role's permissions.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -12,9 +13,19 @@ pub struct NatsServer {
     pub port: u16,
     monitor_port: u16,
     dir: PathBuf,
-    /// The `authorization` token clients must present.
+    /// The `authorization` token clients must present (empty with roles).
     pub token: String,
+    /// Started from deploy/kubernetes/components/bus/nats.conf: users, not a token.
+    roles: bool,
     child: Option<ChildGuard>,
+}
+
+/// The users of deploy/'s `nats.conf`.
+pub const ROLES: [&str; 3] = ["publisher", "worker", "node"];
+
+/// deploy/'s server configuration, users and permissions included.
+pub fn deployed_conf() -> PathBuf {
+    crate::artefacts::workspace_root().join("deploy/kubernetes/components/bus/nats.conf")
 }
 
 impl NatsServer {
@@ -25,10 +36,65 @@ impl NatsServer {
             monitor_port: free_port(),
             dir: dir.to_owned(),
             token: token.to_owned(),
+            roles: false,
             child: None,
         };
         n.restart().await;
         n
+    }
+
+    /// Starts `nats-server` with deploy/'s `nats.conf` (its users and their permissions as
+    /// deployed; only the listen and monitoring addresses and the store directory are the
+    /// test's), each role's password [`NatsServer::password`] from the server's environment.
+    pub async fn start_with_roles(dir: &Path) -> NatsServer {
+        let mut n = NatsServer {
+            port: free_port(),
+            monitor_port: free_port(),
+            dir: dir.to_owned(),
+            token: String::new(),
+            roles: true,
+            child: None,
+        };
+        n.restart().await;
+        n
+    }
+
+    /// The password of `role` (one of [`ROLES`]) on a server started with roles.
+    pub fn password(&self, role: &str) -> String {
+        format!("e2e-{role}-bus-password-{}", self.port)
+    }
+
+    /// A file (0600) holding the password of `role`, for `--bus-password-file`.
+    pub fn password_file(&self, role: &str) -> PathBuf {
+        use std::os::unix::fs::OpenOptionsExt;
+        let path = self.dir.with_extension(format!("{role}.password"));
+        let mut f = std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .mode(0o600)
+            .open(&path)
+            .expect("password file");
+        std::io::Write::write_all(&mut f, format!("{}\n", self.password(role)).as_bytes())
+            .expect("password file");
+        path
+    }
+
+    /// `--bus URL --bus-user ROLE --bus-password-file FILE`.
+    pub fn role_args(&self, role: &str) -> Vec<String> {
+        vec![
+            "--bus".into(),
+            self.url(),
+            "--bus-user".into(),
+            role.into(),
+            "--bus-password-file".into(),
+            self.password_file(role).display().to_string(),
+        ]
+    }
+
+    /// The log so far (where the server's permission violations are).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.with_extension("log")).unwrap_or_default()
     }
 
     pub fn url(&self) -> String {
@@ -39,12 +105,39 @@ impl NatsServer {
     pub async fn restart(&mut self) {
         std::fs::create_dir_all(&self.dir).expect("nats store dir");
         let mut cmd = Command::new("nats-server");
-        cmd.args(["-js", "-a", "127.0.0.1"])
-            .args(["-p", &self.port.to_string()])
-            .args(["-m", &self.monitor_port.to_string()])
-            .arg("-sd")
-            .arg(&self.dir)
-            .args(["--auth", &self.token]);
+        if self.roles {
+            let mut conf = std::fs::read_to_string(deployed_conf()).expect("deploy's nats.conf");
+            for (line, ours) in [
+                (
+                    "listen: 0.0.0.0:4222",
+                    format!("listen: 127.0.0.1:{}", self.port),
+                ),
+                (
+                    "http: 0.0.0.0:8222",
+                    format!("http: 127.0.0.1:{}", self.monitor_port),
+                ),
+                ("store_dir: /data", format!("store_dir: {:?}", self.dir)),
+            ] {
+                assert!(conf.contains(line), "deploy's nats.conf has no `{line}`");
+                conf = conf.replace(line, &ours);
+            }
+            let path = self.dir.with_extension("conf");
+            std::fs::write(&path, conf).expect("nats.conf");
+            cmd.arg("-c").arg(&path);
+            for role in ROLES {
+                cmd.env(
+                    format!("TOKENTAP_BUS_{}_PASSWORD", role.to_uppercase()),
+                    self.password(role),
+                );
+            }
+        } else {
+            cmd.args(["-js", "-a", "127.0.0.1"])
+                .args(["-p", &self.port.to_string()])
+                .args(["-m", &self.monitor_port.to_string()])
+                .arg("-sd")
+                .arg(&self.dir)
+                .args(["--auth", &self.token]);
+        }
         let mut child = spawn_guarded(
             cmd,
             &self.dir.with_extension("log"),

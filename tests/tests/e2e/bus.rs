@@ -71,6 +71,7 @@ async fn topology(nats: &NatsServer) -> Topology {
     let bus = BusConnect {
         url: nats.url(),
         token: Some(nats.token.clone()),
+        user: None,
         ca: None,
     };
     let client = tokentap_bus::connect(&bus, "test")
@@ -454,6 +455,7 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
     let bus = BusConnect {
         url: nats.url(),
         token: Some(nats.token.clone()),
+        user: None,
         ca: None,
     };
     let stop = PublishStop {

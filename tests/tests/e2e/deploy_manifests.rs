@@ -135,9 +135,10 @@ fn the_node_agent_and_the_webhook_get_the_least_they_need() {
     }
 }
 
-/// The bus install: node agents publish to the JetStream server with its token, workers join
-/// the group with theirs, every secret comes from a Secret (never a literal), and nothing of the
-/// bus runs as root or writable.
+/// The bus install: node agents publish to the JetStream server as its `publisher` user,
+/// workers join the group as `worker`, each password from its own key of a Secret (never a
+/// literal), the server's configuration is deploy's nats.conf (the users and permissions
+/// bus_roles.rs attacks), and nothing of the bus runs as root or writable.
 #[test]
 fn the_bus_variant_wires_agents_and_workers_to_one_authenticated_jetstream() {
     let objs = render("bus");
@@ -164,16 +165,38 @@ fn the_bus_variant_wires_agents_and_workers_to_one_authenticated_jetstream() {
     let agent = &find(&objs, "DaemonSet", "tokentap-node-agent")["spec"]["template"]["spec"]
         ["containers"][0];
     assert!(args(agent).contains(&bus_url), "{:?}", args(agent));
+    let env_value = |c: &Value, name: &str| -> String {
+        c["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == name))
+            .unwrap_or_else(|| panic!("{} has no {name}", c["name"]))["value"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    let secret_key = |c: &Value, name: &str| -> String {
+        c["env"]
+            .as_array()
+            .and_then(|env| env.iter().find(|e| e["name"] == name))
+            .unwrap()["valueFrom"]["secretKeyRef"]["key"]
+            .as_str()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(env_value(agent, "TOKENTAP_BUS_USER"), "publisher");
     assert_eq!(
-        env_secret(agent, "TOKENTAP_BUS_TOKEN"),
-        "tokentap-bus-token"
+        env_secret(agent, "TOKENTAP_BUS_PASSWORD"),
+        "tokentap-bus-users"
     );
+    assert_eq!(secret_key(agent, "TOKENTAP_BUS_PASSWORD"), "publisher");
 
     let worker = &find(&objs, "StatefulSet", "tokentap-worker")["spec"]["template"]["spec"];
     let w = &worker["containers"][0];
     assert_eq!(args(w)[0], "worker");
     assert!(args(w).contains(&bus_url), "{:?}", args(w));
-    assert_eq!(env_secret(w, "TOKENTAP_BUS_TOKEN"), "tokentap-bus-token");
+    assert_eq!(env_value(w, "TOKENTAP_BUS_USER"), "worker");
+    assert_eq!(env_secret(w, "TOKENTAP_BUS_PASSWORD"), "tokentap-bus-users");
+    assert_eq!(secret_key(w, "TOKENTAP_BUS_PASSWORD"), "worker");
     // Listening beyond loopback: the worker refuses to start without its token.
     assert!(args(w).contains(&"--listen=0.0.0.0:8900".to_owned()));
     assert_eq!(
@@ -183,12 +206,20 @@ fn the_bus_variant_wires_agents_and_workers_to_one_authenticated_jetstream() {
 
     let nats = &find(&objs, "StatefulSet", "tokentap-bus")["spec"]["template"]["spec"];
     let n = &nats["containers"][0];
-    assert_eq!(env_secret(n, "TOKENTAP_BUS_TOKEN"), "tokentap-bus-token");
+    for role in tokentap_e2e::nats::ROLES {
+        let var = format!("TOKENTAP_BUS_{}_PASSWORD", role.to_uppercase());
+        assert_eq!(env_secret(n, &var), "tokentap-bus-users");
+        assert_eq!(secret_key(n, &var), role);
+    }
     let conf = find(&objs, "ConfigMap", "tokentap-bus")["data"]["nats.conf"]
         .as_str()
         .unwrap()
         .to_owned();
-    assert!(conf.contains("token: $TOKENTAP_BUS_TOKEN"), "{conf}");
+    assert_eq!(
+        conf,
+        std::fs::read_to_string(tokentap_e2e::nats::deployed_conf()).unwrap()
+    );
+    assert!(!conf.contains("token:"), "{conf}");
     assert!(conf.contains("jetstream"), "{conf}");
     for spec in [worker, nats] {
         assert_eq!(spec["securityContext"]["runAsNonRoot"], true);

@@ -11,6 +11,7 @@ mod attacks_sandbox;
 mod backend_failures;
 mod bad_input;
 mod bus;
+mod bus_roles;
 mod callbacks;
 mod chaos;
 mod control_plane;

@@ -323,6 +323,7 @@ async fn heavy_three_nodes_share_24_samples_through_a_kill_and_a_cancel() {
         &tokentap_bus::BusConnect {
             url: nats.url(),
             token: Some(nats.token.clone()),
+            user: None,
             ca: None,
         },
         "test",
