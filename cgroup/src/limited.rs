@@ -192,6 +192,20 @@ impl LimitedCgroup {
         })
     }
 
+    /// Whether a fork was refused at this cgroup's process limit (`pids.events` `max N`, v2
+    /// and v1 alike).
+    pub fn pids_limit_hit(&self) -> bool {
+        self.dirs.iter().any(|d| {
+            std::fs::read_to_string(d.join("pids.events")).is_ok_and(|t| {
+                t.lines().any(|l| {
+                    l.strip_prefix("max ")
+                        .and_then(|n| n.trim().parse::<u64>().ok())
+                        .is_some_and(|n| n > 0)
+                })
+            })
+        })
+    }
+
     /// Kills whatever is still in the cgroup (processes that left the agent's process group).
     pub fn kill_all(&self) {
         for d in &self.dirs {

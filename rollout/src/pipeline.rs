@@ -734,6 +734,7 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         duration_ms: started.elapsed().as_millis() as u64,
         peak_memory_bytes: cgroup.as_ref().and_then(LimitedCgroup::memory_peak),
         oom_killed: cgroup.as_ref().is_some_and(LimitedCgroup::oom_killed),
+        pids_limit_hit: cgroup.as_ref().is_some_and(LimitedCgroup::pids_limit_hit),
     };
     // Dropping the cgroups kills what is left in them and removes them.
     drop(interception);

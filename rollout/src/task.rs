@@ -360,6 +360,9 @@ pub struct AgentReport {
     /// The kernel's OOM killer ended a process of the agent (its memory limit).
     #[serde(default)]
     pub oom_killed: bool,
+    /// A fork of the agent's was refused at its process limit.
+    #[serde(default)]
+    pub pids_limit_hit: bool,
 }
 
 /// How a result's callback delivery ended.

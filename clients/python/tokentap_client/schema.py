@@ -43,6 +43,7 @@ class _AgentReportBase(TypedDict):
     timed_out: bool
     duration_ms: int
     oom_killed: bool
+    pids_limit_hit: bool  # a fork was refused at the process limit
 
 
 class AgentReport(_AgentReportBase, total=False):

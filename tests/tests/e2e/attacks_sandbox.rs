@@ -436,6 +436,10 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         "the memory hog was killed: {h}"
     );
     assert!(h["agent"]["oom_killed"].as_bool().unwrap_or(false), "{h}");
+    assert_eq!(
+        h["agent"]["pids_limit_hit"], true,
+        "the fork bomb met its limit: {h}"
+    );
     assert!(node.healthy().await);
 }
 
