@@ -189,7 +189,8 @@ impl Drop for DummyInterface {
 }
 
 /// Probes run by task code (the agent, then the evaluator; `sh probe.sh VICTIM_SAMPLE_ID`):
-/// one line per probe, `NAME: blocked` or `NAME: LEAK ...`.
+/// one line per probe, `NAME: blocked` or `NAME: LEAK ...`. With `OUTSIDE` set (the test's
+/// own run on the host, the positive control) the two that would change the host are left out.
 fn probe_script(data: &Path, host_addr: &str, bus_port: u16) -> String {
     let d = data.display();
     format!(
@@ -203,10 +204,15 @@ probe other-samples "ls -A {d}/samples/$1"
 probe env-token "env | grep -e {TOKEN} -e {ENGINE_KEY} -e {BUS_TOKEN}"
 probe proc-environ "cat /proc/*/environ | tr '\0' '\n' | grep -e {TOKEN} -e {ENGINE_KEY} -e {BUS_TOKEN}"
 probe proc-1-environ "cat /proc/1/environ | tr '\0' '\n'"
-probe root-files "cat /root/.profile /root/.bashrc /root/.gitconfig /root/.npmrc"
+probe root-profile "cat /root/.profile"
+probe root-bashrc "cat /root/.bashrc"
+probe root-gitconfig "cat /root/.gitconfig"
+probe root-npmrc "cat /root/.npmrc"
 probe shadow "cat /etc/shadow"
-probe remount "mount -o remount,rw / && echo remounted"
-probe write-usr "touch /usr/tokentap-probe && echo wrote"
+probe other-proc-cwd "ls -l /proc/[0-9]*/cwd 2>/dev/null | grep -F samples/$1/"
+probe pid-count 'n=$(ls -d /proc/[0-9]* | wc -l); [ "$n" -gt 30 ] && echo "$n processes"'
+[ -n "$OUTSIDE" ] || probe remount "mount -o remount,rw / && echo remounted"
+[ -n "$OUTSIDE" ] || probe write-usr "touch /usr/tokentap-probe && echo wrote"
 probe interfaces "tail -n +3 /proc/net/dev | cut -d: -f1 | tr -d ' ' | grep -v '^lo$'"
 probe host-address "curl -s -m 3 http://{host_addr}/ && echo reached"
 probe bus "curl -s -m 3 telnet://127.0.0.1:{bus_port} </dev/null | head -c 100"
@@ -301,7 +307,57 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         ))
         .await
         .remove(0);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // The positive control: the same probes on the host (as root, beside the running victim)
+    // leak, each that can: a probe that cannot fail would pass in the sandbox for nothing.
+    let victim_file = node.sample_dir(&victim).join("work/victim.txt");
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while !victim_file.exists() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the victim never wrote its file"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let on_host = Command::new("sh")
+        .args(["probe.sh", &victim])
+        .current_dir(&project)
+        .env("OUTSIDE", "1")
+        .output()
+        .unwrap();
+    let on_host = String::from_utf8_lossy(&on_host.stdout).into_owned();
+    // (Not proc-1-environ: the host's init may have an empty environment; in the sandbox its
+    // PID 1 is bubblewrap's.)
+    let mut must_leak = vec![
+        "ca-key",
+        "node-file",
+        "spool",
+        "store",
+        "other-sample",
+        "other-samples",
+        "proc-environ",
+        "shadow",
+        "interfaces",
+        "host-address",
+        "bus",
+        "other-proc-cwd",
+        "pid-count",
+    ];
+    for (name, file) in [
+        ("root-profile", ".profile"),
+        ("root-bashrc", ".bashrc"),
+        ("root-gitconfig", ".gitconfig"),
+        ("root-npmrc", ".npmrc"),
+    ] {
+        if std::fs::metadata(Path::new("/root").join(file)).is_ok_and(|m| m.len() > 0) {
+            must_leak.push(name);
+        }
+    }
+    for name in &must_leak {
+        assert!(
+            on_host.contains(&format!("{name}: LEAK")),
+            "positive control: {name} leaks outside the sandbox:\n{on_host}"
+        );
+    }
 
     // The attacker: probes, calls in the victim's name (header, path, query), links planted
     // where the node writes; its evaluator probes again and rewards 1 only if all failed.
