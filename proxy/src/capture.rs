@@ -218,8 +218,8 @@ impl CallCapture {
     }
 }
 
-/// Called by the spool writer with each batch it has appended.
-pub type RecordObserver = Box<dyn FnMut(&[CaptureRecord]) + Send>;
+/// Called by the spool writer with each batch it has appended, and where each record's line is.
+pub type RecordObserver = Box<dyn FnMut(&[CaptureRecord], &[tokentap_spool::LineAt]) + Send>;
 
 /// What the proxy does while its spool cannot be written (disk full, read-only file system,
 /// I/O errors): `--on-spool-error`.
@@ -374,12 +374,12 @@ impl SpoolThread {
     ) {
         let mut backoff = RETRY_FIRST;
         let written = loop {
-            match self.writer.append_batch(batch) {
-                Ok(_) => {
+            match self.writer.append_batch_at(batch) {
+                Ok(lines) => {
                     self.recovered();
                     self.metrics.records_written.inc_by(batch.len() as u64);
                     if let Some(observe) = self.observer.as_mut() {
-                        observe(batch);
+                        observe(batch, &lines);
                     }
                     break true;
                 }

@@ -10,6 +10,7 @@
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,45 +18,70 @@ use tokentap_proxy::capture::RecordSink;
 use tokentap_proxy::session::SessionResolver;
 use tokentap_proxy::CaptureService;
 use tokentap_schema::CaptureRecord;
+use tokentap_spool::LineAt;
 
-/// Records of the sessions being watched, as the spool writer appends them.
-#[derive(Default)]
+/// Where the records of the sessions being watched are in the spool, as the spool writer
+/// appends them: positions, not records, so a running sample's records cost the node a few
+/// bytes each until POST_RUN reads them back ([`SessionIndex::take`]).
 pub struct SessionIndex {
-    watched: Mutex<HashMap<String, Vec<CaptureRecord>>>,
+    spool: PathBuf,
+    watched: Mutex<HashMap<String, Vec<LineAt>>>,
 }
 
 impl SessionIndex {
+    /// An index of the spool in `spool` (the one whose writer it observes).
+    pub fn of_spool(spool: &Path) -> SessionIndex {
+        SessionIndex {
+            spool: spool.to_owned(),
+            watched: Mutex::default(),
+        }
+    }
+
     /// Starts collecting `session`'s records (before its agent starts).
     pub fn watch(&self, session: &str) {
         self.lock().entry(session.to_owned()).or_default();
     }
 
-    /// Stops collecting and returns what was collected.
-    pub fn take(&self, session: &str) -> Vec<CaptureRecord> {
-        self.lock().remove(session).unwrap_or_default()
+    /// Stops collecting and returns the records collected, read back from the spool, and
+    /// whether each could be read (a segment removed meanwhile, say, loses its records: the
+    /// error is logged and the trajectory marked incomplete).
+    pub fn take(&self, session: &str) -> (Vec<CaptureRecord>, bool) {
+        let lines = self.lock().remove(session).unwrap_or_default();
+        let mut all = true;
+        let records = tokentap_spool::read_lines(&self.spool, &lines)
+            .into_iter()
+            .filter_map(|r| {
+                r.map_err(|e| {
+                    all = false;
+                    tracing::error!(%session, error = %e, "a record of the session cannot be read back from the spool");
+                })
+                .ok()
+            })
+            .collect();
+        (records, all)
     }
 
     pub fn count(&self, session: &str) -> usize {
         self.lock().get(session).map_or(0, Vec::len)
     }
 
-    fn observe(&self, batch: &[CaptureRecord]) {
+    fn observe(&self, batch: &[CaptureRecord], lines: &[LineAt]) {
         let mut map = self.lock();
-        for r in batch {
+        for (r, at) in batch.iter().zip(lines) {
             if let Some(v) = map.get_mut(&r.session_id) {
-                v.push(r.clone());
+                v.push(*at);
             }
         }
     }
 
-    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<CaptureRecord>>> {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<String, Vec<LineAt>>> {
         self.watched.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
 /// The observer to pass to [`RecordSink::spool_observed`].
 pub fn observer(index: Arc<SessionIndex>) -> tokentap_proxy::capture::RecordObserver {
-    Box::new(move |batch| index.observe(batch))
+    Box::new(move |batch, lines| index.observe(batch, lines))
 }
 
 /// The secrets of the samples running now, each standing for its session.
@@ -154,7 +180,8 @@ impl NodeCapture {
             }
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
-        (self.index.take(session), complete)
+        let (records, all_read) = self.index.take(session);
+        (records, complete && all_read)
     }
 }
 

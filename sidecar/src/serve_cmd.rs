@@ -138,7 +138,7 @@ impl NodeArgs {
         if self.capture.spool == Path::new(crate::proxy_cmd::DEFAULT_SPOOL) {
             self.capture.spool = data.join("spool");
         }
-        let index = Arc::new(SessionIndex::default());
+        let index = Arc::new(SessionIndex::of_spool(&self.capture.spool));
         let (service, spool_thread) = self
             .capture
             .build_observed(None, Some(observer(index.clone())))?;

@@ -40,7 +40,7 @@ pub use error::SpoolError;
 pub use fsync::{parse_duration, FsyncPolicy, ParseFsyncPolicyError};
 pub use handoff::{Handoff, HandoffStats};
 pub use lock::LOCK_FILE_NAME;
-pub use query::{bytes_after, find, stats, tail, SpoolStats};
+pub use query::{bytes_after, find, read_lines, stats, tail, SpoolStats};
 pub use reader::{LineAt, SpoolEntry, SpoolItem, SpoolPosition, SpoolReader};
 pub use writer::{
     SpoolConfig, SpoolWriter, DEFAULT_PAGE_CACHE_KEEP_BYTES, DEFAULT_SEGMENT_MAX_BYTES,

@@ -11,7 +11,7 @@ use tokentap_schema::CaptureRecord;
 
 use crate::reader::Event;
 use crate::segment::{list_segments, segment_path};
-use crate::{SpoolError, SpoolItem, SpoolPosition, SpoolReader};
+use crate::{LineAt, SpoolError, SpoolItem, SpoolPosition, SpoolReader};
 
 /// How many matching ids an ambiguity error lists.
 const MAX_CANDIDATES: usize = 10;
@@ -157,4 +157,40 @@ pub fn bytes_after(dir: &Path, position: SpoolPosition) -> Result<u64, SpoolErro
         };
     }
     Ok(total)
+}
+
+/// The records at `lines` (as [`crate::SpoolWriter::append_batch_at`] returned them), in that
+/// order, each read alone (one open file per segment): for a holder of positions that wants
+/// its records back without keeping them in memory meanwhile. A line that is gone (its
+/// segment removed) or is not a record there is an error in its place.
+pub fn read_lines(dir: &Path, lines: &[LineAt]) -> Vec<Result<CaptureRecord, SpoolError>> {
+    use std::os::unix::fs::FileExt;
+    let mut open: Option<(u64, std::fs::File)> = None;
+    let mut buf = Vec::new();
+    lines
+        .iter()
+        .map(|at| {
+            let SpoolPosition { segment, offset } = at.position;
+            let path = segment_path(dir, segment);
+            if open.as_ref().is_none_or(|(s, _)| *s != segment) {
+                let file =
+                    std::fs::File::open(&path).map_err(SpoolError::io("open segment", &path))?;
+                open = Some((segment, file));
+            }
+            let (_, file) = open.as_ref().expect("opened above");
+            buf.resize(at.len as usize, 0);
+            file.read_exact_at(&mut buf, offset)
+                .map_err(SpoolError::io("read segment", &path))?;
+            let invalid = |reason| SpoolError::InvalidPosition {
+                dir: dir.to_owned(),
+                segment,
+                offset,
+                reason,
+            };
+            let line = buf
+                .strip_suffix(b"\n")
+                .ok_or_else(|| invalid("not a whole line"))?;
+            decode_line::<CaptureRecord>(line).map_err(|_| invalid("not a record's line"))
+        })
+        .collect()
 }

@@ -820,3 +820,51 @@ fn lines_appended_as_they_came_are_read_as_their_records() {
     assert!(matches!(e, SpoolError::NotOneLine { index: 1, .. }), "{e}");
     assert_eq!(w.position(), before, "nothing of it written");
 }
+
+/// Records read back by the positions their batches were written at: across segments, in the
+/// order asked, and a position whose segment is gone or that is not a line's start is an error
+/// in its place, not a wrong record.
+#[test]
+fn records_read_back_by_their_positions() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut w = SpoolWriter::open(dir.path(), config(4 << 10)).unwrap();
+    let mut written: Vec<(CaptureRecord, LineAt)> = Vec::new();
+    for batch in 0..6u64 {
+        let records: Vec<CaptureRecord> = (0..3).map(|i| record(batch * 3 + i, 900)).collect();
+        let lines = w.append_batch_at(&records).unwrap();
+        written.extend(records.into_iter().zip(lines));
+    }
+    assert!(
+        list_segments(dir.path()).unwrap().len() > 2,
+        "several segments"
+    );
+    let wanted: Vec<&(CaptureRecord, LineAt)> = written.iter().rev().step_by(2).collect();
+    let lines: Vec<LineAt> = wanted.iter().map(|(_, at)| *at).collect();
+    let got: Vec<CaptureRecord> = tokentap_spool::read_lines(dir.path(), &lines)
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(
+        got,
+        wanted.iter().map(|(r, _)| r.clone()).collect::<Vec<_>>()
+    );
+
+    let first = written[0].1;
+    let off_by_one = LineAt {
+        position: SpoolPosition {
+            offset: first.position.offset + 1,
+            ..first.position
+        },
+        ..first
+    };
+    fs::remove_file(segment_path(dir.path(), written[0].1.position.segment)).ok();
+    let last = written.last().unwrap().1;
+    let read = tokentap_spool::read_lines(dir.path(), &[first, off_by_one, last]);
+    assert!(
+        matches!(read[0], Err(SpoolError::Io { .. })),
+        "{:?}",
+        read[0]
+    );
+    assert!(read[1].is_err());
+    assert_eq!(read[2].as_ref().unwrap(), &written.last().unwrap().0);
+}

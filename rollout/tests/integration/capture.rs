@@ -42,7 +42,7 @@ async fn node(
     gate: Option<Arc<NodeGate>>,
 ) -> (Arc<Store>, Pipeline) {
     let metrics = Arc::new(Metrics::new());
-    let index = Arc::new(SessionIndex::default());
+    let index = Arc::new(SessionIndex::of_spool(&dir.join("spool")));
     let writer = SpoolWriter::open(&dir.join("spool"), SpoolConfig::default()).unwrap();
     let (record_sink, _spool_thread) = sink(writer, metrics.clone(), index.clone());
     let backend: Arc<dyn backend::Backend> = Arc::from(
