@@ -1167,6 +1167,25 @@ fn under_a_terminal(mut cmd: Command) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
+/// The node's sandbox as `tokentap serve` configures it on this machine, task code running
+/// as `uid`, with an (empty) data directory of its own, removed with the returned guard.
+fn a_sandbox_running_as(uid: u32) -> (tempfile::TempDir, tokentap_rollout::sandbox::SandboxConfig) {
+    use tokentap_rollout::sandbox::SandboxConfig;
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    std::fs::create_dir_all(&data).unwrap();
+    let path = std::env::var("PATH").unwrap_or_default();
+    let cfg = SandboxConfig {
+        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
+        shim: tokentap_bin(),
+        always: true,
+        data_dir: data,
+        // SAFETY: geteuid has no preconditions.
+        run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, uid),
+    };
+    (dir, cfg)
+}
+
 /// `cmd` (a [`wrap`]ped command) with a descriptor where the shim reports readiness, as the
 /// node gives it (`/dev/null` here: the tests read the command's output instead).
 ///
@@ -1200,7 +1219,7 @@ fn handed_a_ready_fd(mut cmd: Command) -> Command {
 /// positive control.
 #[test]
 fn sandboxed_code_has_no_controlling_terminal() {
-    use tokentap_rollout::sandbox::{wrap, Mounts, SandboxConfig};
+    use tokentap_rollout::sandbox::{wrap, Mounts};
     if !sandbox_available() {
         return;
     }
@@ -1217,18 +1236,7 @@ fn sandboxed_code_has_no_controlling_terminal() {
         "tty-open",
         "positive control: the terminal is reachable outside the sandbox"
     );
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    let path = std::env::var("PATH").unwrap_or_default();
-    let cfg = SandboxConfig {
-        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
-        shim: tokentap_bin(),
-        always: true,
-        data_dir: data,
-        // SAFETY: geteuid has no preconditions.
-        run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, 65534),
-    };
+    let (_dir, cfg) = a_sandbox_running_as(65534);
     let sandboxed = handed_a_ready_fd(wrap(&probe_command(), &cfg, &Mounts::default()));
     assert_eq!(under_a_terminal(sandboxed), "no-tty");
 }
@@ -1242,7 +1250,7 @@ fn sandboxed_code_has_no_controlling_terminal() {
 #[test]
 fn sandboxed_code_is_refused_the_filtered_system_calls() {
     use std::os::unix::process::CommandExt;
-    use tokentap_rollout::sandbox::{wrap, Mounts, SandboxConfig};
+    use tokentap_rollout::sandbox::{wrap, Mounts};
     if !sandbox_available() {
         return;
     }
@@ -1304,18 +1312,7 @@ t.start(); t.join()
         ["unshare-user ok", "keyctl ok", "perf ok", "tiocsti ok"],
         "positive control: each call works for the sandbox's uid outside the sandbox"
     );
-    let dir = tempfile::tempdir().unwrap();
-    let data = dir.path().join("data");
-    std::fs::create_dir_all(&data).unwrap();
-    let path = std::env::var("PATH").unwrap_or_default();
-    let cfg = SandboxConfig {
-        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
-        shim: tokentap_bin(),
-        always: true,
-        data_dir: data,
-        // SAFETY: geteuid has no preconditions.
-        run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, nobody),
-    };
+    let (_dir, cfg) = a_sandbox_running_as(nobody);
     let inside = run(handed_a_ready_fd(wrap(
         &probe_command(),
         &cfg,
