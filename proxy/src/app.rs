@@ -305,11 +305,6 @@ impl CaptureService {
         self
     }
 
-    /// What the session `id` has used so far (calls, request bytes, refusals).
-    pub fn session_use(&self, id: &str) -> session::SessionUse {
-        self.sessions.used(id)
-    }
-
     /// The system-message layout for this engine; `Auto` asks the engine's template once.
     async fn system_layout(&self, model: &str) -> SystemLayout {
         if self.config.system_layout != SystemLayout::Auto {

@@ -677,6 +677,15 @@ mod tests {
         records
     }
 
+    /// A worker at `url` taking records without a token.
+    fn tokenless(url: String) -> ShipTarget {
+        ShipTarget {
+            to: url,
+            token: None,
+            ca_roots: Vec::new(),
+        }
+    }
+
     fn drained(deadline: Duration) -> ShipStop {
         ShipStop {
             drain: Arc::new(AtomicBool::new(true)),
@@ -718,11 +727,7 @@ mod tests {
         let (_rt, url) = serve(app);
         let dir = tempfile::tempdir().unwrap();
         let records = spool_of(dir.path(), 20);
-        let target = ShipTarget {
-            to: url,
-            token: None,
-            ca_roots: Vec::new(),
-        };
+        let target = tokenless(url);
         let totals = ship(
             dir.path(),
             &target,
@@ -847,18 +852,11 @@ mod tests {
 
         let metrics = ShipMetrics::unregistered();
         let dead = metrics.dead_letters.clone();
-        let target = ShipTarget {
-            to: url,
-            token: None,
-            ca_roots: Vec::new(),
-        };
+        let target = tokenless(url);
         let totals = ship(
             dir.path(),
             &target,
-            &ShipStop {
-                drain: Arc::new(AtomicBool::new(true)),
-                drain_deadline: Duration::from_secs(5),
-            },
+            &drained(Duration::from_secs(5)),
             BatchLimits::default(),
             metrics.clone(),
         )
@@ -896,10 +894,7 @@ mod tests {
         let again = ship(
             dir.path(),
             &target,
-            &ShipStop {
-                drain: Arc::new(AtomicBool::new(true)),
-                drain_deadline: Duration::from_secs(1),
-            },
+            &drained(Duration::from_secs(1)),
             BatchLimits::default(),
             metrics.clone(),
         )

@@ -101,6 +101,36 @@ pub async fn stored_results(store: &Store, n: usize, limit: Duration) -> Vec<Sam
     }
 }
 
+/// `tokentap serve` as node `id` of the cluster on `nats` (its token), sealing tasks with
+/// `key`, in `dir/id`, with `extra` arguments: the process and its base URL.
+pub async fn start_cluster_node(
+    dir: &std::path::Path,
+    id: &str,
+    engine: &str,
+    token: &str,
+    nats: &crate::nats::NatsServer,
+    key: &TaskKeyFile,
+    extra: &[&str],
+) -> (ChildGuard, String) {
+    let data = dir.join(id);
+    std::fs::create_dir_all(&data).unwrap();
+    let port = crate::procs::free_port();
+    let url = nats.url();
+    let mut args = vec![
+        "--bus",
+        &url,
+        "--bus-token",
+        &nats.token,
+        "--node-id",
+        id,
+        "--task-key-file",
+        key.arg(),
+    ];
+    args.extend_from_slice(extra);
+    let process = start_serve(&data, port, engine, token, &args).await;
+    (process, format!("http://127.0.0.1:{port}"))
+}
+
 /// `tokentap serve` on `127.0.0.1:port` with `extra` arguments, its data under `dir/node` and
 /// `dir` as its working directory, `token` as its bearer token; returns once `/health`
 /// answers. Each start logs to a file of its own in `dir`, so a killed node's log stays beside

@@ -13,8 +13,10 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokentap_bus::async_nats;
 use tokentap_e2e::nats::NatsServer;
-use tokentap_e2e::node_api::{self, callback_receiver, start_serve, TaskKeyFile, TEST_TASK_KEY};
-use tokentap_e2e::procs::{free_port, metric_with};
+use tokentap_e2e::node_api::{
+    self, callback_receiver, start_cluster_node, TaskKeyFile, TEST_TASK_KEY,
+};
+use tokentap_e2e::procs::metric_with;
 use tokentap_e2e::scripted::{counting_replies, ScriptedBackend, Tokens};
 use tokentap_rollout::cluster::bus::{
     CALLBACK_SUBJECT, QUEUE_SUBJECT, ROLLOUTS_BUCKET, SAMPLES_BUCKET,
@@ -153,30 +155,16 @@ async fn a_task_planted_on_the_bus_never_runs_and_honest_ones_still_do() {
     std::fs::create_dir_all(&project).unwrap();
     std::fs::create_dir_all(&marks).unwrap();
     std::fs::write(project.join("README"), "a project").unwrap();
-    let node_dir = dir.path().join("n1");
-    std::fs::create_dir_all(&node_dir).unwrap();
-    let port = free_port();
-    let bus_url = nats.url();
-    let _node = start_serve(
-        &node_dir,
-        port,
+    let (_node, base) = start_cluster_node(
+        dir.path(),
+        "n1",
         &engine.url,
         TOKEN,
-        &[
-            "--bus",
-            &bus_url,
-            "--bus-token",
-            BUS_TOKEN,
-            "--node-id",
-            "n1",
-            "--task-key-file",
-            key.arg(),
-            "--max-budget-s",
-            "600",
-        ],
+        &nats,
+        &key,
+        &["--max-budget-s", "600"],
     )
     .await;
-    let base = format!("http://127.0.0.1:{port}");
     let (callback, deliveries) = callback_receiver().await;
     let (stolen_url, stolen) = callback_receiver().await;
     let mark = |name: &str| marks.join(name).exists();

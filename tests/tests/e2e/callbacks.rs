@@ -9,7 +9,8 @@ use std::time::{Duration, Instant};
 use serde_json::{json, Value};
 use tokentap_e2e::nats::NatsServer;
 use tokentap_e2e::node_api::{
-    self, callback_receiver, flooding_receiver, peak_rss, start_serve, HeldReceiver, TaskKeyFile,
+    self, callback_receiver, flooding_receiver, peak_rss, start_cluster_node, start_serve,
+    HeldReceiver, TaskKeyFile,
 };
 use tokentap_e2e::procs::{free_port, metric_with};
 use tokentap_e2e::scripted::{counting_replies, ScriptedBackend, Tokens};
@@ -87,28 +88,8 @@ async fn on_a_cluster_a_receiver_that_never_answers_holds_only_its_own_callbacks
     let engine = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
     let project = dir.path().join("project");
     std::fs::create_dir_all(&project).unwrap();
-    let node_dir = dir.path().join("n1");
-    std::fs::create_dir_all(&node_dir).unwrap();
-    let port = free_port();
-    let base = format!("http://127.0.0.1:{port}");
-    let bus_url = nats.url();
-    let _node = start_serve(
-        &node_dir,
-        port,
-        &engine.url,
-        TOKEN,
-        &[
-            "--bus",
-            &bus_url,
-            "--bus-token",
-            BUS_TOKEN,
-            "--node-id",
-            "n1",
-            "--task-key-file",
-            key.arg(),
-        ],
-    )
-    .await;
+    let (_node, base) =
+        start_cluster_node(dir.path(), "n1", &engine.url, TOKEN, &nats, &key, &[]).await;
     let held = HeldReceiver::start().await;
     let (fast, fast_got) = callback_receiver().await;
     let deferred = async || {

@@ -11,7 +11,7 @@ use serde_json::{json, Value};
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::nats::NatsServer;
-use tokentap_e2e::node_api::{self, callback_receiver, start_serve, TaskKeyFile};
+use tokentap_e2e::node_api::{self, callback_receiver, start_cluster_node, TaskKeyFile};
 use tokentap_e2e::procs::{free_port, http_client, metric_with, ChildGuard};
 use tokentap_e2e::repo_tasks::{repo_task, task_policy};
 use tokentap_e2e::scripted::{ScriptedBackend, Tokens};
@@ -32,24 +32,14 @@ async fn start_node(
     key: &TaskKeyFile,
     harness_path: &str,
 ) -> ClusterNode {
-    let port = free_port();
-    let data = dir.join(id);
-    std::fs::create_dir_all(&data).unwrap();
-    let url = nats.url();
-    let process = start_serve(
-        &data,
-        port,
+    let (process, base) = start_cluster_node(
+        dir,
+        id,
         engine,
         TOKEN,
+        nats,
+        key,
         &[
-            "--bus",
-            &url,
-            "--bus-token",
-            &nats.token,
-            "--node-id",
-            id,
-            "--task-key-file",
-            key.arg(),
             // Short, so a killed node's samples come back soon (the default is 30 s).
             "--sample-ack-wait",
             "6",
@@ -63,10 +53,7 @@ async fn start_node(
         ],
     )
     .await;
-    ClusterNode {
-        base: format!("http://127.0.0.1:{port}"),
-        process,
-    }
+    ClusterNode { base, process }
 }
 
 async fn get_json(url: &str) -> Value {
