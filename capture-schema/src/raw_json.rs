@@ -42,9 +42,10 @@ impl RawJson {
         self.0.get()
     }
 
-    /// The value parsed (for tests and tools; the hot paths never build this tree).
+    /// The value parsed (for tests and tools; the hot paths never build this tree). Panics on
+    /// a number a `Value` cannot hold (`1e400`): valid JSON, so a RawJson may carry one.
     pub fn to_value(&self) -> Value {
-        serde_json::from_str(self.get()).expect("a RawJson holds valid JSON")
+        serde_json::from_str(self.get()).expect("a RawJson holds JSON a Value can hold")
     }
 }
 
@@ -55,10 +56,15 @@ impl<'de> Deserialize<'de> for RawJson {
 }
 
 /// The same JSON value: the same text (the usual case, and cheap), or text that differs only
-/// in layout.
+/// in layout. Text holding a number a `Value` cannot (`1e400`, valid JSON) is equal only to
+/// the same text.
 impl PartialEq for RawJson {
     fn eq(&self, other: &Self) -> bool {
-        self.get() == other.get() || self.to_value() == other.to_value()
+        if self.get() == other.get() {
+            return true;
+        }
+        let parse = |r: &RawJson| serde_json::from_str::<Value>(r.get()).ok();
+        matches!((parse(self), parse(other)), (Some(a), Some(b)) if a == b)
     }
 }
 
@@ -69,5 +75,22 @@ impl JsonSchema for RawJson {
 
     fn json_schema(gen: &mut schemars::gen::SchemaGenerator) -> schemars::schema::Schema {
         Value::json_schema(gen)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn equal_by_value_and_never_a_panic_on_a_number_a_value_cannot_hold() {
+        let a = RawJson::from_json(r#"{"a": [1, 2]}"#.into()).unwrap();
+        let b = RawJson::from_json(r#"{"a":[1,2]}"#.into()).unwrap();
+        assert_eq!(a, b);
+        // Valid JSON (kept as text), but no f64 holds it.
+        let huge = RawJson::from_json(r#"{"max": 1e400}"#.into()).unwrap();
+        assert_eq!(huge, huge.clone());
+        assert_ne!(huge, RawJson::from_json(r#"{"max":1e400}"#.into()).unwrap());
+        assert_ne!(huge, a);
     }
 }

@@ -46,6 +46,20 @@ for target, names, key in [
             small["instructions"] = small["instructions"][:200]
         put(target, n + "-small", json.dumps(small))
 
+# Numbers JSON allows but an f64 cannot hold (a schema's `1e400`), where each API passes raw
+# JSON through (a tool schema): the fuzzer found a panic there once. Written as text: Python's
+# json writes such a number as `Infinity`, which is not JSON.
+HUGE = '{"type": "object", "properties": {"n": {"type": "number", "maximum": 1e400}}}'
+put("wire_chat_completions_request", "huge-number",
+    '{"model": "m", "messages": [{"role": "user", "content": "hi"}], "tools": [{"type": '
+    '"function", "function": {"name": "f", "parameters": %s}}]}' % HUGE)
+put("wire_responses_request", "huge-number",
+    '{"model": "m", "input": "hi", "tools": [{"type": "function", "name": "f", '
+    '"parameters": %s}]}' % HUGE)
+put("wire_messages_request", "huge-number",
+    '{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], '
+    '"tools": [{"name": "f", "input_schema": %s}]}' % HUGE)
+
 # Engine answers: the backend contract tests' fixtures (vLLM, SGLang), llama.cpp-shaped
 # answers, and a mock's Chat Completions SSE; whole seeds start with 0x00, stream seeds with
 # 0x08 | cuts and the cut bytes (see fuzz/src/lib.rs `cuts`).

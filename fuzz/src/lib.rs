@@ -191,8 +191,7 @@ pub fn wire_request(
     } else {
         CallMode::Whole
     };
-    let engine_body = serde_json::to_vec(&serde_json::Value::Object(chat_body(request, mode)))
-        .expect("an engine request serializes");
+    let engine_body = chat_body(request, mode);
     let again = match ChatCompletions.parse(&engine_body) {
         Ok(c) => c.request,
         Err(e) => panic!(

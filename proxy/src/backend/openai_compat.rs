@@ -10,7 +10,7 @@ use std::time::Duration;
 use async_stream::try_stream;
 use bytes::Bytes;
 use futures::{FutureExt, StreamExt};
-use serde_json::{Map, Value};
+use serde_json::Value;
 
 use super::answer::{self, decode, Answer, Choice, Ids, LogprobEntry, Message};
 use super::answer_body::{self, AnswerBody};
@@ -159,19 +159,18 @@ pub(crate) trait TokenDialect: Send + Sync + 'static {
     }
 }
 
-/// The Chat Completions body for `request` (without any dialect's token-data fields), as a
-/// JSON object: what the engine is sent, for the wire property tests and the fuzz targets.
-pub fn chat_body(request: &ChatRequest, mode: CallMode) -> Map<String, Value> {
+/// The Chat Completions body for `request` (without any dialect's token-data fields), as the
+/// JSON bytes the engine is sent: for the wire property tests and the fuzz targets. Bytes, not
+/// a `Value`: a tool schema is passed through as the harness wrote it, and JSON allows numbers
+/// (`1e400`) that a `Value` cannot hold.
+pub fn chat_body(request: &ChatRequest, mode: CallMode) -> Vec<u8> {
     let body = EngineRequest {
         request,
         stream: mode == CallMode::Streaming,
         token_data: &[],
     };
-    match serde_json::to_value(body) {
-        Ok(Value::Object(map)) => map,
-        // Only strings, numbers and `Value`s go in, under string keys: it cannot fail.
-        other => unreachable!("an engine request is a JSON object: {other:?}"),
-    }
+    // Only strings, numbers, raw JSON and `Value`s go in, under string keys: it cannot fail.
+    serde_json::to_vec(&body).expect("an engine request serializes")
 }
 
 /// Runs one chat completion against the engine and yields its generation events.
@@ -485,7 +484,7 @@ pub(crate) fn content_logprobs(entries: &[LogprobEntry<'_>]) -> Vec<Option<f32>>
 
 #[cfg(test)]
 mod tests {
-    use serde_json::json;
+    use serde_json::{json, Map};
 
     use super::answer::{from_value, Lenient};
     use super::*;
@@ -970,7 +969,7 @@ mod tests {
                     unique.dedup();
                     assert_eq!(keys.len(), unique.len(), "a key twice: {keys:?}");
                     if *kind == "none" {
-                        assert_eq!(Value::Object(chat_body(request, mode)), new);
+                        assert_eq!(chat_body(request, mode), bytes);
                     }
                 }
             }
@@ -992,6 +991,26 @@ mod tests {
         assert_eq!(new["min_p"].as_f64(), Some(1e-7));
     }
 
+    /// A tool schema holding a number JSON allows but no f64 holds (`1e400`) reaches the engine
+    /// as the harness wrote it, and the engine body is Chat Completions that parses back to the
+    /// same tools (the fuzzer found `chat_body` panicking on one).
+    #[test]
+    fn a_schema_number_no_f64_holds_passes_through_to_the_engine() {
+        use crate::wire::chat_completions::ChatCompletions;
+        use crate::wire::messages::Messages;
+        use crate::wire::WireCodec;
+        let body = br#"{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"n": {"maximum": 1e400}}}}]}"#;
+        let request = Messages.parse(body).unwrap().request;
+        let engine = chat_body(&request, CallMode::Whole);
+        assert!(
+            String::from_utf8_lossy(&engine).contains(r#""maximum": 1e400"#),
+            "{}",
+            String::from_utf8_lossy(&engine)
+        );
+        let again = ChatCompletions.parse(&engine).unwrap().request;
+        assert_eq!(again.tools, request.tools);
+    }
+
     /// vLLM's `/tokenize` body: `model`, `messages` and `tools` as the engine request has them.
     #[test]
     fn the_tokenize_body_takes_the_engine_requests_fields() {
@@ -999,7 +1018,8 @@ mod tests {
         let mut plain = rich_request();
         plain.tools.clear();
         for request in [&rich_request(), &plain] {
-            let chat = chat_body(request, CallMode::Whole);
+            let chat: Map<String, Value> =
+                serde_json::from_slice(&chat_body(request, CallMode::Whole)).unwrap();
             let mut old = Map::new();
             for key in ["model", "messages", "tools"] {
                 if let Some(v) = chat.get(key) {
