@@ -266,14 +266,43 @@ async fn heavy_node_agent_killed_detaches_everything_and_a_restart_reattaches_ru
             String::from_utf8_lossy(&out.stdout).into_owned(),
         )
     };
+    // The original destination (api.openai.com is the bridge's gateway here, port 443): a
+    // plain TCP server that counts who reaches it. While attached nothing does.
+    let original = tokio::net::TcpListener::bind((bed.dockerd.gateway(), 443))
+        .await
+        .expect("port 443 on the test's own bridge gateway");
+    let reached = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        let reached = reached.clone();
+        tokio::spawn(async move {
+            while let Ok((c, _)) = original.accept().await {
+                reached.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                drop(c);
+            }
+        });
+    }
     let (code, out) = exec(&bed);
     assert_eq!(code, Some(0), "{out}");
     assert_eq!(bed.agent.wait_records(1).await.len(), 1);
+    assert_eq!(
+        reached.load(std::sync::atomic::Ordering::SeqCst),
+        0,
+        "an attached container's call reached the original destination"
+    );
 
-    // kill -9: the links die with the agent's file descriptors; nothing stays attached.
+    // kill -9: the links die with the agent's file descriptors; nothing stays attached, and
+    // the container's connection reaches where it was addressed (not a dead redirect).
     bed.agent.kill();
     let (code, _) = exec(&bed);
-    assert_eq!(code, Some(7), "still redirected after the agent was killed");
+    assert_ne!(code, Some(0), "a plain TCP server cannot answer TLS");
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while reached.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the killed agent's container never reached the original destination"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 
     // A new agent (same spool) finds the running container and attaches it again.
     let args: Vec<String> = [
@@ -327,7 +356,8 @@ async fn heavy_node_agent_listener_serves_only_redirected_connections_and_never_
     if !ready() {
         return;
     }
-    // A service on the host's loopback, on a port the agent redirects.
+    // A service on the host's loopback, on a port the agent redirects: it answers, so a
+    // container that reached it would print its secret.
     let secret = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let secret_port = secret.local_addr().unwrap().port();
     let bed = bed(&[
@@ -341,11 +371,26 @@ async fn heavy_node_agent_listener_serves_only_redirected_connections_and_never_
     {
         let accepted = accepted.clone();
         tokio::spawn(async move {
-            while secret.accept().await.is_ok() {
+            while let Ok((mut c, _)) = secret.accept().await {
+                use tokio::io::AsyncWriteExt;
                 accepted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                let _ = c
+                    .write_all(b"HTTP/1.0 200 OK\r\ncontent-length: 11\r\n\r\nhost-secret")
+                    .await;
             }
         });
     }
+    // Positive control: from the host, the service answers.
+    let from_host = std::process::Command::new("curl")
+        .args(["-sS", "--max-time", "5"])
+        .arg(format!("http://127.0.0.1:{secret_port}/"))
+        .output()
+        .unwrap();
+    assert_eq!(
+        from_host.stdout, b"host-secret",
+        "the host reaches its own service"
+    );
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
     // 1. From the host, not redirected: TLS for api.openai.com straight at the listener.
     let gw = bed.dockerd.gateway();
     let out = std::process::Command::new("curl")
@@ -360,7 +405,7 @@ async fn heavy_node_agent_listener_serves_only_redirected_connections_and_never_
         String::from_utf8_lossy(&out.stdout)
     );
     // 2. A captured container connects to its own loopback on a redirected port.
-    let (code, _, err) = bed.run(
+    let (code, out, err) = bed.run(
         &[
             "--label",
             "tokentap.io/capture=true",
@@ -369,11 +414,12 @@ async fn heavy_node_agent_listener_serves_only_redirected_connections_and_never_
         ],
         &format!("curl -sS --max-time 5 http://127.0.0.1:{secret_port}/"),
     );
-    assert_ne!(code, 0, "the container reached something: {err}");
+    assert_ne!(code, 0, "the container reached something: {out} {err}");
+    assert!(!out.contains("host-secret"), "{out}");
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert_eq!(
         accepted.load(std::sync::atomic::Ordering::SeqCst),
-        0,
+        1,
         "a container reached the host's loopback through the agent"
     );
     assert!(
