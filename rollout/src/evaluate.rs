@@ -85,11 +85,19 @@ pub async fn evaluate(
             None,
         ),
     };
-    evaluation_copy(paths.work, paths.original, test_files, &eval_dir).await?;
+    evaluation_copy(
+        paths.work,
+        paths.original,
+        test_files,
+        &eval_dir,
+        jail,
+        budget,
+    )
+    .await?;
     fresh_dir(&io_dir).await?;
     let env: Vec<(&str, &std::ffi::OsStr)> =
         vec![("HOME", io_dir.as_os_str()), ("TMPDIR", io_dir.as_os_str())];
-    jail.give(&[&eval_dir, &io_dir]).await?;
+    jail.give(&[&eval_dir, &io_dir], budget).await?;
     let out = create_fresh(&log)?;
     let run = EvalRun {
         jail,
@@ -202,7 +210,7 @@ impl RewardPhase<'_> {
             write_fresh(&traces_file, t)?;
             env.push(("TOKENTAP_TRACES", traces_file.as_os_str()));
         }
-        jail.give(&[&self.dir]).await?;
+        jail.give(&[&self.dir], budget).await?;
         let run = EvalRun {
             jail,
             dir: &self.dir,

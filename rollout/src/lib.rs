@@ -33,6 +33,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod preset;
+pub mod sample_disk;
 pub mod sample_files;
 pub mod sandbox;
 pub mod seccomp;

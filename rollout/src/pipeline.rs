@@ -9,6 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex as StdMutex};
 use std::time::{Duration, Instant};
 
+use anyhow::Context;
 use serde::{Deserialize, Serialize};
 use tokio::process::Command;
 use tokio::sync::{broadcast, mpsc, Mutex, Notify};
@@ -20,6 +21,7 @@ use crate::evaluate::{self, EvalPaths};
 use crate::gate::{NodeGate, SessionPolicy};
 use crate::metrics::StageMetrics;
 use crate::preset::{self, HarnessEnv};
+use crate::sample_disk::{self, SampleDisk};
 use crate::sample_files::{create_fresh, write_fresh};
 use crate::sandbox::{self, Mounts, Ready, SandboxConfig, TaskJail};
 use crate::store::{Store, StoreError};
@@ -65,6 +67,9 @@ pub struct PipelineConfig {
     pub ceilings: NodeCeilings,
     /// How agents are sandboxed (None: this node cannot; tasks asking for it fail).
     pub sandbox: Option<SandboxConfig>,
+    /// Each sample's own file system of this many MiB (`sample_disk`; root only); None: a
+    /// sample writes on the data directory's file system, uncapped.
+    pub disk_mb: Option<u64>,
     /// Transparent capture for agents with hard-coded endpoints (None: this node cannot;
     /// tasks asking for it fail).
     pub transparent: Option<Arc<TransparentConfig>>,
@@ -95,6 +100,7 @@ impl PipelineConfig {
             limits: Limits::default(),
             ceilings: NodeCeilings::default(),
             sandbox: None,
+            disk_mb: None,
             transparent: None,
             clustered: false,
         }
@@ -112,6 +118,8 @@ struct Job {
     queued_at: Instant,
     /// Its claim on a RUN slot (or a prewarm place), from INIT until RUN ends.
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Its capped file system, from INIT to its end (released before the end is announced).
+    disk: Option<SampleDisk>,
 }
 
 #[derive(Debug, Clone)]
@@ -269,8 +277,11 @@ impl Pipeline {
     /// node left unfinished.
     pub async fn start(store: Arc<Store>, config: PipelineConfig) -> Result<Pipeline, StoreError> {
         // A killed node's agents may still run in its sample cgroups: end them before the
-        // samples they belonged to are re-queued.
+        // samples they belonged to are re-queued; then the disks they wrote on can go.
         tokentap_cgroup::limited::remove_stale_limited();
+        for d in sample_disk::release_stale(&config.data_dir) {
+            tracing::info!(dir = %d.display(), "released a sample disk a stopped node left mounted");
+        }
         let finished = Arc::new(Notify::new());
         let shared = Arc::new(Shared {
             store: store.clone(),
@@ -318,7 +329,10 @@ impl Pipeline {
                             let _ = tx.send(job).await;
                         }
                         Ok(false) => {} // ended while queued (cancelled)
-                        Err(e) => sh.fail(&job, format!("init: {e:#}")),
+                        Err(e) => {
+                            release_disk(&mut job).await;
+                            sh.fail(&job, format!("init: {e:#}"))
+                        }
                     }
                 }
             });
@@ -342,7 +356,10 @@ impl Pipeline {
                             sh.metrics.inc_depth(Stage::Run);
                             let _ = tx.send(job).await;
                         }
-                        Err(e) => sh.fail(&job, format!("run: {e:#}")),
+                        Err(e) => {
+                            release_disk(&mut job).await;
+                            sh.fail(&job, format!("run: {e:#}"))
+                        }
                     }
                 }
             });
@@ -356,6 +373,9 @@ impl Pipeline {
                     let t = sh.metrics.enter(Stage::PostRun);
                     let r = post_run(&sh, &mut job).await;
                     t.done();
+                    // Before the end is announced: what then reads the sample's traces finds
+                    // them in its plain directory.
+                    release_disk(&mut job).await;
                     match r {
                         Ok(outcome) => sh.finish(&job.sample, outcome),
                         Err(e) => sh.fail(&job, format!("post-run: {e:#}")),
@@ -440,6 +460,7 @@ impl Pipeline {
             run: None,
             queued_at: Instant::now(),
             slot: None,
+            disk: None,
         });
         self.shared.metrics.depth(Stage::Queued, depth);
     }
@@ -514,6 +535,17 @@ async fn init(sh: &Shared, job: &mut Job) -> anyhow::Result<bool> {
     sh.enter(job, Stage::Init)?;
     let cfg = &sh.cfg;
     tokio::fs::create_dir_all(&job.dir).await?;
+    if let Some(mb) = cfg.disk_mb {
+        let (data, dir, name) = (
+            cfg.data_dir.clone(),
+            job.dir.clone(),
+            job.sample.sample_id.clone(),
+        );
+        let disk = tokio::task::spawn_blocking(move || SampleDisk::mount(&data, &dir, &name, mb))
+            .await?
+            .context("giving the sample its disk")?;
+        job.disk = Some(disk);
+    }
     let spec = &job.rollout.spec;
     let original = workspace::snapshot(&spec.workspace, &rollout_dir(cfg, &job.rollout)).await?;
     let setup = match &spec.workspace {
@@ -540,6 +572,18 @@ async fn init(sh: &Shared, job: &mut Job) -> anyhow::Result<bool> {
     )
     .await?;
     Ok(true)
+}
+
+/// Unmounts the sample's disk, its kept files put back (off the async workers: umount and
+/// the copies block).
+async fn release_disk(job: &mut Job) {
+    let Some(mut disk) = job.disk.take() else {
+        return;
+    };
+    let released = tokio::task::spawn_blocking(move || disk.release()).await;
+    if let Err(e) = released.map_err(anyhow::Error::from).and_then(|r| r) {
+        tracing::error!(sample = %job.sample.sample_id, error = %format!("{e:#}"), "releasing a sample's disk");
+    }
 }
 
 /// How the sample's set-up and evaluation commands are confined.
@@ -648,7 +692,9 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     let mut _socket = None;
     if let Some(sb) = sandboxed {
         // The preset wrote the harness's configuration into its home.
-        sb.give(&[&env.home]).await?;
+        task_jail(cfg, job)
+            .give(&[&env.home], session_left(job))
+            .await?;
         let mut mounts = Mounts {
             writable: vec![env.work.clone(), env.home.clone(), env.tmp.clone()],
             ..Mounts::default()

@@ -19,6 +19,7 @@ use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
 use std::path::{Component, Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use tokentap_proxy::CaptureService;
 
@@ -59,27 +60,15 @@ impl SandboxConfig {
         (euid == 0).then_some((uid, uid))
     }
 
-    /// Hands `dirs` (recursively, links themselves) to the sandbox uid, so task code running
-    /// as it can write there.
-    pub async fn give(&self, dirs: &[&Path]) -> io::Result<()> {
-        let Some((uid, gid)) = self.run_as else {
-            return Ok(());
-        };
-        for d in dirs {
-            let out = tokio::process::Command::new("chown")
-                .args(["-R", "-h", &format!("{uid}:{gid}")])
-                .arg(d)
-                .output()
-                .await?;
-            if !out.status.success() {
-                return Err(io::Error::other(format!(
-                    "chown {}: {}",
-                    d.display(),
-                    String::from_utf8_lossy(&out.stderr).trim()
-                )));
-            }
-        }
-        Ok(())
+    /// The `chown -R` that hands `dirs` (recursively, links themselves) to the sandbox uid,
+    /// so task code running as it can write there; none when task code runs as the node's
+    /// own uid. Run it with [`TaskJail::give`], in the sample's cgroup.
+    fn chown(&self, dirs: &[&Path]) -> Option<tokio::process::Command> {
+        let (uid, gid) = self.run_as?;
+        let mut cmd = tokio::process::Command::new("chown");
+        cmd.args(["-R", "-h", &format!("{uid}:{gid}"), "--"]);
+        cmd.args(dirs);
+        Some(cmd)
     }
 }
 
@@ -369,12 +358,60 @@ impl TaskJail {
         Ok(Confined { cmd, cgroup, ready })
     }
 
-    /// Hands `dirs` to the sandbox uid (see [`SandboxConfig::give`]).
-    pub async fn give(&self, dirs: &[&Path]) -> io::Result<()> {
-        match &self.sandbox {
-            Some(sb) => sb.give(dirs).await,
+    /// Hands `dirs` (recursively) to the sandbox uid, so task code running as it can write
+    /// there; in the sample's cgroup, within `budget` (see [`TaskJail::run_for_sample`]).
+    pub async fn give(&self, dirs: &[&Path], budget: Duration) -> anyhow::Result<()> {
+        match self.sandbox.as_ref().and_then(|sb| sb.chown(dirs)) {
+            Some(cmd) => self.run_for_sample(cmd, "chown -R", budget).await,
             None => Ok(()),
         }
+    }
+
+    /// Runs a node-side command on the sample's own trees (the `cp -a` of its working copy
+    /// and of its evaluation copy, the `chown -R` of them) in a cgroup with the sample's
+    /// limits, killed at `budget`: a task whose tree is huge pays in its own CPU, memory and
+    /// time, not the node's. (Its disk, when capped, is the sample's own: `sample_disk`.)
+    pub async fn run_for_sample(
+        &self,
+        mut cmd: tokio::process::Command,
+        what: &str,
+        budget: Duration,
+    ) -> anyhow::Result<()> {
+        let cgroup = LimitedCgroup::create(&format!("{}-node", self.name), &self.limits)
+            .map_err(|e| anyhow::anyhow!("applying the limits {:?}: {e}", self.limits))?;
+        if let Some(cg) = &cgroup {
+            cg.enter_on_spawn(&mut cmd);
+        }
+        let child = cmd
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| anyhow::anyhow!("starting {what}: {e}"))?;
+        // On the budget the wait is dropped, and with it the child (killed on drop); what it
+        // left in the cgroup dies with the cgroup.
+        let out = match tokio::time::timeout(budget, child.wait_with_output()).await {
+            Ok(out) => out?,
+            Err(_) => anyhow::bail!(
+                "{what} ran over the sample's budget ({} s left)",
+                budget.as_secs()
+            ),
+        };
+        if !out.status.success() {
+            let oom = cgroup.as_ref().is_some_and(LimitedCgroup::oom_killed);
+            anyhow::bail!(
+                "{what} failed ({}{}): {}",
+                out.status,
+                if oom {
+                    ", out of the sample's memory"
+                } else {
+                    ""
+                },
+                String::from_utf8_lossy(&out.stderr[..out.stderr.len().min(4096)]).trim()
+            );
+        }
+        Ok(())
     }
 }
 

@@ -131,12 +131,14 @@ pub async fn working_copy(
     jail: &TaskJail,
     budget: Duration,
 ) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + budget;
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
     let work = paths.work;
     if work.exists() {
         tokio::fs::remove_dir_all(work).await?;
     }
-    copy_tree(original, work).await?;
-    jail.give(&[work, paths.home, paths.tmp]).await?;
+    copy_for_sample(jail, original, work, left()).await?;
+    jail.give(&[work, paths.home, paths.tmp], left()).await?;
     let Some(setup) = setup else {
         return Ok(());
     };
@@ -158,7 +160,7 @@ pub async fn working_copy(
         .process_group(0)
         .kill_on_drop(true)
         .spawn()?;
-    let status = match tokio::time::timeout(budget, child.wait()).await {
+    let status = match tokio::time::timeout(left(), child.wait()).await {
         Ok(s) => Some(s?),
         Err(_) => None,
     };
@@ -184,17 +186,22 @@ pub async fn working_copy(
 
 /// A fresh copy of the final `work` at `dest` for evaluation: no `.git`, and each of
 /// `test_files` put back as it is in `original` (or removed when the task had none there), so
-/// an agent that edited or added tests gains nothing.
+/// an agent that edited or added tests gains nothing. The copies run for the sample (see
+/// [`copy_for_sample`]), within `budget`.
 pub async fn evaluation_copy(
     work: &Path,
     original: &Path,
     test_files: &[String],
     dest: &Path,
+    jail: &TaskJail,
+    budget: Duration,
 ) -> anyhow::Result<()> {
+    let deadline = tokio::time::Instant::now() + budget;
+    let left = || deadline.saturating_duration_since(tokio::time::Instant::now());
     if dest.exists() {
         tokio::fs::remove_dir_all(dest).await?;
     }
-    copy_tree(work, dest).await?;
+    copy_for_sample(jail, work, dest, left()).await?;
     let git = dest.join(".git");
     if git.exists() {
         tokio::fs::remove_dir_all(&git).await?;
@@ -212,7 +219,7 @@ pub async fn evaluation_copy(
             if let Some(parent) = to.parent() {
                 tokio::fs::create_dir_all(parent).await?;
             }
-            copy_tree(&from, &to).await?;
+            copy_for_sample(jail, &from, &to, left()).await?;
         }
     }
     Ok(())
@@ -256,6 +263,21 @@ pub fn relative(rel: &str) -> anyhow::Result<&Path> {
     Ok(p)
 }
 
+/// `cp -a from to` for a sample (a tree it wrote, or one it gets): in its cgroup, within
+/// `budget` ([`TaskJail::run_for_sample`]).
+pub async fn copy_for_sample(
+    jail: &TaskJail,
+    from: &Path,
+    to: &Path,
+    budget: Duration,
+) -> anyhow::Result<()> {
+    let mut cp = Command::new("cp");
+    cp.arg("-a").arg("--").arg(from).arg(to);
+    jail.run_for_sample(cp, "cp -a", budget)
+        .await
+        .with_context(|| format!("copying {} to {}", from.display(), to.display()))
+}
+
 /// `cp -a from to` (keeps modes, links and times; `to` must not exist).
 pub async fn copy_tree(from: &Path, to: &Path) -> anyhow::Result<()> {
     run(Command::new("cp").arg("-a").arg(from).arg(to), "cp -a")
@@ -282,6 +304,60 @@ mod tests {
     fn write(p: &Path, s: &str) {
         std::fs::create_dir_all(p.parent().unwrap()).unwrap();
         std::fs::write(p, s).unwrap();
+    }
+
+    /// A jail that confines nothing (no sandbox, no limits).
+    fn unconfined() -> TaskJail {
+        TaskJail {
+            sandbox: None,
+            limits: tokentap_cgroup::Limits::default(),
+            path: "/usr/bin:/bin".into(),
+            name: "workspace-test".into(),
+        }
+    }
+
+    /// A sample's copy runs in a cgroup of the sample's limits and ends at its budget.
+    /// Positive control: the same command with time to spare succeeds.
+    #[tokio::test]
+    async fn a_copy_for_a_sample_runs_in_its_cgroup_within_its_budget() {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            assert!(
+                std::env::var_os("TOKENTAP_REQUIRE_PRIVILEGED").is_none(),
+                "cgroups need root"
+            );
+            eprintln!("SKIPPED: cgroups need root");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let seen = dir.path().join("cgroup");
+        let jail = TaskJail {
+            limits: tokentap_cgroup::Limits {
+                pids: Some(64),
+                ..Default::default()
+            },
+            ..unconfined()
+        };
+        let cmd = |sleep: &str| {
+            let mut c = Command::new("sh");
+            c.arg("-c").arg(format!(
+                "cat /proc/self/cgroup > {}; sleep {sleep}",
+                seen.display()
+            ));
+            c
+        };
+        jail.run_for_sample(cmd("0"), "probe", Duration::from_secs(20))
+            .await
+            .unwrap();
+        let cgroups = std::fs::read_to_string(&seen).unwrap();
+        assert!(cgroups.contains("workspace-test-node"), "{cgroups}");
+        let started = std::time::Instant::now();
+        let e = jail
+            .run_for_sample(cmd("30"), "probe", Duration::from_millis(500))
+            .await
+            .unwrap_err();
+        assert!(e.to_string().contains("ran over"), "{e}");
+        assert!(started.elapsed() < Duration::from_secs(10));
     }
 
     #[tokio::test]
@@ -353,6 +429,8 @@ mod tests {
             &original,
             &["tests/test_x.py".into(), "tests/conftest.py".into()],
             &eval,
+            &unconfined(),
+            Duration::from_secs(30),
         )
         .await
         .unwrap();
@@ -376,9 +454,16 @@ mod tests {
         write(&outside.join("test_x.py"), "another sample's file");
         std::fs::create_dir_all(&work).unwrap();
         std::os::unix::fs::symlink(&outside, work.join("tests")).unwrap();
-        let e = evaluation_copy(&work, &original, &["tests/test_x.py".into()], &eval)
-            .await
-            .unwrap_err();
+        let e = evaluation_copy(
+            &work,
+            &original,
+            &["tests/test_x.py".into()],
+            &eval,
+            &unconfined(),
+            Duration::from_secs(30),
+        )
+        .await
+        .unwrap_err();
         assert!(e.to_string().contains("is a link"), "{e}");
         assert_eq!(
             std::fs::read_to_string(outside.join("test_x.py")).unwrap(),

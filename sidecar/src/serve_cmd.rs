@@ -63,6 +63,12 @@ pub struct NodeArgs {
     /// Process limit of each agent's cgroup, where the task sets none.
     #[arg(long)]
     sample_pids: Option<u64>,
+    /// Give each sample a file system of its own of this many MiB (a sparse ext4 image,
+    /// loop-mounted over its directory from INIT to its end): its working copy, HOME, TMPDIR,
+    /// evaluation copy and logs, so a sample that writes without end gets ENOSPC, not the
+    /// node's disk. Root only (loop devices, mkfs.ext4); checked at start. Unset: uncapped.
+    #[arg(long, value_parser = clap::value_parser!(u64).range(tokentap_rollout::sample_disk::MIN_DISK_MB..=(1 << 24)))]
+    sample_disk_mb: Option<u64>,
     /// Run every agent in a bubblewrap sandbox (no network but the capture, nothing of the
     /// node visible, only its own directories writable); without it, only tasks with
     /// `"sandbox": true` are. Set-up and evaluation commands are sandboxed whenever the node
@@ -180,6 +186,20 @@ impl NodeArgs {
             cpus: self.sample_cpus,
             pids: self.sample_pids,
         };
+        config.disk_mb = self.sample_disk_mb;
+        match self.sample_disk_mb {
+            Some(mb) => {
+                let data = self.data_dir();
+                tokio::task::spawn_blocking(move || {
+                    tokentap_rollout::sample_disk::check_available(&data)
+                })
+                .await??;
+                tracing::info!(mb, "each sample writes on a file system of its own");
+            }
+            None => tracing::info!(
+                "samples' disk use is not capped (--sample-disk-mb gives each its own file system)"
+            ),
+        }
         config.ceilings = tokentap_rollout::task::NodeCeilings {
             max_samples: self.max_samples_per_task,
             max_budget_s: self.max_budget_s,

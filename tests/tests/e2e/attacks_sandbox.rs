@@ -1329,3 +1329,94 @@ t.start(); t.join()
         ],
     );
 }
+
+/// A sample that writes without end on a node with `--sample-disk-mb`: its writes stop at
+/// its own disk (ENOSPC), its log is cut there too, a sample beside it completes, and at
+/// the end the disk is unmounted and gone, the node's files (log tail, traces) kept. The
+/// positive control: the same write on the data directory's file system succeeds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_a_sample_writing_without_end_fills_only_its_own_disk() {
+    if !sandbox_available() {
+        return;
+    }
+    let mut node = Node::start(&["--sandbox", "--sample-disk-mb", "64"], None).await;
+    let fill = |at: &str| format!("dd if=/dev/zero of={at} bs=1M count=200 2>&1; echo dd-exit=$?");
+    // Positive control, beside the node's data directory.
+    let control = Command::new("sh")
+        .args([
+            "-c",
+            &fill(&node.dir.path().join("control-fill").display().to_string()),
+        ])
+        .output()
+        .unwrap();
+    let control = String::from_utf8_lossy(&control.stdout).into_owned();
+    assert!(control.contains("dd-exit=0"), "{control}");
+    std::fs::remove_file(node.dir.path().join("control-fill")).unwrap();
+
+    let project = node.project();
+    let agent = format!(
+        "{}; rm -f \"$HOME/fill\"; {}; yes spam | head -c 200000000; echo after-spam",
+        fill("\"$HOME/fill\""),
+        fill("work-fill")
+    );
+    let filler = node
+        .run(&task(
+            &project,
+            "filler",
+            &agent,
+            json!({"kind": "command", "command": "true"}),
+        ))
+        .await
+        .remove(0);
+    let bystander = node
+        .run(&task(
+            &project,
+            "bystander",
+            "echo ok > ok.txt",
+            json!({"kind": "command", "command": "test -f ok.txt"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(2).await;
+    assert_eq!(
+        done[&bystander]["outcome"],
+        json!({"status": "completed", "reward": 1.0}),
+        "{}",
+        done[&bystander]
+    );
+    let log = node.read(&filler, "agent.log");
+    assert!(log.contains("No space left on device"), "{log:.2000}");
+    assert!(
+        !log.contains("dd-exit=0"),
+        "a 200 MB write fit a 64 MiB disk: {log:.2000}"
+    );
+    let log_len = std::fs::metadata(node.sample_dir(&filler).join("agent.log"))
+        .unwrap()
+        .len();
+    assert!(
+        log_len <= (4 << 20) + 200,
+        "the kept log is its tail: {log_len}"
+    );
+    // Unmounted, the image removed, only the node's kept files left.
+    let mounts = std::fs::read_to_string("/proc/self/mountinfo").unwrap();
+    let data = std::fs::canonicalize(node.data()).unwrap();
+    assert!(
+        !mounts.contains(&data.display().to_string()),
+        "a sample disk is still mounted: {mounts}"
+    );
+    let images: Vec<_> = std::fs::read_dir(node.data().join("disks"))
+        .unwrap()
+        .collect();
+    assert!(images.is_empty(), "{images:?}");
+    let mut kept: Vec<String> = std::fs::read_dir(node.sample_dir(&filler))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    kept.sort();
+    assert!(
+        kept.iter()
+            .all(|f| ["agent.log", "eval.log", "setup.log", "traces.jsonl"].contains(&f.as_str())),
+        "{kept:?}"
+    );
+    assert!(node.healthy().await);
+}
