@@ -116,19 +116,29 @@ pub struct PublishTopology {
     pub partitions: u32,
 }
 
+/// The API prefix under which a publisher's account imports the cluster's JetStream lookups
+/// when it has no JetStream of its own (deploy's `nats.conf`: the publisher's `AGENTS`
+/// account, kept apart so that no reply subject it names reaches the cluster's streams).
+pub const IMPORTED_API_PREFIX: &str = "tokentap.jsapi";
+
 impl PublishTopology {
     pub async fn open(js: jetstream::Context, wanted: u32) -> anyhow::Result<PublishTopology> {
-        let looked_up = async {
-            js.get_stream(RECORDS_STREAM)
-                .await
-                .map_err(|e| anyhow::anyhow!("the records stream {RECORDS_STREAM}: {e}"))?;
-            let progress = js
-                .get_key_value(PROGRESS_BUCKET)
-                .await
-                .map_err(|e| anyhow::anyhow!("the bucket {PROGRESS_BUCKET}: {e}"))?;
-            read_partitions(&progress).await
+        let mut js = js;
+        let mut looked_up = Self::look_up(&js).await;
+        if looked_up.as_ref().is_err_and(|e| {
+            e.to_string().contains(&format!(
+                "error code {}",
+                jetstream::ErrorCode::JETSTREAM_NOT_ENABLED_FOR_ACCOUNT.0
+            ))
+        }) {
+            // An account without JetStream: the cluster's, through the imported prefix.
+            let imported = jetstream::ContextBuilder::new()
+                .timeout(Duration::from_secs(10))
+                .api_prefix(IMPORTED_API_PREFIX)
+                .build(js.client());
+            looked_up = Self::look_up(&imported).await;
+            js = imported;
         }
-        .await;
         let partitions = match looked_up {
             Ok(n) => n,
             Err(missing) => match Topology::ensure(js.clone(), wanted).await {
@@ -139,6 +149,18 @@ impl PublishTopology {
             },
         };
         Ok(PublishTopology { js, partitions })
+    }
+
+    /// The records stream's info and the partition count, looked up.
+    async fn look_up(js: &jetstream::Context) -> anyhow::Result<u32> {
+        js.get_stream(RECORDS_STREAM)
+            .await
+            .map_err(|e| anyhow::anyhow!("the records stream {RECORDS_STREAM}: {e}"))?;
+        let progress = js
+            .get_key_value(PROGRESS_BUCKET)
+            .await
+            .map_err(|e| anyhow::anyhow!("the bucket {PROGRESS_BUCKET}: {e}"))?;
+        read_partitions(&progress).await
     }
 
     pub fn partition_of(&self, session_id: &str) -> u32 {

@@ -242,22 +242,13 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
         .unwrap()
         .await
         .expect("a publisher publishes records");
-    // A record whose reply subject is the queue or a bucket: the server sends its
-    // acknowledgement there, in its own name, and NATS 2.9 checks no permission on a reply
-    // subject. What lands is the server's fixed acknowledgement, never bytes the publisher
-    // chose (asserted below); a node refuses it as a task that does not parse. Known gap
-    // (docs/scale-out.md, "Roles on the bus"): closed only by putting the records and the
-    // rollout nodes' state in separate NATS accounts.
-    for reply in [
-        QUEUE_SUBJECT.to_owned(),
-        format!("$KV.{SAMPLES_BUCKET}.reply"),
-    ] {
-        publisher
-            .client
-            .publish_with_reply("tokentap.records.1", reply, "{\"run\":\"rm -rf /\"}".into())
-            .await
-            .unwrap();
-    }
+    // A record whose reply subject is the queue or a bucket: NATS checks no permission on a
+    // reply subject and JetStream acknowledges to it. The publisher's account (AGENTS) has
+    // no streams; its records reach the cluster's through a service import, so the
+    // acknowledgement goes back to that name in AGENTS, where nothing listens (asserted
+    // below: the queue and the bucket stay empty; the positive control, one account, is
+    // `heavy_without_roles_the_same_attempts_succeed`).
+    plant_acks(&publisher).await;
     publisher.client.flush().await.unwrap();
 
     let attempts = attack(&publisher).await;
@@ -284,32 +275,12 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
         .get_stream(QUEUE_STREAM)
         .await
         .expect("still there");
-    let only_an_ack = |bytes: &[u8]| {
-        let v: Value = serde_json::from_slice(bytes).unwrap();
-        let fields: Vec<&str> = v.as_object().unwrap().keys().map(String::as_str).collect();
-        v["stream"] == RECORDS_STREAM
-            && fields
-                .iter()
-                .all(|f| ["stream", "seq", "duplicate", "domain"].contains(f))
-    };
     let state = queue.info().await.unwrap().state.clone();
-    assert_eq!(
-        state.messages, 1,
-        "besides the server's acknowledgement, something reached the sample queue"
-    );
-    let on_queue = queue.get_raw_message(state.first_sequence).await.unwrap();
+    assert_eq!(state.messages, 0, "something reached the sample queue");
     assert!(
-        only_an_ack(&on_queue.payload),
-        "the queue holds more than an acknowledgement: {:?}",
-        on_queue.payload
+        cluster.samples.get("reply").await.unwrap().is_none(),
+        "an acknowledgement was written over a sample's key"
     );
-    let in_bucket = cluster
-        .samples
-        .get("reply")
-        .await
-        .unwrap()
-        .expect("the ack");
-    assert!(only_an_ack(&in_bucket), "{in_bucket:?}");
     assert!(cluster.rollouts.get("planted").await.unwrap().is_none());
     assert!(cluster.samples.get("planted").await.unwrap().is_none());
     let results = cluster.js.get_stream(RESULTS_STREAM).await.unwrap();
@@ -346,22 +317,56 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
     assert!(queue.consumer_info(QUEUE_CONSUMER).await.is_err());
 }
 
-/// The permissions off (one token for all, as before the roles): every attempt succeeds, so
-/// the refusals above are the permissions' doing, not the attempts' shape.
+/// The permissions off (one token for all, one account, as before the roles): a record's
+/// acknowledgement lands on the queue and over a bucket key its reply subject names, and
+/// every attempt succeeds, so the refusals above are the permissions' and the accounts'
+/// doing, not the attempts' shape.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_without_roles_the_same_attempts_succeed() {
     let dir = tempfile::tempdir().unwrap();
     let nats = NatsServer::start(&dir.path().join("nats"), BUS_TOKEN).await;
     let owner = Raw::connect(&nats, None).await;
-    ClusterBus::open(owner.client.clone(), &queue_options())
+    let cluster = ClusterBus::open(owner.client.clone(), &queue_options())
+        .await
+        .unwrap();
+    Topology::ensure(tokentap_bus::jetstream(owner.client.clone()), 16)
         .await
         .unwrap();
     let attacker = Raw::connect(&nats, None).await;
+    // In one account the acknowledgement of a record lands where its reply subject says.
+    plant_acks(&attacker).await;
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut queue = cluster.js.get_stream(QUEUE_STREAM).await.unwrap();
+    assert_eq!(queue.info().await.unwrap().state.messages, 1);
+    let ack = cluster
+        .samples
+        .get("reply")
+        .await
+        .unwrap()
+        .expect("the ack");
+    let ack: Value = serde_json::from_slice(&ack).unwrap();
+    assert_eq!(ack["stream"], RECORDS_STREAM, "{ack}");
+    queue.purge().await.unwrap();
     let attempts = attack(&attacker).await;
     for a in &attempts {
         assert!(a.result.is_ok(), "{}\n{}", a.what, report(&attempts));
     }
     assert!(attacker.errors.lock().unwrap().is_empty());
+}
+
+/// Publishes a record with the sample queue, then a key of the samples bucket, as its reply
+/// subject: where JetStream's acknowledgement of it would land.
+async fn plant_acks(raw: &Raw) {
+    for reply in [
+        QUEUE_SUBJECT.to_owned(),
+        format!("$KV.{SAMPLES_BUCKET}.reply"),
+    ] {
+        raw.client
+            .publish_with_reply("tokentap.records.1", reply, "{\"run\":\"rm -rf /\"}".into())
+            .await
+            .unwrap();
+    }
+    raw.client.flush().await.unwrap();
 }
 
 /// Permission violations in the server's log by `user`.
@@ -397,7 +402,11 @@ async fn heavy_a_proxy_and_a_worker_deliver_with_their_roles_and_a_refusal_is_lo
             .await;
     }
     let records = proxy.wait_records(SESSIONS).await;
-    let refused = format!("$JS.API.STREAM.CREATE.{RECORDS_STREAM}");
+    // Through the prefix its account imports the cluster's JetStream API under.
+    let refused = format!(
+        "{}.STREAM.CREATE.{RECORDS_STREAM}",
+        tokentap_bus::topology::IMPORTED_API_PREFIX
+    );
     let deadline = Instant::now() + Duration::from_secs(40);
     loop {
         let log = proxy.log_tail(400);
@@ -454,7 +463,7 @@ async fn heavy_a_proxy_and_a_worker_deliver_with_their_roles_and_a_refusal_is_lo
         "the worker's permissions are short"
     );
     for v in violations_by(&nats, "publisher") {
-        assert!(v.contains("$JS.API.STREAM.CREATE."), "{v}");
+        assert!(v.contains(".STREAM.CREATE."), "{v}");
     }
 }
 
