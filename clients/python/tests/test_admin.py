@@ -36,7 +36,10 @@ def test_pause_holds_generations_and_resume_sets_the_policy_version(
 
     version = f"pytest-v-{uuid.uuid4().hex[:8]}"
     status = node.resume(policy_version=version)
-    assert status == {"paused": False, "in_flight": status["in_flight"], "policy_version": version}
+    assert set(status) == {"paused", "in_flight", "policy_version"}, status
+    assert status["paused"] is False and status["policy_version"] == version, status
+    # The held sample's one call, released by this resume, may still be in flight.
+    assert status["in_flight"] in (0, 1), status
 
     later = node.submit(task(live, unique("later"), agent(succeed="*"), num_samples=1))
     for submitted in (held, later):

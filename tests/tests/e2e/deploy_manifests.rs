@@ -125,7 +125,12 @@ fn the_node_agent_and_the_webhook_get_the_least_they_need() {
         .contains("TOKENTAP_WEBHOOK_TOKEN"));
 
     let mwc = find(&objs, "MutatingWebhookConfiguration", "tokentap");
-    for w in mwc["webhooks"].as_array().unwrap() {
+    let webhooks = mwc["webhooks"].as_array().unwrap();
+    assert!(
+        !webhooks.is_empty(),
+        "a webhook configuration without webhooks"
+    );
+    for w in webhooks {
         assert_eq!(w["admissionReviewVersions"], serde_json::json!(["v1"]));
         assert_eq!(w["sideEffects"], "None");
         assert_eq!(w["failurePolicy"], "Fail");
