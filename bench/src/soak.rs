@@ -7,6 +7,7 @@
 //! A benchmark: it reports figures and verdicts against the targets, and fails only when it
 //! could not run.
 
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -20,6 +21,7 @@ use serde_json::{json, Value};
 use crate::instant_backend::{InstantBackend, ANSWER, MODEL};
 use crate::proxy_child::{count_spool_lines, ProxyChild};
 use crate::report::Machine;
+use tokentap_reconstruct::verify::RecordDigest;
 
 #[derive(Args)]
 pub struct SoakBenchArgs {
@@ -82,15 +84,29 @@ struct SoakReport {
     calls: u64,
     /// Calls that failed (status, broken stream, timeout), warm-up included.
     errors: u64,
-    /// Records in the spool after the proxy stopped.
+    /// Records in the spool after the proxy stopped (distinct record ids).
     records: u64,
     /// Calls sent without a record.
     records_lost: i64,
+    /// Spool lines holding a record id already seen (a record written twice).
+    duplicate_records: u64,
+    /// Spool lines that are not a record (corrupt or torn).
+    corrupt_lines: u64,
     spool_bytes: u64,
-    /// Records found in the written traces.
+    /// Spool records found in the written traces (distinct record ids).
     traced_records: u64,
+    /// Spool records in no trace.
+    untraced_records: u64,
+    /// Trace calls naming a record id the spool does not hold.
+    traced_unknown_records: u64,
+    /// Records in more than one trace call.
+    traced_twice: u64,
     traces: u64,
+    /// Violations the reconstruction reported (`sessions.jsonl`).
     faithfulness_violations: u64,
+    /// Violations found here, checking every trace against the spool's records' digests
+    /// (prompt ids, sampled ids, logprobs) independently of the reconstruction's own check.
+    digest_violations: u64,
     windows: Vec<Window>,
     memory: Vec<MemorySample>,
     /// Lowest RSS in the first window after the warm-up.
@@ -214,7 +230,7 @@ pub fn run(args: SoakBenchArgs) -> anyhow::Result<()> {
             "waiting for the {records} records' sessions to go idle and be traced"
         ));
         let deadline = Instant::now() + Duration::from_secs(3 * args.session_idle + 60);
-        while traced(&spool.join("traces"))?.0 < records && Instant::now() < deadline {
+        while traced_so_far(&spool.join("traces")) < records && Instant::now() < deadline {
             proxy.ensure_alive()?;
             std::thread::sleep(Duration::from_secs(1));
         }
@@ -373,8 +389,10 @@ fn summarize(
     memory: Vec<MemorySample>,
 ) -> anyhow::Result<SoakReport> {
     let spool = proxy.spool.as_deref().expect("the soak proxy captures");
-    let (records, spool_bytes) = count_spool_lines(spool)?;
-    let (traced_records, traces, faithfulness_violations) = traced(&spool.join("traces"))?;
+    let (_, spool_bytes) = count_spool_lines(spool)?;
+    let spooled = spooled(spool)?;
+    let records = spooled.digests.len() as u64;
+    let tr = traced(&spool.join("traces"), &spooled)?;
     let calls = tally.warm.calls + tally.windows.iter().map(|w| w.calls).sum::<u64>();
     let errors = tally.warm.errors + tally.windows.iter().map(|w| w.errors).sum::<u64>();
     let windows: Vec<Window> = tally
@@ -435,10 +453,16 @@ fn summarize(
             met: records_lost == 0,
         },
         Verdict {
-            what: "records traced",
+            what: "records traced, each once, and faithful to the spool",
             target: format!("{records}"),
-            measured: traced_records.to_string(),
-            met: traced_records == records && faithfulness_violations == 0,
+            measured: tr.traced_records.to_string(),
+            met: tr.traced_records == records
+                && tr.traced_unknown_records == 0
+                && tr.traced_twice == 0
+                && tr.faithfulness_violations == 0
+                && tr.digest_violations == 0
+                && spooled.duplicates == 0
+                && spooled.corrupt == 0,
         },
         Verdict {
             what: "RSS floor growth, first window after warm-up to last",
@@ -474,10 +498,16 @@ fn summarize(
         errors,
         records,
         records_lost,
+        duplicate_records: spooled.duplicates,
+        corrupt_lines: spooled.corrupt,
         spool_bytes,
-        traced_records,
-        traces,
-        faithfulness_violations,
+        traced_records: tr.traced_records,
+        untraced_records: records.saturating_sub(tr.traced_records),
+        traced_unknown_records: tr.traced_unknown_records,
+        traced_twice: tr.traced_twice,
+        traces: tr.traces,
+        faithfulness_violations: tr.faithfulness_violations,
+        digest_violations: tr.digest_violations,
         windows,
         memory,
         rss_baseline_mib: baseline,
@@ -489,22 +519,105 @@ fn summarize(
     })
 }
 
-/// Records in the traces written to `dir`, traces, and faithfulness violations reported.
-fn traced(dir: &Path) -> anyhow::Result<(u64, u64, u64)> {
+/// What the spool holds: each record's digest by id, and what is not one record once.
+struct Spooled {
+    digests: HashMap<String, RecordDigest>,
+    duplicates: u64,
+    corrupt: u64,
+}
+
+/// Reads every record of the spool (ids compared as sets below: a lost record and a
+/// duplicated one must not cancel out, as they would in a line count).
+fn spooled(spool: &Path) -> anyhow::Result<Spooled> {
+    let mut out = Spooled {
+        digests: HashMap::new(),
+        duplicates: 0,
+        corrupt: 0,
+    };
+    for item in tokentap_spool::SpoolReader::open(spool)? {
+        match item? {
+            tokentap_spool::SpoolItem::Record(e) => {
+                let digest = RecordDigest::of(&e.record);
+                if out.digests.insert(e.record.record_id, digest).is_some() {
+                    out.duplicates += 1;
+                }
+            }
+            _ => out.corrupt += 1,
+        }
+    }
+    Ok(out)
+}
+
+/// Calls in the traces written to `dir` so far (0 before the first): what the wait for the
+/// last sessions watches; the verdicts come from [`traced`].
+fn traced_so_far(dir: &Path) -> u64 {
+    tokentap_reconstruct::output::read_traces_jsonl(&dir.join("traces.jsonl"))
+        .map(|traces| traces.iter().map(|t| t.calls.len() as u64).sum())
+        .unwrap_or(0)
+}
+
+/// The written traces against the spool.
+struct Traced {
+    traced_records: u64,
+    traced_unknown_records: u64,
+    traced_twice: u64,
+    traces: u64,
+    faithfulness_violations: u64,
+    digest_violations: u64,
+}
+
+/// Reads the traces and the session reports written to `dir` (both must be there when there
+/// are records: a missing report is an error, never "no violations"), and checks every trace
+/// against the spool's digests.
+fn traced(dir: &Path, spooled: &Spooled) -> anyhow::Result<Traced> {
     let traces_file = dir.join("traces.jsonl");
     if !traces_file.exists() {
-        return Ok((0, 0, 0));
+        if spooled.digests.is_empty() {
+            return Ok(Traced {
+                traced_records: 0,
+                traced_unknown_records: 0,
+                traced_twice: 0,
+                traces: 0,
+                faithfulness_violations: 0,
+                digest_violations: 0,
+            });
+        }
+        bail!(
+            "{} records but no {}",
+            spooled.digests.len(),
+            traces_file.display()
+        );
     }
     let traces = tokentap_reconstruct::output::read_traces_jsonl(&traces_file)
         .with_context(|| format!("reading {}", traces_file.display()))?;
-    let calls = traces.iter().map(|t| t.calls.len() as u64).sum();
-    let sessions = std::fs::read_to_string(dir.join("sessions.jsonl")).unwrap_or_default();
-    let violations = sessions
-        .lines()
-        .filter_map(|l| serde_json::from_str::<tokentap_schema::SessionReport>(l).ok())
-        .map(|r| r.faithfulness.violations)
-        .sum();
-    Ok((calls, traces.len() as u64, violations))
+    let reports = dir.join("sessions.jsonl");
+    let sessions = std::fs::read_to_string(&reports)
+        .with_context(|| format!("reading {}", reports.display()))?;
+    let mut faithfulness_violations = 0;
+    for (i, line) in sessions.lines().enumerate() {
+        let r: tokentap_schema::SessionReport = serde_json::from_str(line)
+            .with_context(|| format!("{} line {}", reports.display(), i + 1))?;
+        faithfulness_violations += r.faithfulness.violations;
+    }
+    let mut seen: HashSet<&str> = HashSet::new();
+    let (mut unknown, mut twice) = (0, 0);
+    for c in traces.iter().flat_map(|t| &t.calls) {
+        if !spooled.digests.contains_key(&c.record_id) {
+            unknown += 1;
+        } else if !seen.insert(&c.record_id) {
+            twice += 1;
+        }
+    }
+    let digest_violations =
+        tokentap_reconstruct::verify::verify(&traces, &spooled.digests).violations;
+    Ok(Traced {
+        traced_records: seen.len() as u64,
+        traced_unknown_records: unknown,
+        traced_twice: twice,
+        traces: traces.len() as u64,
+        faithfulness_violations,
+        digest_violations,
+    })
 }
 
 fn print_table(r: &SoakReport) {
@@ -536,8 +649,10 @@ fn print_table(r: &SoakReport) {
         r.rss_baseline_mib, r.rss_end_mib, r.rss_max_mib
     );
     println!(
-        "calls {} (errors {}), records {} ({} bytes of spool), traced {} in {} traces, {} violations",
-        r.calls, r.errors, r.records, r.spool_bytes, r.traced_records, r.traces, r.faithfulness_violations
+        "calls {} (errors {}), records {} ({} bytes of spool; {} duplicated, {} corrupt lines), traced {} in {} traces ({} untraced, {} unknown, {} twice), violations {} reported, {} against the spool's digests",
+        r.calls, r.errors, r.records, r.spool_bytes, r.duplicate_records, r.corrupt_lines,
+        r.traced_records, r.traces, r.untraced_records, r.traced_unknown_records, r.traced_twice,
+        r.faithfulness_violations, r.digest_violations
     );
     println!();
     for v in &r.verdicts {
