@@ -136,8 +136,8 @@ def gpu_throughput():
     b.panel("GPU utilisation", "DCGM_FI_DEV_GPU_UTIL per GPU, labelled with the pod using it.",
             [(f'avg by (Hostname, gpu, pod) (DCGM_FI_DEV_GPU_UTIL{{{SEL}}})', "{{Hostname}} gpu{{gpu}} {{pod}}")],
             unit="percent", minv=0, maxv=100)
-    b.panel("SM active", "DCGM_FI_PROF_SM_ACTIVE: the share of cycles an SM has work. Closer to real compute use than GPU_UTIL.",
-            [(f'avg by (Hostname, gpu, pod) (DCGM_FI_PROF_SM_ACTIVE{{{SEL}}})', "{{Hostname}} gpu{{gpu}} {{pod}}")],
+    b.panel("Graphics engine active", "DCGM_FI_PROF_GR_ENGINE_ACTIVE (in dcgm-exporter's default counters): the share of time the GPU's engine has work. Closer to real compute use than GPU_UTIL. (SM_ACTIVE is finer but not a default counter: add it to the exporter's counters CSV to use it.)",
+            [(f'avg by (Hostname, gpu, pod) (DCGM_FI_PROF_GR_ENGINE_ACTIVE{{{SEL}}})', "{{Hostname}} gpu{{gpu}} {{pod}}")],
             unit="percentunit", minv=0, maxv=1)
     b.panel("Tokens/s per busy GPU", "Each engine pod's generation tokens/s (its own counters) divided by its GPUs' utilisation, joined on namespace and pod: throughput per unit of GPU time.",
             [(f'sum by (namespace, pod, engine) (engine:generation_tokens:rate1m{{namespace=~"$namespace", engine=~"$engine", model=~"$model"}}) / on (namespace, pod) group_left sum by (namespace, pod) (DCGM_FI_DEV_GPU_UTIL{{{SEL}}} / 100)', "{{engine}} {{pod}}")])

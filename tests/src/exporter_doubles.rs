@@ -163,8 +163,9 @@ fn sglang(n: u64, model: &str) -> String {
     )
 }
 
-/// dcgm-exporter's default counters (etc/default-counters.csv): utilisation in percent, SM
-/// activity as a ratio, framebuffer in MiB; one GPU.
+/// dcgm-exporter's default counters (etc/default-counters.csv): utilisation in percent, the
+/// graphics engine's activity as a ratio (a DCP counter it enables by default; SM_ACTIVE is
+/// commented out there, so the double does not emit it), framebuffer in MiB; one GPU.
 fn dcgm(n: u64, namespace: &str, pod: &str) -> String {
     let l = format!(
         "gpu=\"0\",UUID=\"GPU-5e4a3b2c-double-0000-0000-000000000000\",device=\"nvidia0\",modelName=\"NVIDIA H100 80GB HBM3\",Hostname=\"gpu-node-1\",container=\"engine\",namespace=\"{namespace}\",pod=\"{pod}\""
@@ -173,13 +174,13 @@ fn dcgm(n: u64, namespace: &str, pod: &str) -> String {
         "# HELP DCGM_FI_DEV_GPU_UTIL GPU utilization (in %).\n\
          # TYPE DCGM_FI_DEV_GPU_UTIL gauge\n\
          DCGM_FI_DEV_GPU_UTIL{{{l}}} {util}\n\
-         # HELP DCGM_FI_PROF_SM_ACTIVE The ratio of cycles an SM has at least 1 warp assigned.\n\
-         # TYPE DCGM_FI_PROF_SM_ACTIVE gauge\n\
-         DCGM_FI_PROF_SM_ACTIVE{{{l}}} {sm}\n\
+         # HELP DCGM_FI_PROF_GR_ENGINE_ACTIVE Ratio of time the graphics engine is active.\n\
+         # TYPE DCGM_FI_PROF_GR_ENGINE_ACTIVE gauge\n\
+         DCGM_FI_PROF_GR_ENGINE_ACTIVE{{{l}}} {active}\n\
          # HELP DCGM_FI_DEV_FB_USED Framebuffer memory used (in MiB).\n\
          # TYPE DCGM_FI_DEV_FB_USED gauge\n\
          DCGM_FI_DEV_FB_USED{{{l}}} 71234\n",
         util = 60 + n % 35,
-        sm = 0.55 + (n % 30) as f64 / 100.0,
+        active = 0.55 + (n % 30) as f64 / 100.0,
     )
 }
