@@ -316,12 +316,19 @@ async fn shipping_without_the_worker_token_delivers_nothing_and_loses_nothing() 
             .unwrap();
         assert!(r.status().is_success());
         proxy.wait_records(n + 1).await;
-        tokio::time::sleep(Duration::from_secs(2)).await;
-        let log = proxy.log_tail(200);
-        assert!(
-            log.contains("--ship-token") && log.contains("401"),
-            "the proxy did not say why shipping fails:\n{log}"
-        );
+        // The shipper's first attempt and its refusal come after the record: polled.
+        let deadline = std::time::Instant::now() + Duration::from_secs(20);
+        loop {
+            let log = proxy.log_tail(200);
+            if log.contains("--ship-token") && log.contains("401") {
+                break;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the proxy did not say why shipping fails:\n{log}"
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
         assert!(read_spool(&out.join("spool")).is_empty());
         assert!(!dir.path().join("spool/dead-letter.ndjson").exists());
         assert_eq!(

@@ -185,16 +185,19 @@ async fn time_tokens_and_sessions_are_counted_per_engine_model_and_harness() {
         .unwrap()
         .status();
     assert!(status.is_server_error(), "{status}");
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    assert_eq!(
+    // Counted once the failed call is done (its answer may reach the client first): polled.
+    let errors = || {
         value(
             &proxy,
             "tokentap_call_errors_total",
-            &[("engine", "vllm"), ("kind", "backend_error")]
+            &[("engine", "vllm"), ("kind", "backend_error")],
         )
-        .await,
-        Some(1.0)
-    );
+    };
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while errors().await.is_none() && std::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(errors().await, Some(1.0));
     // Unattributed one-call sessions are not sessions.
     let active: f64 = samples(&proxy, "tokentap_sessions_active")
         .await

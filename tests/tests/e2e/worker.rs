@@ -280,39 +280,14 @@ async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_no
         messages.push(json!({"role": "assistant", "content": answer}));
         messages.push(json!({"role": "user", "content": "go on"}));
     }
-    // Counts redeliveries too.
-    let received = |worker: &Worker| {
-        let url = worker.url.clone();
-        async move {
-            tokentap_e2e::procs::metric(&url, "tokentap_worker_records_received_total")
-                .await
-                .unwrap_or(0.0) as usize
-        }
-    };
-    let settled = |want: usize| {
-        let (cursor, worker) = (cursor.clone(), &worker);
-        async move {
-            let deadline = Instant::now() + Duration::from_secs(30);
-            // Received by the worker and the cursor saved past it.
-            while received(worker).await < want || !cursor.exists() {
-                assert!(
-                    Instant::now() < deadline,
-                    "{want} records never reached the worker"
-                );
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            tokio::time::sleep(Duration::from_millis(300)).await;
-            std::fs::read(&cursor).unwrap()
-        }
-    };
     for _ in 0..FIRST {
         turn(&client, &proxy, &mut messages).await;
     }
-    let before = settled(FIRST).await;
+    let before = settled(&proxy, &worker, &cursor, FIRST, FIRST).await;
     for _ in 0..THEN {
         turn(&client, &proxy, &mut messages).await;
     }
-    let after = settled(FIRST + THEN).await;
+    let after = settled(&proxy, &worker, &cursor, FIRST + THEN, FIRST + THEN).await;
     assert_ne!(before, after, "the cursor moved with the acks");
 
     proxy.kill();
@@ -336,7 +311,8 @@ async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_no
     }
     // One more turn after the restart: new records still flow.
     turn(&client, &proxy, &mut messages).await;
-    settled(FIRST + THEN + THEN + 1).await;
+    // The restarted proxy shipped the resent records and the new one.
+    settled(&proxy, &worker, &cursor, FIRST + THEN + THEN + 1, THEN + 1).await;
     assert_eq!(
         worker
             .metric("tokentap_worker_duplicates_dropped_total")
@@ -358,4 +334,50 @@ async fn a_proxy_killed_between_the_workers_ack_and_its_cursor_redelivers_and_no
     want.sort_unstable();
     assert_eq!(in_traces, want, "each record in exactly one trace");
     assert_eq!(traces.len(), 1, "one append-only conversation, one trace");
+}
+
+/// Records the worker received (redeliveries counted too).
+async fn received(worker: &Worker) -> usize {
+    tokentap_e2e::procs::metric(&worker.url, "tokentap_worker_records_received_total")
+        .await
+        .unwrap_or(0.0) as usize
+}
+
+/// The shipper's cursor once `want` records reached the worker, `acked` were acknowledged to
+/// this proxy process, and the cursor stopped moving (saved past the last ack): polled, never
+/// a fixed wait, which a loaded machine outlasts.
+async fn settled(
+    proxy: &Tokentap,
+    worker: &Worker,
+    cursor: &std::path::Path,
+    want: usize,
+    acked: usize,
+) -> Vec<u8> {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let shipped = || async {
+        proxy
+            .metric("tokentap_ship_records_total")
+            .await
+            .unwrap_or(0.0) as usize
+    };
+    while received(worker).await < want || !cursor.exists() {
+        assert!(
+            Instant::now() < deadline,
+            "{want} records never reached the worker"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let mut last = std::fs::read(cursor).unwrap();
+    loop {
+        tokio::time::sleep(Duration::from_millis(250)).await;
+        let now = std::fs::read(cursor).unwrap();
+        if now == last && shipped().await >= acked {
+            return now;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the cursor never settled past {want} acknowledged records"
+        );
+        last = now;
+    }
 }
