@@ -419,6 +419,42 @@ async fn heavy_the_bus_refuses_clients_without_its_token() {
         .metric("tokentap_worker_bus_partitions_owned")
         .await
         .is_some());
+
+    // The same against deploy's own server configuration (a user per role): no credential,
+    // a token, a wrong password for each role and a role's password under another name are
+    // refused; each role's own password connects (the positive control).
+    let deployed = NatsServer::start_with_roles(&dir.path().join("nats-roles")).await;
+    let refused = |options: tokentap_bus::async_nats::ConnectOptions| {
+        let url = deployed.url();
+        async move { options.connect(url).await.is_err() }
+    };
+    use tokentap_bus::async_nats::ConnectOptions;
+    assert!(refused(ConnectOptions::new()).await, "no credential");
+    assert!(
+        refused(ConnectOptions::new().token(TOKEN.into())).await,
+        "a token"
+    );
+    for (i, role) in tokentap_e2e::nats::ROLES.iter().enumerate() {
+        let other = tokentap_e2e::nats::ROLES[(i + 1) % tokentap_e2e::nats::ROLES.len()];
+        assert!(
+            refused(ConnectOptions::new().user_and_password((*role).into(), "guess".into())).await,
+            "{role} with a guessed password"
+        );
+        assert!(
+            refused(
+                ConnectOptions::new().user_and_password((*role).into(), deployed.password(other))
+            )
+            .await,
+            "{role} with {other}'s password"
+        );
+        assert!(
+            !refused(
+                ConnectOptions::new().user_and_password((*role).into(), deployed.password(role))
+            )
+            .await,
+            "{role} with its own password"
+        );
+    }
 }
 
 /// A spool with a backlog larger than the publisher's window (256 unacknowledged) is published
