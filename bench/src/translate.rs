@@ -152,9 +152,12 @@ pub fn run(args: TranslateBenchArgs) -> anyhow::Result<()> {
             .parse(&body)
             .map_err(|e| anyhow::anyhow!("{label}: {e}"))?;
         let meta = ResponseMeta {
-            id: format!("{}bench", codec.id_prefix()),
-            created: 0,
-            model: parsed.request.model.clone(),
+            echo: parsed.echo.clone(),
+            ..ResponseMeta::new(
+                format!("{}bench", codec.id_prefix()),
+                0,
+                &parsed.request.model,
+            )
         };
         let parse = time(args.iterations, || {
             std::hint::black_box(codec.parse(std::hint::black_box(&body)).ok());

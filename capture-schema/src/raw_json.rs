@@ -37,6 +37,12 @@ impl RawJson {
         RawJson(serde_json::value::to_raw_value(v).expect("a JSON value always serializes"))
     }
 
+    /// `value` serialized (not parsed again: serde_json writes valid JSON).
+    pub fn of<T: Serialize + ?Sized>(value: &T) -> RawJson {
+        let raw = serde_json::value::to_raw_value(value).expect("the value serializes to JSON");
+        RawJson::on_one_line(raw)
+    }
+
     /// The JSON text.
     pub fn get(&self) -> &str {
         self.0.get()

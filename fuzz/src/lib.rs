@@ -103,6 +103,9 @@ pub fn check_events(events: &[GenerationEvent], ended_ok: bool, input: &[u8]) {
                 ids += p.len();
             }
             GenerationEvent::Delta(_) => assert_eq!(finished, 0, "a delta after Finished"),
+            GenerationEvent::PromptSize(_) => {
+                assert_eq!(finished, 0, "a prompt size after Finished")
+            }
             GenerationEvent::Gap(_) => {}
             GenerationEvent::Finished { .. } => finished += 1,
         }

@@ -19,7 +19,8 @@ use tokentap_schema::{
     BackendInfo, CaptureRecord, ErrorKind, HarnessRequest, Normalization, SessionSource, WireApi,
 };
 
-use crate::backend::{Backend, CallMode, GenerationStream};
+use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
+use crate::canonical::GenerationEvent;
 use crate::capture::{CallCapture, RecordSink};
 use crate::gate::CallGate;
 use crate::harness::Harness;
@@ -844,6 +845,7 @@ impl CaptureService {
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
             model: parsed.request.model.clone(),
+            echo: parsed.echo,
         };
         call.normalizations = parsed.normalizations;
 
@@ -919,14 +921,19 @@ impl CaptureService {
         // Answer in the provider's shape.
         match (stream_to_harness, mode) {
             (true, mode) => {
+                let mut renderer = codec.stream_renderer(meta, parsed.include_usage);
                 let events = match mode {
                     CallMode::Streaming => events,
                     CallMode::Whole => {
                         let replay = collect_events(&mut events, call).await;
+                        // The whole answer is known: its prompt size goes in the opening event
+                        // even when the engine reports it last (in its usage).
+                        if let Some(n) = prompt_size(&replay) {
+                            renderer.prompt_tokens(n);
+                        }
                         Box::pin(futures::stream::iter(replay))
                     }
                 };
-                let renderer = codec.stream_renderer(meta, parsed.include_usage);
                 if !self.config.durable_answers {
                     return relay_stream(http, renderer, events, call).await;
                 }
@@ -1077,6 +1084,22 @@ async fn read_body_unbounded(http: &mut ServerSession, limit: usize) -> Result<V
             Err(e) => return Err(BodyError::Io(e.to_string())),
         }
     }
+}
+
+/// The prompt's token count in a whole generation: its prompt ids (or size), else the engine's
+/// usage.
+fn prompt_size(events: &[Result<GenerationEvent, BackendError>]) -> Option<u64> {
+    let ids = events.iter().find_map(|e| match e {
+        Ok(GenerationEvent::PromptTokens { ids, .. }) => Some(ids.len() as u64),
+        Ok(GenerationEvent::PromptSize(n)) => Some(*n),
+        _ => None,
+    });
+    ids.or_else(|| {
+        events.iter().find_map(|e| match e {
+            Ok(GenerationEvent::Finished { usage: Some(u), .. }) => Some(u.prompt_tokens),
+            _ => None,
+        })
+    })
 }
 
 /// The `session` query parameter, percent-decoded (`?session=team%2Fa%20b` is `team/a b`).

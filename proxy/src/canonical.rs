@@ -20,6 +20,9 @@ pub enum GenerationEvent {
     },
     /// The prompt exactly as the engine tokenized it.
     PromptTokens { ids: Vec<u32>, source: TokenSource },
+    /// The prompt's token count, told before generation by an engine whose prompt ids come
+    /// later or not at all (llama.cpp's prompt progress). For the harness's answer only.
+    PromptSize(u64),
     /// A hole in the token data the adapter could not fill.
     Gap(TokenGap),
     /// Generation ended. Further `PromptTokens`/`Gap` events may follow (bookkeeping that
@@ -82,6 +85,7 @@ impl GenerationAccumulator {
                 self.logprobs.extend_from_slice(&logprobs);
             }
             GenerationEvent::PromptTokens { ids, source } => self.prompt = Some((ids, source)),
+            GenerationEvent::PromptSize(_) => {}
             GenerationEvent::Gap(g) => self.gaps.push(g),
             GenerationEvent::Finished {
                 finish_reason,

@@ -124,6 +124,10 @@ async fn relay(
                         renderer.finish(*finish_reason, *usage, &mut out);
                         relayed.rendered_end = true;
                     }
+                    GenerationEvent::PromptTokens { ids, .. } => {
+                        renderer.prompt_tokens(ids.len() as u64);
+                    }
+                    GenerationEvent::PromptSize(n) => renderer.prompt_tokens(*n),
                     _ => {}
                 }
                 call.generation.push(event);
@@ -334,11 +338,7 @@ mod tests {
     }
 
     fn renderer() -> Box<dyn StreamRenderer> {
-        let meta = ResponseMeta {
-            id: "chatcmpl-1".into(),
-            created: 1,
-            model: "m".into(),
-        };
+        let meta = ResponseMeta::new("chatcmpl-1", 1, "m");
         ChatCompletions.stream_renderer(meta, false)
     }
 
@@ -576,5 +576,44 @@ mod tests {
         assert!(!relay_stream(&mut harness, renderer(), events, &mut call).await);
         let err = call.error.as_ref().expect("an error");
         assert_eq!(err.kind, ErrorKind::BackendError, "{err:?}");
+    }
+
+    /// The engine's prompt size reaches the renderer before its first content: Anthropic's
+    /// `message_start` opens with it, from the prompt ids (vLLM, SGLang) or the prompt progress
+    /// (llama.cpp).
+    #[tokio::test]
+    async fn message_start_carries_the_prompt_size_the_engine_told_first() {
+        use crate::wire::messages::Messages;
+        for told in [
+            GenerationEvent::PromptTokens {
+                ids: vec![5, 6, 7],
+                source: TokenSource::EngineResponse,
+            },
+            GenerationEvent::PromptSize(3),
+        ] {
+            let mut harness = Harness::new(|_, _| false);
+            let mut call = call();
+            let renderer = Messages.stream_renderer(ResponseMeta::new("msg_1", 1, "m"), true);
+            let events: GenerationStream = Box::pin(futures::stream::iter(vec![
+                Ok(told),
+                Ok(GenerationEvent::Delta(Delta {
+                    content: Some("hi".into()),
+                    ..Default::default()
+                })),
+                Ok(GenerationEvent::Finished {
+                    finish_reason: FinishReason::Stop,
+                    usage: None,
+                }),
+            ]));
+            assert!(relay_stream(&mut harness, renderer, events, &mut call).await);
+            let text = harness.text();
+            let start = text
+                .lines()
+                .find(|l| l.starts_with("data: ") && l.contains("message_start"))
+                .expect("message_start");
+            let v: serde_json::Value = serde_json::from_str(&start[6..]).unwrap();
+            assert_eq!(v["message"]["usage"]["input_tokens"], 3, "{text}");
+            assert!(text.starts_with("event: message_start"), "{text}");
+        }
     }
 }

@@ -54,6 +54,23 @@ pub enum Reply {
     /// that never ends (a `data:` line of 64 KiB pieces, as fast as the client reads) until
     /// the client goes away; a whole answer is such a JSON text. A runaway engine.
     Flood { text: String, chunks: usize },
+    /// A whole assistant turn: reasoning, text and tool calls (see [`Turn`]).
+    Turn(Turn),
+}
+
+/// An assistant turn as a reasoning model with a tool-call parser answers it (vLLM with
+/// `--reasoning-parser` and `--tool-call-parser`): reasoning in `reasoning_content`, then text,
+/// then each call streamed as OpenAI streams calls (its id, type and name in its first chunk,
+/// its arguments in three fragments after that). Sampled ids cover the reasoning, the text and
+/// each call's text form, then the end of turn.
+#[derive(Debug, Clone, Default)]
+pub struct Turn {
+    pub reasoning: String,
+    pub text: String,
+    /// (name, arguments) of each call.
+    pub calls: Vec<(String, Value)>,
+    /// The finish reason; `tool_calls` with calls, else `stop`, when unset.
+    pub finish: Option<String>,
 }
 
 impl Reply {
@@ -448,6 +465,20 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
         .unwrap_or(false);
 
     let (text, tool) = match &reply {
+        Reply::Turn(turn) => {
+            let prompt_ids = shared.tokens.prompt_ids(&req).await;
+            return turn_answer(
+                &shared.tokens,
+                turn,
+                prompt_ids,
+                stream,
+                include_usage,
+                &model,
+                &id,
+                index,
+            )
+            .await;
+        }
         Reply::Error { status, body } => {
             return (
                 StatusCode::from_u16(*status).expect("status"),
@@ -654,4 +685,132 @@ fn sse_response(body: Body) -> Response {
         .header("cache-control", "no-cache")
         .body(body)
         .expect("response")
+}
+
+/// `text` cut into `n` pieces of about equal length (at character boundaries; some may be empty).
+fn split_text(text: &str, n: usize) -> Vec<String> {
+    let chars: Vec<char> = text.chars().collect();
+    let per = chars.len().div_ceil(n.max(1)).max(1);
+    let mut parts: Vec<String> = chars.chunks(per).map(|c| c.iter().collect()).collect();
+    parts.resize(n, String::new());
+    parts
+}
+
+/// `items` cut into `n` runs of about equal length (some may be empty).
+fn split_runs<T: Clone>(items: &[T], n: usize) -> Vec<Vec<T>> {
+    let per = items.len().div_ceil(n.max(1)).max(1);
+    let mut runs: Vec<Vec<T>> = items.chunks(per).map(<[T]>::to_vec).collect();
+    runs.resize(n, Vec::new());
+    runs
+}
+
+/// The answer to a [`Reply::Turn`], whole or streamed.
+#[allow(clippy::too_many_arguments)]
+async fn turn_answer(
+    tokens: &Tokens,
+    turn: &Turn,
+    prompt_ids: Vec<u32>,
+    stream: bool,
+    include_usage: bool,
+    model: &str,
+    id: &str,
+    index: usize,
+) -> Response {
+    let reasoning = tokens.pieces(&turn.reasoning).await;
+    let text = tokens.pieces(&turn.text).await;
+    let mut calls = Vec::new();
+    for (i, (name, arguments)) in turn.calls.iter().enumerate() {
+        let pieces = tokens.pieces(&tool_call_text(name, arguments)).await;
+        calls.push((
+            format!("call_scripted_{index}_{i}"),
+            name.clone(),
+            arguments.to_string(),
+            pieces,
+        ));
+    }
+    let finish = turn.finish.clone().unwrap_or_else(|| {
+        if calls.is_empty() {
+            "stop"
+        } else {
+            "tool_calls"
+        }
+        .to_owned()
+    });
+    let eot = (END_OF_TURN, String::new());
+    let mut all: Pieces = reasoning.iter().chain(&text).cloned().collect();
+    for (_, _, _, p) in &calls {
+        all.extend(p.iter().cloned());
+    }
+    all.push(eot.clone());
+    let n = all.len() as u64;
+    let usage = json!({"prompt_tokens": prompt_ids.len(), "completion_tokens": n, "total_tokens": prompt_ids.len() as u64 + n});
+
+    if !stream {
+        let mut message = json!({"role": "assistant", "content": turn.text});
+        if !turn.reasoning.is_empty() {
+            message["reasoning_content"] = json!(turn.reasoning);
+        }
+        if !calls.is_empty() {
+            if turn.text.is_empty() {
+                message["content"] = Value::Null;
+            }
+            message["tool_calls"] = json!(calls
+                .iter()
+                .map(|(cid, name, args, _)| json!({"id": cid, "type": "function", "function": {"name": name, "arguments": args}}))
+                .collect::<Vec<_>>());
+        }
+        let body = json!({
+            "id": id, "object": "chat.completion", "created": 1, "model": model,
+            "choices": [{"index": 0, "message": message, "finish_reason": finish,
+                "logprobs": {"content": logprob_entries(&all)},
+                "token_ids": all.iter().map(|(i, _)| *i).collect::<Vec<_>>()}],
+            "usage": usage,
+            "prompt_token_ids": prompt_ids,
+        });
+        return axum::Json(body).into_response();
+    }
+
+    let chunker = Chunker {
+        id: id.to_owned(),
+        model: model.to_owned(),
+    };
+    let mut first = chunker.chunk(json!({"role": "assistant", "content": ""}), None, &[]);
+    first["prompt_token_ids"] = json!(prompt_ids);
+    let mut frames: Vec<Bytes> = vec![frame(&first)];
+    for p in &reasoning {
+        frames.push(frame(&chunker.chunk(
+            json!({"reasoning_content": p.1}),
+            None,
+            std::slice::from_ref(p),
+        )));
+    }
+    for p in &text {
+        frames.push(frame(&chunker.chunk(
+            json!({"content": p.1}),
+            None,
+            std::slice::from_ref(p),
+        )));
+    }
+    for (i, (cid, name, args, pieces)) in calls.iter().enumerate() {
+        let runs = split_runs(pieces, 4);
+        frames.push(frame(&chunker.chunk(
+            json!({"tool_calls": [{"index": i, "id": cid, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+            None,
+            &runs[0],
+        )));
+        for (fragment, run) in split_text(args, 3).iter().zip(&runs[1..]) {
+            frames.push(frame(&chunker.chunk(
+                json!({"tool_calls": [{"index": i, "function": {"arguments": fragment}}]}),
+                None,
+                run,
+            )));
+        }
+    }
+    frames.push(frame(&chunker.chunk(json!({}), Some(&finish), &[eot])));
+    if include_usage {
+        frames.push(frame(&json!({"id": id, "object": "chat.completion.chunk", "created": 1, "model": model, "choices": [], "usage": usage})));
+    }
+    frames.push(Bytes::from_static(b"data: [DONE]\n\n"));
+    let items: Vec<Result<Bytes, std::io::Error>> = frames.into_iter().map(Ok).collect();
+    sse_response(Body::from_stream(futures::stream::iter(items)))
 }

@@ -396,6 +396,8 @@ pub(crate) struct Answer<'de> {
     pub(crate) sglext: SglangExt,
     /// An error inside a stream; its presence alone (even `null`) ends the stream.
     pub(crate) error: Present<ErrorBody>,
+    /// llama.cpp streams (`return_progress`): prompt processing progress, before generation.
+    pub(crate) prompt_progress: PromptProgress,
 }
 
 object_fields!(Answer<'de>, 'de, {
@@ -404,7 +406,16 @@ object_fields!(Answer<'de>, 'de, {
     "prompt_token_ids" => prompt_token_ids,
     "sglext" => sglext,
     "error" => error,
+    "prompt_progress" => prompt_progress,
 });
+
+/// llama.cpp's `prompt_progress`: `total` is the prompt's token count.
+#[derive(Debug, Default)]
+pub(crate) struct PromptProgress {
+    pub(crate) total: Int,
+}
+
+object_fields!(PromptProgress, 'de, { "total" => total });
 
 /// One choice: a whole answer's (`message`) or a stream chunk's (`delta`).
 #[derive(Debug, Default)]

@@ -34,11 +34,26 @@ impl LlamaCppBackend {
 pub(crate) struct LlamaCppDialect;
 
 impl TokenDialect for LlamaCppDialect {
-    fn request_token_data(&self, _stream: bool) -> &'static [(&'static str, TokenParam)] {
-        &[
-            ("logprobs", TokenParam::True),
-            ("top_logprobs", TokenParam::Int(1)),
-        ]
+    /// Streamed calls also ask for prompt progress: its first event, sent before the prompt is
+    /// processed, tells the prompt's token count (for answers that open with it, such as
+    /// Anthropic's `message_start`), long before the final usage does.
+    fn request_token_data(&self, stream: bool) -> &'static [(&'static str, TokenParam)] {
+        if stream {
+            &[
+                ("logprobs", TokenParam::True),
+                ("top_logprobs", TokenParam::Int(1)),
+                ("return_progress", TokenParam::True),
+            ]
+        } else {
+            &[
+                ("logprobs", TokenParam::True),
+                ("top_logprobs", TokenParam::Int(1)),
+            ]
+        }
+    }
+
+    fn prompt_size(&self, chunk: &Answer<'_>) -> Option<u64> {
+        chunk.prompt_progress.total.0.filter(|&n| n > 0)
     }
 
     fn sampled_tokens(&self, choice: &mut Choice<'_>) -> Option<(Vec<u32>, Vec<Option<f32>>)> {
@@ -230,6 +245,61 @@ mod tests {
         assert!(LlamaCppDialect
             .sampled_tokens(&mut from_value(&choice))
             .is_none());
+    }
+
+    /// llama-server's streamed chat chunks with `return_progress`: progress chunks (the role
+    /// delta) before the first token, each telling the prompt's size.
+    #[tokio::test]
+    async fn a_stream_tells_the_prompts_size_from_its_first_progress_chunk() {
+        assert!(LlamaCppDialect
+            .request_token_data(true)
+            .iter()
+            .any(|(k, _)| *k == "return_progress"));
+        assert!(!LlamaCppDialect
+            .request_token_data(false)
+            .iter()
+            .any(|(k, _)| *k == "return_progress"));
+        let progress = |processed: u64| {
+            format!(
+                "data: {}\n\n",
+                json!({"choices": [{"finish_reason": null, "index": 0, "delta": {"role": "assistant", "content": null}}],
+                       "object": "chat.completion.chunk", "id": "c", "model": "m", "created": 1,
+                       "prompt_progress": {"total": 12, "cache": 0, "processed": processed, "time_ms": 0}})
+            )
+        };
+        let token = format!(
+            "data: {}\n\n",
+            json!({"choices": [{"finish_reason": null, "index": 0, "delta": {"content": "a"},
+                   "logprobs": {"content": [{"id": 28, "token": "a", "logprob": -0.5, "top_logprobs": []}]}}],
+                   "object": "chat.completion.chunk", "id": "c", "model": "m", "created": 1})
+        );
+        let end = format!(
+            "data: {}\n\ndata: [DONE]\n\n",
+            json!({"choices": [{"finish_reason": "stop", "index": 0, "delta": {}}],
+                   "object": "chat.completion.chunk", "id": "c", "model": "m", "created": 1,
+                   "usage": {"prompt_tokens": 12, "completion_tokens": 1, "total_tokens": 13}})
+        );
+        let chunks = [progress(0), progress(12), token, end];
+        let body =
+            futures::stream::iter(chunks.map(|c| Ok::<_, std::io::Error>(bytes::Bytes::from(c))));
+        let events: Vec<GenerationEvent> = openai_compat::stream_events(
+            Box::pin(body),
+            LlamaCppDialect,
+            std::time::Duration::from_secs(60),
+        )
+        .map(|e| e.unwrap())
+        .collect()
+        .await;
+        assert_eq!(events[0], GenerationEvent::PromptSize(12), "{events:?}");
+        assert_eq!(
+            events
+                .iter()
+                .filter(|e| matches!(e, GenerationEvent::PromptSize(_)))
+                .count(),
+            1,
+            "told once: {events:?}"
+        );
+        assert!(matches!(events[1], GenerationEvent::Delta(_)), "{events:?}");
     }
 
     #[test]

@@ -157,6 +157,12 @@ pub(crate) trait TokenDialect: Send + Sync + 'static {
     fn reports_prompt_ids(&self) -> bool {
         true
     }
+
+    /// The prompt's token count, when a stream chunk tells it before the prompt's ids (or
+    /// without them).
+    fn prompt_size(&self, _chunk: &Answer<'_>) -> Option<u64> {
+        None
+    }
 }
 
 /// The Chat Completions body for `request` (without any dialect's token-data fields), as the
@@ -311,6 +317,12 @@ pub(crate) fn stream_events<D: TokenDialect>(
                 usage = Some(u);
             }
             let mut choice = chunk.choices.0.take();
+            if !tracker.prompt_size_told && !tracker.prompt_seen {
+                if let Some(n) = dialect.prompt_size(&chunk) {
+                    tracker.prompt_size_told = true;
+                    yield GenerationEvent::PromptSize(n);
+                }
+            }
             if !tracker.prompt_seen {
                 if let Some(ids) = dialect.prompt_tokens(&mut chunk, choice.as_mut()) {
                     tracker.prompt_seen = true;
@@ -374,6 +386,8 @@ const DRAIN_AFTER_DONE: Duration = Duration::from_secs(1);
 #[derive(Default)]
 struct TokenTracker {
     prompt_seen: bool,
+    /// A `PromptSize` event went out.
+    prompt_size_told: bool,
     sampled: usize,
     untokened_deltas: usize,
 }
@@ -825,6 +839,9 @@ mod tests {
             "llamacpp" => {
                 set("logprobs", json!(true));
                 set("top_logprobs", json!(1));
+                if stream {
+                    set("return_progress", json!(true));
+                }
             }
             _ => {}
         }

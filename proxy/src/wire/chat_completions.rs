@@ -252,6 +252,8 @@ impl WireCodec for ChatCompletions {
             request,
             include_usage,
             normalizations,
+            // Nothing of the request is echoed in these answers but the model.
+            echo: Default::default(),
         })
     }
 
@@ -539,11 +541,7 @@ mod tests {
     }
 
     fn meta() -> ResponseMeta {
-        ResponseMeta {
-            id: "chatcmpl-1".into(),
-            created: 7,
-            model: "m".into(),
-        }
+        ResponseMeta::new("chatcmpl-1", 7, "m")
     }
 
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.

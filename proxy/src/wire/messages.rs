@@ -926,6 +926,8 @@ impl Messages {
             request,
             include_usage: true,
             normalizations,
+            // Nothing of the request is echoed in these answers but the model.
+            echo: Default::default(),
         })
     }
 }
@@ -986,6 +988,8 @@ impl WireCodec for Messages {
             open: None,
             tools: BTreeMap::new(),
             finished: false,
+            started: false,
+            prompt_tokens: None,
         })
     }
 
@@ -1156,15 +1160,50 @@ struct ToolStream {
 }
 
 /// Renders `message_start` … `message_stop` events.
+///
+/// `message_start` carries the prompt's token count, which tokentap learns from the engine (its
+/// prompt ids in the first chunk, or its usage): the event waits for the engine's first content
+/// (or end, or failure), by when the count is known wherever the engine reports it early.
 struct EventRenderer {
     meta: ResponseMeta,
     next_index: u32,
     open: Option<OpenBlock>,
     tools: BTreeMap<u32, ToolStream>,
     finished: bool,
+    /// `message_start` was written.
+    started: bool,
+    /// The prompt's token count, once known.
+    prompt_tokens: Option<u64>,
 }
 
 impl EventRenderer {
+    /// Writes `message_start` if it has not gone out yet.
+    fn message_start(&mut self, out: &mut Vec<u8>) {
+        if self.started {
+            return;
+        }
+        self.started = true;
+        sse_event(
+            out,
+            "message_start",
+            &json!({"type": "message_start", "message": {
+                "id": self.meta.id,
+                "type": "message",
+                "role": "assistant",
+                "model": self.meta.model,
+                "content": [],
+                "stop_reason": null,
+                "stop_sequence": null,
+                "usage": {
+                    "input_tokens": self.prompt_tokens.unwrap_or(0),
+                    "cache_creation_input_tokens": 0,
+                    "cache_read_input_tokens": 0,
+                    "output_tokens": 0,
+                },
+            }}),
+        );
+    }
+
     fn close(&mut self, out: &mut Vec<u8>) {
         if let Some(b) = self.open.take() {
             if b.kind == BlockKind::Thinking {
@@ -1263,27 +1302,18 @@ struct ThinkingDelta<'a> {
 }
 
 impl StreamRenderer for EventRenderer {
-    fn start(&mut self, out: &mut Vec<u8>) {
-        sse_event(
-            out,
-            "message_start",
-            &json!({"type": "message_start", "message": {
-                "id": self.meta.id,
-                "type": "message",
-                "role": "assistant",
-                "model": self.meta.model,
-                "content": [],
-                "stop_reason": null,
-                "stop_sequence": null,
-                "usage": {"input_tokens": 0, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0},
-            }}),
-        );
+    /// Nothing yet: `message_start` waits for the prompt's token count (see [`EventRenderer`]).
+    fn start(&mut self, _out: &mut Vec<u8>) {}
+
+    fn prompt_tokens(&mut self, count: u64) {
+        self.prompt_tokens.get_or_insert(count);
     }
 
     fn delta(&mut self, d: &Delta, out: &mut Vec<u8>) {
         if self.finished {
             return;
         }
+        self.message_start(out);
         if let Some(r) = d.reasoning.as_deref().filter(|r| !r.is_empty()) {
             let index = self.ensure(BlockKind::Thinking, out);
             let delta = ThinkingDelta {
@@ -1324,6 +1354,10 @@ impl StreamRenderer for EventRenderer {
             return;
         }
         self.finished = true;
+        if let Some(u) = usage {
+            self.prompt_tokens.get_or_insert(u.prompt_tokens);
+        }
+        self.message_start(out);
         // Calls whose name never arrived still reach the harness.
         let unopened: Vec<u32> = self
             .tools
@@ -1335,14 +1369,18 @@ impl StreamRenderer for EventRenderer {
             self.flush_tool(call, out);
         }
         self.close(out);
+        // Cumulative, as Anthropic's: the prompt's count again, the cache (tokentap reports
+        // none), the sampled tokens.
         let mut u = Map::new();
+        if let Some(n) = self.prompt_tokens {
+            u.insert("input_tokens".into(), json!(n));
+        }
+        u.insert("cache_creation_input_tokens".into(), json!(0));
+        u.insert("cache_read_input_tokens".into(), json!(0));
         u.insert(
             "output_tokens".into(),
             json!(usage.map_or(0, |u| u.completion_tokens)),
         );
-        if let Some(usage) = usage {
-            u.insert("input_tokens".into(), json!(usage.prompt_tokens));
-        }
         sse_event(
             out,
             "message_delta",
@@ -1352,6 +1390,7 @@ impl StreamRenderer for EventRenderer {
     }
 
     fn error(&mut self, e: &CallError, out: &mut Vec<u8>) {
+        self.message_start(out);
         self.finished = true;
         sse_event(out, "error", &error_json(e));
     }
@@ -1367,11 +1406,7 @@ mod tests {
     }
 
     fn meta() -> ResponseMeta {
-        ResponseMeta {
-            id: "msg_1".into(),
-            created: 7,
-            model: "m".into(),
-        }
+        ResponseMeta::new("msg_1", 7, "m")
     }
 
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.
@@ -1947,6 +1982,7 @@ mod tests {
         let idx: Vec<Value> = f.iter().map(|(_, d)| d["index"].clone()).collect();
         assert_eq!(idx[1..16].iter().filter_map(Value::as_u64).max(), Some(3));
         assert_eq!(f[0].1["message"]["content"], json!([]));
+        // Nothing told the renderer the prompt's size before the content began.
         assert_eq!(f[0].1["message"]["usage"]["input_tokens"], 0);
         assert_eq!(
             f[1].1["content_block"],
@@ -1968,8 +2004,65 @@ mod tests {
         assert_eq!(f[15].1["index"], 3);
         assert_eq!(
             f[16].1,
-            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 3, "input_tokens": 9}})
+            json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null},
+                   "usage": {"input_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 3}})
         );
+    }
+
+    #[test]
+    fn message_start_waits_for_the_engine_and_carries_the_prompts_token_count() {
+        let text = Delta {
+            content: Some("Hi".into()),
+            ..Default::default()
+        };
+        let usage = Usage {
+            prompt_tokens: 42,
+            completion_tokens: 2,
+            total_tokens: 44,
+        };
+        // The prompt ids come with the engine's first chunk (vLLM, SGLang).
+        let mut r = Messages.stream_renderer(meta(), true);
+        let mut out = Vec::new();
+        r.start(&mut out);
+        assert!(out.is_empty(), "message_start waits for the engine");
+        r.prompt_tokens(42);
+        assert!(out.is_empty());
+        r.delta(&text, &mut out);
+        r.finish(FinishReason::Stop, Some(usage), &mut out);
+        let f = frames(&out);
+        assert_eq!(f[0].0, "message_start");
+        assert_eq!(
+            f[0].1["message"]["usage"],
+            json!({"input_tokens": 42, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0})
+        );
+        let delta = &f[f.len() - 2].1;
+        assert_eq!(delta["usage"]["input_tokens"], 42);
+        assert_eq!(delta["usage"]["output_tokens"], 2);
+
+        // An answer with no content before its end takes the count from the engine's usage.
+        let mut r = Messages.stream_renderer(meta(), true);
+        let mut out = Vec::new();
+        r.start(&mut out);
+        r.finish(FinishReason::Stop, Some(usage), &mut out);
+        let f = frames(&out);
+        assert_eq!(
+            events(&f),
+            ["message_start", "message_delta", "message_stop"]
+        );
+        assert_eq!(f[0].1["message"]["usage"]["input_tokens"], 42);
+
+        // A failure before any content still opens the message first.
+        let mut r = Messages.stream_renderer(meta(), true);
+        let mut out = Vec::new();
+        r.start(&mut out);
+        r.prompt_tokens(7);
+        r.error(
+            &CallError::new(ErrorKind::BackendUnavailable, 502, "down"),
+            &mut out,
+        );
+        let f = frames(&out);
+        assert_eq!(events(&f), ["message_start", "error"]);
+        assert_eq!(f[0].1["message"]["usage"]["input_tokens"], 7);
     }
 
     #[test]
@@ -1984,7 +2077,10 @@ mod tests {
             ["message_start", "message_delta", "message_stop"]
         );
         assert_eq!(f[1].1["delta"]["stop_reason"], "max_tokens");
-        assert_eq!(f[1].1["usage"], json!({"output_tokens": 0}));
+        assert_eq!(
+            f[1].1["usage"],
+            json!({"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0})
+        );
     }
 
     #[test]
@@ -2071,11 +2167,11 @@ mod tests {
             &mut out,
         );
         assert_eq!(
-            frames(&out),
-            [(
+            frames(&out).pop(),
+            Some((
                 "error".to_owned(),
                 json!({"type": "error", "error": {"type": "overloaded_error", "message": "engine busy"}})
-            )]
+            ))
         );
     }
 }

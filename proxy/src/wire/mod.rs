@@ -12,7 +12,7 @@ mod stream_golden;
 
 pub use error::{CallError, WireError};
 
-use tokentap_schema::{Normalization, WireApi};
+use tokentap_schema::{Normalization, RawJson, WireApi};
 
 use crate::canonical::{ChatRequest, Delta, FinishReason, GenerationAccumulator, Usage};
 
@@ -24,6 +24,39 @@ pub struct ParsedCall {
     pub include_usage: bool,
     /// What parsing changed on the way to the canonical request.
     pub normalizations: Vec<Normalization>,
+    /// Request values the answer object echoes back (moved into [`ResponseMeta::echo`]).
+    pub echo: Echo,
+}
+
+/// Request values an answer object echoes back, as the provider echoes them (the Responses
+/// API's `instructions`, `tools`, `temperature`, …), each kept as its JSON text by field name;
+/// empty for the APIs whose answers echo nothing. The renderer writes the provider's default
+/// for a field the request left out.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Echo(Vec<(&'static str, RawJson)>);
+
+impl Echo {
+    /// Sets `field` to `value`'s JSON.
+    pub fn set<T: serde::Serialize + ?Sized>(&mut self, field: &'static str, value: &T) {
+        self.set_raw(field, RawJson::of(value));
+    }
+
+    /// Sets `field` to JSON text kept as it came.
+    pub fn set_raw(&mut self, field: &'static str, raw: RawJson) {
+        match self.0.iter_mut().find(|(f, _)| *f == field) {
+            Some(slot) => slot.1 = raw,
+            None => self.0.push((field, raw)),
+        }
+    }
+
+    /// The echoed JSON of `field`, if the request set it.
+    pub fn get(&self, field: &str) -> Option<&RawJson> {
+        self.0.iter().find(|(f, _)| *f == field).map(|(_, r)| r)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
 }
 
 /// Identity of one answer as the harness sees it.
@@ -35,6 +68,20 @@ pub struct ResponseMeta {
     pub created: u64,
     /// The model name the harness asked for, echoed back.
     pub model: String,
+    /// The other request values the answer echoes (see [`Echo`]).
+    pub echo: Echo,
+}
+
+impl ResponseMeta {
+    /// An answer's identity with nothing else echoed.
+    pub fn new(id: impl Into<String>, created: u64, model: impl Into<String>) -> ResponseMeta {
+        ResponseMeta {
+            id: id.into(),
+            created,
+            model: model.into(),
+            echo: Echo::default(),
+        }
+    }
 }
 
 /// One provider API: parse requests, render answers and errors.
@@ -62,6 +109,10 @@ pub trait StreamRenderer: Send {
     fn start(&mut self, out: &mut Vec<u8>);
     fn delta(&mut self, delta: &Delta, out: &mut Vec<u8>);
     fn finish(&mut self, finish_reason: FinishReason, usage: Option<Usage>, out: &mut Vec<u8>);
+    /// The prompt's token count, as soon as the engine tells it (its prompt ids in the first
+    /// chunk, or its usage): for answers whose opening event carries it (Anthropic's
+    /// `message_start`). Writes nothing.
+    fn prompt_tokens(&mut self, _count: u64) {}
     /// An error after the stream began: the provider's in-stream error frame.
     fn error(&mut self, error: &CallError, out: &mut Vec<u8>);
 }

@@ -19,7 +19,7 @@ use tokentap_schema::{ErrorKind, Normalization, RawJson, WireApi};
 
 use super::chat_completions::error_json;
 use super::json_body::parse_json_body;
-use super::{CallError, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
+use super::{CallError, Echo, ParsedCall, ResponseMeta, StreamRenderer, WireCodec, WireError};
 use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
@@ -54,6 +54,21 @@ const KNOWN_DROPPED_FIELDS: &[&str] = &[
     "prompt_cache_retention",
 ];
 
+/// Request fields a Response object echoes as they were sent, besides those tokentap reads
+/// (`instructions`, sampling, tools, `reasoning`, `text`).
+const ECHOED_FIELDS: &[&str] = &[
+    "background",
+    "max_tool_calls",
+    "metadata",
+    "prompt_cache_key",
+    "safety_identifier",
+    "service_tier",
+    "store",
+    "top_logprobs",
+    "truncation",
+    "user",
+];
+
 /// Input item types OpenAI can produce that no chat template can show; dropped with a note.
 const DROPPED_ITEM_TYPES: &[&str] = &[
     "web_search_call",
@@ -82,8 +97,9 @@ struct WireRequest {
     instructions: Option<String>,
     #[serde(default)]
     stream: Option<bool>,
+    /// Each tool kept as its text too: the response echoes the tools as they were sent.
     #[serde(default)]
-    tools: Option<Vec<WireTool>>,
+    tools: Option<Vec<RawJson>>,
     #[serde(default)]
     tool_choice: Option<Value>,
     #[serde(default)]
@@ -94,10 +110,12 @@ struct WireRequest {
     top_p: Option<f64>,
     #[serde(default)]
     max_output_tokens: Option<u64>,
+    /// [`WireReasoningConfig`], kept as it came for the echo.
     #[serde(default)]
-    reasoning: Option<WireReasoningConfig>,
+    reasoning: Option<Value>,
+    /// [`WireTextConfig`], kept as it came for the echo.
     #[serde(default)]
-    text: Option<WireTextConfig>,
+    text: Option<Value>,
     #[serde(default)]
     previous_response_id: Option<String>,
     #[serde(flatten)]
@@ -273,6 +291,62 @@ fn from_value_at<T: DeserializeOwned>(value: Value, base: &str) -> Result<T, Wir
     })
 }
 
+/// Deserializes a value kept as its text, naming the failing field path below `base` as
+/// [`from_value_at`] does (worked out on the error path only; text a `Value` cannot hold, such
+/// as `1e400`, is named at `base`).
+fn from_raw_at<T: DeserializeOwned>(raw: &RawJson, base: &str) -> Result<T, WireError> {
+    let direct = match serde_json::from_str(raw.get()) {
+        Ok(v) => return Ok(v),
+        Err(e) => e,
+    };
+    match serde_json::from_str::<Value>(raw.get()) {
+        Ok(v) => from_value_at(v, base),
+        Err(_) => Err(WireError::at(
+            base.to_owned(),
+            format!("Invalid value for '{base}': {direct}"),
+        )),
+    }
+}
+
+/// The request values a Response object echoes (OpenAI echoes what the request set, and its
+/// defaults for the rest; see `response_object`).
+fn echo(w: &WireRequest) -> Echo {
+    let mut echo = Echo::default();
+    if let Some(i) = &w.instructions {
+        echo.set("instructions", i);
+    }
+    if let Some(n) = w.max_output_tokens {
+        echo.set("max_output_tokens", &n);
+    }
+    if let Some(t) = w.temperature {
+        echo.set("temperature", &t);
+    }
+    if let Some(p) = w.top_p {
+        echo.set("top_p", &p);
+    }
+    if let Some(p) = w.parallel_tool_calls {
+        echo.set("parallel_tool_calls", &p);
+    }
+    if let Some(tools) = &w.tools {
+        echo.set("tools", tools);
+    }
+    if let Some(tc) = &w.tool_choice {
+        echo.set("tool_choice", tc);
+    }
+    if let Some(r) = w.reasoning.as_ref().filter(|r| r.is_object()) {
+        echo.set("reasoning", r);
+    }
+    if let Some(t) = w.text.as_ref().filter(|t| t.is_object()) {
+        echo.set("text", t);
+    }
+    for &field in ECHOED_FIELDS {
+        if let Some(v) = w.other.get(field).filter(|v| !v.is_null()) {
+            echo.set(field, v);
+        }
+    }
+    echo
+}
+
 fn note(notes: &mut Vec<Normalization>, kind: &str, detail: String) {
     notes.push(Normalization {
         kind: kind.into(),
@@ -299,6 +373,7 @@ impl WireCodec for Responses {
             ));
         }
 
+        let echo = echo(&w);
         let mut history = History::new(&mut notes);
         if let Some(instructions) = w.instructions.filter(|s| !s.is_empty()) {
             history
@@ -328,7 +403,14 @@ impl WireCodec for Responses {
         }
         let messages = history.messages;
 
-        let tools = tools(w.tools.unwrap_or_default(), &mut notes)?;
+        let wire_tools = w
+            .tools
+            .unwrap_or_default()
+            .iter()
+            .enumerate()
+            .map(|(i, raw)| from_raw_at(raw, &format!("tools[{i}]")))
+            .collect::<Result<Vec<WireTool>, _>>()?;
+        let tools = tools(wire_tools, &mut notes)?;
         let tool_choice = match w.tool_choice {
             None => None,
             Some(_) if tools.is_empty() => {
@@ -347,6 +429,7 @@ impl WireCodec for Responses {
             extra.insert("parallel_tool_calls".into(), json!(p));
         }
         if let Some(r) = w.reasoning {
+            let r: WireReasoningConfig = from_value_at(r, "reasoning")?;
             if let Some(effort) = r.effort {
                 extra.insert("reasoning_effort".into(), json!(effort));
             }
@@ -359,6 +442,7 @@ impl WireCodec for Responses {
             }
         }
         if let Some(t) = w.text {
+            let t: WireTextConfig = from_value_at(t, "text")?;
             match t.format {
                 None | Some(WireTextFormat::Text) => {}
                 Some(WireTextFormat::JsonObject) => {
@@ -421,6 +505,7 @@ impl WireCodec for Responses {
             // Usage always travels in `response.completed`.
             include_usage: true,
             normalizations: notes,
+            echo,
         })
     }
 
@@ -968,7 +1053,7 @@ fn function_call_item(
 fn usage_json(u: Usage) -> Value {
     json!({
         "input_tokens": u.prompt_tokens,
-        "input_tokens_details": {"cached_tokens": 0},
+        "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
         "output_tokens_details": {"reasoning_tokens": 0},
         "total_tokens": u.total_tokens,
@@ -1010,8 +1095,8 @@ impl Terminal {
     }
 }
 
-/// The `response` object. Request echoes (tools, sampling, …) carry neutral defaults: the
-/// renderer does not see the request.
+/// The `response` object. Request values are echoed as OpenAI echoes them: what the request
+/// set, else OpenAI's default (or null where the default is the engine's, unknown here).
 fn response_object<'a>(
     meta: &'a ResponseMeta,
     status: &'a str,
@@ -1020,34 +1105,53 @@ fn response_object<'a>(
     incomplete_details: Value,
     error: Value,
 ) -> ResponseObject<'a> {
+    let echo = |field: &'static str, default: &'static str| Echoed(meta.echo.get(field), default);
     ResponseObject {
         id: &meta.id,
         object: "response",
         created_at: meta.created,
         status,
+        background: echo("background", "false"),
         error,
         incomplete_details,
-        instructions: None,
-        max_output_tokens: None,
+        instructions: echo("instructions", "null"),
+        max_output_tokens: echo("max_output_tokens", "null"),
+        max_tool_calls: echo("max_tool_calls", "null"),
         model: &meta.model,
         output,
-        parallel_tool_calls: true,
+        parallel_tool_calls: echo("parallel_tool_calls", "true"),
         previous_response_id: None,
-        reasoning: ReasoningEcho {
-            effort: None,
-            summary: None,
-        },
-        store: false,
-        temperature: None,
-        text: TextEcho {
-            format: TextFormat { kind: "text" },
-        },
-        tool_choice: "auto",
-        tools: [],
-        top_p: None,
-        truncation: "disabled",
-        metadata: Metadata {},
+        prompt_cache_key: echo("prompt_cache_key", "null"),
+        reasoning: echo("reasoning", r#"{"effort":null,"summary":null}"#),
+        safety_identifier: echo("safety_identifier", "null"),
+        service_tier: echo("service_tier", "null"),
+        store: echo("store", "false"),
+        temperature: echo("temperature", "null"),
+        text: echo("text", r#"{"format":{"type":"text"}}"#),
+        tool_choice: echo("tool_choice", r#""auto""#),
+        tools: echo("tools", "[]"),
+        top_logprobs: echo("top_logprobs", "null"),
+        top_p: echo("top_p", "null"),
+        truncation: echo("truncation", r#""disabled""#),
         usage,
+        user: echo("user", "null"),
+        metadata: echo("metadata", "{}"),
+    }
+}
+
+/// An echoed request value: the request's JSON, else the default (JSON text).
+struct Echoed<'a>(Option<&'a RawJson>, &'static str);
+
+impl Serialize for Echoed<'_> {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.0 {
+            Some(raw) => raw.serialize(s),
+            None => {
+                let default: &serde_json::value::RawValue =
+                    serde_json::from_str(self.1).expect("defaults are JSON");
+                default.serialize(s)
+            }
+        }
     }
 }
 
@@ -1060,45 +1164,32 @@ struct ResponseObject<'a> {
     object: &'static str,
     created_at: u64,
     status: &'a str,
+    background: Echoed<'a>,
     error: Value,
     incomplete_details: Value,
-    instructions: Option<()>,
-    max_output_tokens: Option<()>,
+    instructions: Echoed<'a>,
+    max_output_tokens: Echoed<'a>,
+    max_tool_calls: Echoed<'a>,
     model: &'a str,
     output: &'a [Value],
-    parallel_tool_calls: bool,
+    parallel_tool_calls: Echoed<'a>,
     previous_response_id: Option<()>,
-    reasoning: ReasoningEcho,
-    store: bool,
-    temperature: Option<()>,
-    text: TextEcho,
-    tool_choice: &'static str,
-    tools: [(); 0],
-    top_p: Option<()>,
-    truncation: &'static str,
-    metadata: Metadata,
+    prompt_cache_key: Echoed<'a>,
+    reasoning: Echoed<'a>,
+    safety_identifier: Echoed<'a>,
+    service_tier: Echoed<'a>,
+    store: Echoed<'a>,
+    temperature: Echoed<'a>,
+    text: Echoed<'a>,
+    tool_choice: Echoed<'a>,
+    tools: Echoed<'a>,
+    top_logprobs: Echoed<'a>,
+    top_p: Echoed<'a>,
+    truncation: Echoed<'a>,
     usage: Option<Value>,
+    user: Echoed<'a>,
+    metadata: Echoed<'a>,
 }
-
-#[derive(Serialize)]
-struct ReasoningEcho {
-    effort: Option<()>,
-    summary: Option<()>,
-}
-
-#[derive(Serialize)]
-struct TextEcho {
-    format: TextFormat,
-}
-
-#[derive(Serialize)]
-struct TextFormat {
-    #[serde(rename = "type")]
-    kind: &'static str,
-}
-
-#[derive(Serialize)]
-struct Metadata {}
 
 /// The payload of the `response.*` lifecycle events.
 #[derive(Serialize)]
@@ -1538,11 +1629,7 @@ mod tests {
     }
 
     fn meta() -> ResponseMeta {
-        ResponseMeta {
-            id: "resp_abc".into(),
-            created: 7,
-            model: "m".into(),
-        }
+        ResponseMeta::new("resp_abc", 7, "m")
     }
 
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.
@@ -1868,9 +1955,146 @@ mod tests {
         assert_eq!(out[3]["namespace"], "multi_agent_v1");
         assert_eq!(
             v["usage"],
-            json!({"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": 4,
+            json!({"input_tokens": 3, "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0}, "output_tokens": 4,
                    "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": 7})
         );
+    }
+
+    /// What OpenAI echoes of a request in its Response object, in every copy of it.
+    const ECHOED: &[&str] = &[
+        "instructions",
+        "max_output_tokens",
+        "temperature",
+        "top_p",
+        "tools",
+        "tool_choice",
+        "parallel_tool_calls",
+        "reasoning",
+        "text",
+        "metadata",
+        "store",
+        "user",
+        "truncation",
+        "service_tier",
+        "prompt_cache_key",
+        "safety_identifier",
+        "background",
+        "max_tool_calls",
+        "top_logprobs",
+    ];
+
+    #[test]
+    fn a_response_echoes_the_request_values_as_openai_does() {
+        let request = json!({"model": "m", "input": "hi", "instructions": "Be brief.",
+            "max_output_tokens": 256, "temperature": 0.5, "top_p": 0.9,
+            "tools": [{"type": "function", "name": "f", "parameters": {"type": "object"}, "strict": true},
+                      {"type": "web_search", "external_web_access": true}],
+            "tool_choice": {"type": "function", "name": "f"}, "parallel_tool_calls": false,
+            "reasoning": {"effort": "low", "summary": "auto"},
+            "text": {"format": {"type": "text"}, "verbosity": "low"},
+            "metadata": {"run": "7"}, "store": false, "user": "u-1", "truncation": "auto",
+            "service_tier": "flex", "prompt_cache_key": "k", "safety_identifier": "s",
+            "background": false, "max_tool_calls": 3, "top_logprobs": 2});
+        let p = parse(request.clone()).unwrap();
+        let meta = ResponseMeta {
+            echo: p.echo,
+            ..meta()
+        };
+        let g = accumulate(&[GenerationEvent::Delta(Delta {
+            content: Some("ok".into()),
+            ..Default::default()
+        })]);
+        let whole: Value = serde_json::from_slice(&Responses.render_whole(&meta, &g)).unwrap();
+        let mut r = Responses.stream_renderer(meta, true);
+        let mut out = Vec::new();
+        r.start(&mut out);
+        r.delta(
+            &Delta {
+                content: Some("ok".into()),
+                ..Default::default()
+            },
+            &mut out,
+        );
+        r.finish(FinishReason::Stop, None, &mut out);
+        let f = frames(&out);
+        let lifecycle = f.iter().filter(|(e, _)| {
+            [
+                "response.created",
+                "response.in_progress",
+                "response.completed",
+            ]
+            .contains(&e.as_str())
+        });
+        for response in std::iter::once(&whole).chain(lifecycle.map(|(_, v)| &v["response"])) {
+            for &field in ECHOED {
+                assert_eq!(response[field], request[field], "{field} in {response}");
+            }
+            assert_eq!(response["previous_response_id"], Value::Null);
+        }
+    }
+
+    #[test]
+    fn a_response_to_a_bare_request_has_openais_defaults() {
+        let p = parse(json!({"model": "m", "input": "hi"})).unwrap();
+        assert!(p.echo.is_empty());
+        let g = accumulate(&[]);
+        let v: Value = serde_json::from_slice(&Responses.render_whole(&meta(), &g)).unwrap();
+        let defaults = json!({"instructions": null, "max_output_tokens": null, "temperature": null,
+            "top_p": null, "tools": [], "tool_choice": "auto", "parallel_tool_calls": true,
+            "reasoning": {"effort": null, "summary": null}, "text": {"format": {"type": "text"}},
+            "metadata": {}, "store": false, "user": null, "truncation": "disabled",
+            "service_tier": null, "prompt_cache_key": null, "safety_identifier": null,
+            "background": false, "max_tool_calls": null, "top_logprobs": null});
+        for &field in ECHOED {
+            assert_eq!(v[field], defaults[field], "{field}");
+        }
+    }
+
+    #[test]
+    fn echoed_tools_keep_each_sse_event_on_one_line() {
+        // A pretty-printed request: its tools are echoed as sent, but never with a line break
+        // (a `data:` line would end there).
+        let body = b"{\"model\": \"m\", \"input\": \"hi\",\n \"tools\": [\n  {\"type\": \"function\",\n   \"name\": \"f\"}\n ]\n}";
+        let p = Responses.parse(body).unwrap();
+        let mut r = Responses.stream_renderer(
+            ResponseMeta {
+                echo: p.echo,
+                ..meta()
+            },
+            true,
+        );
+        let mut out = Vec::new();
+        r.start(&mut out);
+        let f = frames(&out);
+        assert_eq!(f.len(), 2);
+        assert_eq!(
+            f[0].1["response"]["tools"],
+            json!([{"type": "function", "name": "f"}])
+        );
+        let tool_errors =
+            parse(json!({"model": "m", "input": "x", "tools": [{"type": "function", "name": 5}]}))
+                .unwrap_err();
+        assert_eq!(
+            tool_errors.param.as_deref(),
+            Some("tools[0].name"),
+            "{tool_errors}"
+        );
+        assert!(
+            tool_errors
+                .message
+                .starts_with("Invalid value for 'tools[0].name': "),
+            "{tool_errors}"
+        );
+        // A bad tool holding a number no `Value` holds is an error, not a panic.
+        let e = Responses
+            .parse(br#"{"model": "m", "input": "x", "tools": [{"type": "function", "name": 5, "parameters": {"max": 1e400}}]}"#)
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("tools[0]"), "{e}");
+        let e = parse(json!({"model": "m", "input": "x", "reasoning": {"effort": 3}})).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("reasoning.effort"), "{e}");
+        let e = parse(json!({"model": "m", "input": "x", "text": {"format": {"type": "nope"}}}))
+            .unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("text.format.type"), "{e}");
     }
 
     #[test]

@@ -590,11 +590,7 @@ fn meta(api: &str) -> ResponseMeta {
         "responses" => "resp_",
         _ => "msg_",
     };
-    ResponseMeta {
-        id: format!("{prefix}0123abcd"),
-        created: 1_700_000_000,
-        model: "some-model".into(),
-    }
+    ResponseMeta::new(format!("{prefix}0123abcd"), 1_700_000_000, "some-model")
 }
 
 /// What a client reads out of an answer: (reasoning, text, calls as (name, arguments JSON),

@@ -48,11 +48,7 @@ fn frames(sse: &str) -> Vec<Value> {
 
 #[test]
 fn streamed_answer_matches_the_sequence_harnesses_accepted() {
-    let meta = ResponseMeta {
-        id: "chatcmpl-1".into(),
-        created: 1,
-        model: "m".into(),
-    };
+    let meta = ResponseMeta::new("chatcmpl-1", 1, "m");
     let mut r = ChatCompletions.stream_renderer(meta, true);
     let mut out = Vec::new();
     r.start(&mut out);

@@ -36,9 +36,9 @@ fn frames(sse: &str) -> Vec<(String, Value)> {
         .collect()
 }
 
-/// Frames compared by structure: the numbers in `message_start` usage are the server's own
-/// (the mock knew its prompt size up front; tokentap reports 0 there and the counts in
-/// `message_delta`), so only their keys count; `message_delta` may add `input_tokens`.
+/// Frames compared by structure: the numbers in `message_start` usage are each server's own,
+/// so only their keys count; `message_delta` may add the cumulative counts Anthropic's API adds
+/// there (`input_tokens` and the cache counts) beside `output_tokens`.
 fn shape(mut f: Vec<(String, Value)>) -> Vec<(String, Value)> {
     for (event, data) in &mut f {
         if event == "message_start" {
@@ -50,18 +50,14 @@ fn shape(mut f: Vec<(String, Value)>) -> Vec<(String, Value)> {
             data["usage"]
                 .as_object_mut()
                 .unwrap()
-                .remove("input_tokens");
+                .retain(|k, _| k == "output_tokens");
         }
     }
     f
 }
 
 fn meta() -> ResponseMeta {
-    ResponseMeta {
-        id: "msg_0123".into(),
-        created: 1,
-        model: "m".into(),
-    }
+    ResponseMeta::new("msg_0123", 1, "m")
 }
 
 fn text(s: &str) -> Delta {
@@ -75,6 +71,8 @@ fn render_hello() -> Vec<(String, Value)> {
     let mut r = Messages.stream_renderer(meta(), true);
     let mut out = Vec::new();
     r.start(&mut out);
+    // The engine's prompt ids, as the relay passes them on before the first content.
+    r.prompt_tokens(10);
     for piece in ["Hello ", "from ", "mock. "] {
         r.delta(&text(piece), &mut out);
     }
@@ -95,6 +93,10 @@ fn streamed_answer_matches_the_full_sequence_claude_code_accepted() {
     let ours = render_hello();
     let delta = ours.iter().find(|(e, _)| e == "message_delta").unwrap();
     assert_eq!(delta.1["usage"]["input_tokens"], 10);
+    // The prompt's size opens the message, as in the accepted stream.
+    let start = &ours[0].1["message"]["usage"];
+    let accepted = &frames(&fixture("claude-messages-full.sse"))[0].1["message"]["usage"];
+    assert_eq!(start["input_tokens"], accepted["input_tokens"]);
     assert_eq!(
         shape(ours),
         shape(frames(&fixture("claude-messages-full.sse")))
@@ -153,7 +155,7 @@ fn a_tool_call_stream_has_the_documented_event_shapes() {
         json!({"type": "content_block_start", "index": 2, "content_block": {"type": "tool_use", "id": "toolu_call_7", "name": "Bash", "input": {}}}),
         json!({"type": "content_block_delta", "index": 2, "delta": {"type": "input_json_delta", "partial_json": "{\"command\":\"echo hi > f\"}"}}),
         json!({"type": "content_block_stop", "index": 2}),
-        json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"output_tokens": 0}}),
+        json!({"type": "message_delta", "delta": {"stop_reason": "tool_use", "stop_sequence": null}, "usage": {"cache_creation_input_tokens": 0, "cache_read_input_tokens": 0, "output_tokens": 0}}),
         json!({"type": "message_stop"}),
     ];
     assert_eq!(got.into_iter().map(|(_, d)| d).collect::<Vec<_>>(), want);

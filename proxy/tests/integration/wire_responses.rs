@@ -80,11 +80,7 @@ fn assert_matches_reference(ours: &str, reference: &str) {
 }
 
 fn meta() -> ResponseMeta {
-    ResponseMeta {
-        id: "resp_1".into(),
-        created: 1,
-        model: "m".into(),
-    }
+    ResponseMeta::new("resp_1", 1, "m")
 }
 
 fn usage() -> Option<Usage> {

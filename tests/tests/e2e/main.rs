@@ -29,6 +29,7 @@ mod records_cli;
 mod rollout;
 mod rollout_cluster;
 mod scripts_deps_cache;
+mod sdk_types;
 mod secrets;
 mod sessions;
 mod shipping;

@@ -1,0 +1,154 @@
+//! Everything tokentap writes for the three wire APIs, whole and streamed, validated by the
+//! providers' own client libraries: the official `openai` and `anthropic` Python SDKs (pinned
+//! in scripts/setup) validate every object and SSE event with their pydantic types, strictly
+//! (no undeclared field, no coercion), check the documented event order, and run their own
+//! streaming helpers against tokentap on loopback. tests/sdk/validate.py does the checking;
+//! this test starts tokentap in front of the scripted engine (a test double: the tiny model
+//! calls no tools and has no reasoning) and runs it.
+
+use serde_json::{json, Value};
+use tokentap_e2e::artefacts::Artefacts;
+use tokentap_e2e::fixtures::scripted_tokentap;
+use tokentap_e2e::scripted::{Reply, Script, Turn};
+
+/// The text of the last user message the engine was sent (a string or text parts).
+fn last_user_text(req: &Value) -> String {
+    let Some(m) = req["messages"]
+        .as_array()
+        .and_then(|ms| ms.iter().rev().find(|m| m["role"] == "user"))
+    else {
+        return String::new();
+    };
+    match &m["content"] {
+        Value::String(s) => s.clone(),
+        Value::Array(parts) => parts
+            .iter()
+            .filter_map(|p| p["text"].as_str())
+            .collect::<Vec<_>>()
+            .join(""),
+        _ => String::new(),
+    }
+}
+
+fn turn(reasoning: &str, text: &str, calls: &[(&str, Value)], finish: Option<&str>) -> Reply {
+    Reply::Turn(Turn {
+        reasoning: reasoning.into(),
+        text: text.into(),
+        calls: calls
+            .iter()
+            .map(|(n, a)| ((*n).to_owned(), a.clone()))
+            .collect(),
+        finish: finish.map(str::to_owned),
+    })
+}
+
+/// The engine's answer for each `scenario:NAME` marker validate.py sends.
+fn scenarios() -> Script {
+    std::sync::Arc::new(|req, _| {
+        let text = last_user_text(req);
+        let name = text
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("scenario:"))
+            .unwrap_or("text");
+        match name {
+            "reasoning" => turn("The user wants a greeting.", "Hello.", &[], None),
+            "tools" => turn(
+                "I should look around first.",
+                "Let me look.",
+                &[
+                    ("shell", json!({"command": "ls -la", "timeout": 5})),
+                    ("read", json!({"path": "README.md", "lines": [1, 2]})),
+                ],
+                None,
+            ),
+            "length" => turn("", "Once upon a time", &[], Some("length")),
+            "filter" => turn("", "I can", &[], Some("content_filter")),
+            "error" => Reply::DropAfter {
+                text: "Hello there".into(),
+                chunks: 3,
+            },
+            "overflow" => Reply::vllm_context_overflow(),
+            _ => turn("", "Hello there, from the engine.", &[], None),
+        }
+    })
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn every_object_and_event_passes_the_official_sdks_types_and_stream_helpers() {
+    let python = Artefacts::require_python();
+    let probe = std::process::Command::new(&python)
+        .args(["-c", "import openai, anthropic"])
+        .output()
+        .unwrap();
+    assert!(
+        probe.status.success(),
+        "the venv lacks the openai/anthropic SDKs (run scripts/setup): {}",
+        String::from_utf8_lossy(&probe.stderr)
+    );
+    let (_backend, t) = scripted_tokentap(scenarios(), &[]).await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/sdk/validate.py");
+    let out = tokio::process::Command::new(&python)
+        .args([script, "--base", &t.url])
+        // The SDKs talk to tokentap on loopback only.
+        .env("NO_PROXY", "*")
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let report: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("validate.py wrote no report ({e}):\n{stdout}\n{stderr}"));
+    let failures = report["failures"].as_array().unwrap();
+    assert!(
+        failures.is_empty() && out.status.success(),
+        "{} failure(s) against the SDKs' types:\n{}\n(report: {})\n{stderr}",
+        failures.len(),
+        failures
+            .iter()
+            .map(|f| format!("- {}", f.as_str().unwrap_or_default()))
+            .collect::<Vec<_>>()
+            .join("\n"),
+        serde_json::to_string(&report["validated"]).unwrap(),
+    );
+    // Every kind of object was seen (a scenario that silently stopped early would not be).
+    let validated = &report["validated"];
+    for model in [
+        "ChatCompletion",
+        "ChatCompletionChunk",
+        "Response",
+        "ResponseCreatedEvent",
+        "ResponseInProgressEvent",
+        "ResponseOutputItemAddedEvent",
+        "ResponseContentPartAddedEvent",
+        "ResponseTextDeltaEvent",
+        "ResponseTextDoneEvent",
+        "ResponseContentPartDoneEvent",
+        "ResponseReasoningSummaryPartAddedEvent",
+        "ResponseReasoningSummaryTextDeltaEvent",
+        "ResponseReasoningSummaryTextDoneEvent",
+        "ResponseReasoningSummaryPartDoneEvent",
+        "ResponseFunctionCallArgumentsDeltaEvent",
+        "ResponseFunctionCallArgumentsDoneEvent",
+        "ResponseOutputItemDoneEvent",
+        "ResponseCompletedEvent",
+        "ResponseIncompleteEvent",
+        "ResponseFailedEvent",
+        "Message",
+        "RawMessageStartEvent",
+        "RawContentBlockStartEvent",
+        "RawContentBlockDeltaEvent",
+        "RawContentBlockStopEvent",
+        "RawMessageDeltaEvent",
+        "RawMessageStopEvent",
+        "ErrorObject",
+        "ErrorResponse",
+    ] {
+        assert!(
+            validated[model].as_u64().unwrap_or(0) > 0,
+            "no {model} was validated: {validated}"
+        );
+    }
+    assert!(report["checks"].as_u64().unwrap() > 100, "{report}");
+}
