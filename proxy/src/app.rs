@@ -22,6 +22,7 @@ use tokentap_schema::{
 use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
 use crate::canonical::GenerationEvent;
 use crate::capture::{CallCapture, RecordSink};
+use crate::engine_options::{self, EngineOptionPolicy};
 use crate::gate::CallGate;
 use crate::harness::Harness;
 use crate::limits::{ConnectionGate, ConnectionPermit, ListenerLimits};
@@ -37,7 +38,7 @@ use crate::session::{
 use crate::wire::chat_completions::ChatCompletions;
 use crate::wire::messages::Messages;
 use crate::wire::responses::Responses;
-use crate::wire::{CallError, ResponseMeta, WireCodec};
+use crate::wire::{CallError, ParsedCall, ResponseMeta, WireCodec, WireError};
 
 /// Proxy behaviour that is policy, not mechanism.
 #[derive(Debug, Clone)]
@@ -67,6 +68,9 @@ pub struct ProxyConfig {
     /// The most a session may use (calls, request bytes) before its calls are refused; only
     /// where sessions are authenticated (a rollout node's samples).
     pub session_budget: session::SessionBudget,
+    /// The engine options callers may set (`--engine-option`); every option is held to its
+    /// bounds whatever this allows.
+    pub engine_options: EngineOptionPolicy,
 }
 
 impl Default for ProxyConfig {
@@ -82,6 +86,7 @@ impl Default for ProxyConfig {
             durable_answers: false,
             client_token: None,
             session_budget: session::SessionBudget::default(),
+            engine_options: EngineOptionPolicy::default(),
         }
     }
 }
@@ -303,6 +308,12 @@ impl CaptureService {
     /// Bounds what each session may use ([`session::SessionBudget`]).
     pub fn with_session_budget(mut self, budget: session::SessionBudget) -> Self {
         self.config.session_budget = budget;
+        self
+    }
+
+    /// Lets callers set only the engine options `policy` allows.
+    pub fn with_engine_options(mut self, policy: EngineOptionPolicy) -> Self {
+        self.config.engine_options = policy;
         self
     }
 
@@ -603,9 +614,13 @@ impl CaptureService {
             }
             Err(BodyError::TimedOut(_)) | Err(BodyError::Io(_)) => return false,
         };
-        let mut request = match MESSAGES.parse_count_tokens(&body) {
+        let screened = MESSAGES
+            .parse_count_tokens(&body)
+            .map_err(CallError::from)
+            .and_then(|p| self.screen_engine_options(&MESSAGES, p));
+        let mut request = match screened {
             Ok(p) => p.request,
-            Err(e) => return self.write_error(http, &MESSAGES, &e.into()).await,
+            Err(e) => return self.write_error(http, &MESSAGES, &e).await,
         };
         if let Some(model) = &self.config.backend_model {
             request.model = model.clone();
@@ -824,8 +839,12 @@ impl CaptureService {
             Some(None) => call.request.body_text = Some(body_excerpt(&body)),
         }
 
-        // Parse the provider request into the canonical one.
-        let parsed = match codec.parse(&body) {
+        // Parse the provider request into the canonical one, its engine options screened.
+        let parsed = codec
+            .parse(&body)
+            .map_err(CallError::from)
+            .and_then(|p| self.screen_engine_options(codec, p));
+        let parsed = match parsed {
             Ok(p) => p,
             Err(e) => {
                 // A body no call was made of is kept as an excerpt past 64 KiB, so refused
@@ -835,7 +854,7 @@ impl CaptureService {
                     call.request.body_text = Some(body_excerpt(&body));
                     call.body_verbatim = false;
                 }
-                return self.fail(http, codec, call, e.into()).await;
+                return self.fail(http, codec, call, e).await;
             }
         };
         let meta = ResponseMeta {
@@ -980,6 +999,38 @@ impl CaptureService {
             ));
         }
         ok
+    }
+
+    /// Holds a parsed call's engine options to their bounds (a refusal: a 400 naming the
+    /// parameter) and leaves out those this listener does not let callers set (each noted on
+    /// the record); both counted by option.
+    fn screen_engine_options(
+        &self,
+        codec: &dyn WireCodec,
+        mut parsed: ParsedCall,
+    ) -> Result<ParsedCall, CallError> {
+        let policy = &self.config.engine_options;
+        match engine_options::screen(&mut parsed.request, policy, |o| {
+            codec.engine_option_param(o)
+        }) {
+            Ok(dropped) => {
+                for d in dropped {
+                    self.metrics
+                        .engine_options_dropped
+                        .with_label_values(&[d.label])
+                        .inc();
+                    parsed.normalizations.push(d.normalization());
+                }
+                Ok(parsed)
+            }
+            Err(refusal) => {
+                self.metrics
+                    .engine_options_refused
+                    .with_label_values(&[refusal.label])
+                    .inc();
+                Err(WireError::at(refusal.param, refusal.message).into())
+            }
+        }
     }
 
     /// Answers with an error in the provider's shape and notes it on the record.

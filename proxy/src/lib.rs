@@ -8,6 +8,7 @@ pub mod backend;
 pub mod canonical;
 pub mod capped_body;
 pub mod capture;
+pub mod engine_options;
 pub mod gate;
 pub mod harness;
 pub mod limits;

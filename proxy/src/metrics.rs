@@ -60,6 +60,10 @@ pub struct Metrics {
     pub spool_writable: IntGauge,
     /// Calls refused before the engine, by `reason` (`spool_unwritable`).
     pub calls_refused: IntCounterVec,
+    /// Calls refused for an engine option out of its bounds, and options left out of engine
+    /// requests (not allowed on the listener), by `option` (`engine_options`' names, `other`).
+    pub engine_options_refused: IntCounterVec,
+    pub engine_options_dropped: IntCounterVec,
     pub websocket_refused: IntCounter,
     pub transparent: IntCounterVec,
     /// Connections closed by a listener limit, by `limit`.
@@ -214,6 +218,16 @@ impl Metrics {
                 "tokentap_calls_refused_total",
                 "Requests refused before reaching the engine, by reason (spool_unwritable: --on-spool-error fail-closed while the spool cannot be written; unknown_session: a rollout node's capture without a known sample secret); refused requests have no record",
                 &["reason"],
+            ),
+            engine_options_refused: counter_vec(
+                "tokentap_engine_options_refused_total",
+                "Calls refused (400, recorded with the error) for an engine option out of its bounds (logit_bias entries, chat_template_kwargs keys, response_format size, ...), by option",
+                &["option"],
+            ),
+            engine_options_dropped: counter_vec(
+                "tokentap_engine_options_dropped_total",
+                "Engine options left out of engine requests because the listener does not let callers set them (--engine-option; noted on the record), by option",
+                &["option"],
             ),
             websocket_refused: counter(
                 "tokentap_websocket_upgrades_refused_total",

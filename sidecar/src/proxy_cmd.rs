@@ -12,6 +12,7 @@ use pingora::server::{RunArgs, Server};
 use pingora::services::listening::Service;
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
 use tokentap_proxy::capture::{OnSpoolError, RecordSink};
+use tokentap_proxy::engine_options::{EngineOption, EngineOptionPolicy};
 use tokentap_proxy::limits::ListenerLimits;
 use tokentap_proxy::metrics::Metrics;
 use tokentap_proxy::normalize::SystemLayout;
@@ -139,11 +140,36 @@ pub struct CaptureArgs {
     /// when it rejects or drops a second system message or does not know `developer`.
     #[arg(long, default_value = "auto")]
     system_layout: SystemLayout,
+    /// An engine option callers may set (repeatable): a field passed to the engine as the
+    /// harness gave it. Others are dropped from engine requests (noted on the record, counted
+    /// in tokentap_engine_options_dropped_total). `all` allows every one, `none` (alone) none.
+    /// Every option is held to its bounds whatever this allows (logit_bias at most 300
+    /// entries; chat_template_kwargs only plain template variables; response_format at most
+    /// 64 KiB; …) [default: all; serve and generate: parallel_tool_calls, reasoning_effort].
+    #[arg(long = "engine-option", value_name = "NAME", value_parser = engine_option_names())]
+    engine_options: Vec<String>,
     #[command(flatten)]
     pub limits: LimitArgs,
 }
 
+/// `--engine-option`'s values: the options' names, `all` and `none`.
+fn engine_option_names() -> clap::builder::PossibleValuesParser {
+    let names = EngineOption::ALL.map(EngineOption::name);
+    clap::builder::PossibleValuesParser::new(names.into_iter().chain(["all", "none"]))
+}
+
 impl CaptureArgs {
+    /// The engine options callers may set: `--engine-option`'s, or `default` without any.
+    pub fn engine_option_policy(
+        &self,
+        default: EngineOptionPolicy,
+    ) -> anyhow::Result<EngineOptionPolicy> {
+        if self.engine_options.is_empty() {
+            return Ok(default);
+        }
+        EngineOptionPolicy::from_flag_values(&self.engine_options).map_err(anyhow::Error::msg)
+    }
+
     /// The engine's /detokenize, for the viewer's token text, when the engine has one
     /// (llama.cpp, vLLM): base URL, model, API key.
     pub fn detokenizer(&self) -> Option<(String, Option<String>, Option<String>)> {
@@ -324,6 +350,8 @@ impl CaptureArgs {
             client_token: None,
             // Set by the commands whose sessions are authenticated (`serve`'s samples).
             session_budget: Default::default(),
+            // The harness is the operator's own here; `serve` narrows the default.
+            engine_options: args.engine_option_policy(EngineOptionPolicy::all())?,
         };
         Ok((
             CaptureService::new(config, backend, sink, metrics),

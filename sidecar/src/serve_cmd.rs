@@ -154,7 +154,11 @@ impl NodeArgs {
             .with_session_budget(tokentap_proxy::session::SessionBudget {
                 max_calls: Some(self.sample_max_calls),
                 max_request_bytes: Some(self.sample_max_request_bytes),
-            });
+            })
+            // Agents are hostile here: only the options real harnesses send, by default.
+            .with_engine_options(self.capture.engine_option_policy(
+                tokentap_proxy::engine_options::EngineOptionPolicy::rollout_default(),
+            )?);
         let store = Arc::new(
             Store::open(&data.join("node.redb"))
                 .with_context(|| format!("opening the node's store in {}", data.display()))?,

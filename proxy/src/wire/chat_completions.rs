@@ -10,19 +10,9 @@ use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
 };
+use crate::engine_options::EngineOption;
 
 pub struct ChatCompletions;
-
-/// Request fields the engines understand and that pass through unchanged.
-const PASSTHROUGH_FIELDS: &[&str] = &[
-    "response_format",
-    "parallel_tool_calls",
-    "reasoning_effort",
-    "chat_template_kwargs",
-    "repetition_penalty",
-    "logit_bias",
-    "n_probs",
-];
 
 #[derive(Deserialize)]
 struct WireRequest {
@@ -211,7 +201,8 @@ impl WireCodec for ChatCompletions {
         }
         let mut extra = Map::new();
         for (k, v) in w.other {
-            if PASSTHROUGH_FIELDS.contains(&k.as_str()) {
+            // Engine options pass through as given, to be screened (`engine_options`).
+            if EngineOption::from_name(&k).is_some() {
                 extra.insert(k, v);
             } else if !matches!(k.as_str(), "logprobs" | "top_logprobs") {
                 normalizations.push(Normalization {

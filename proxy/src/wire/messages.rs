@@ -56,6 +56,7 @@ use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
 };
+use crate::engine_options::EngineOption;
 
 /// The Anthropic Messages codec.
 pub struct Messages;
@@ -939,6 +940,13 @@ impl WireCodec for Messages {
 
     fn id_prefix(&self) -> &'static str {
         "msg_"
+    }
+
+    fn engine_option_param(&self, option: EngineOption) -> &'static str {
+        match option {
+            EngineOption::ParallelToolCalls => "tool_choice.disable_parallel_tool_use",
+            other => other.name(),
+        }
     }
 
     fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError> {

@@ -15,6 +15,7 @@ pub use error::{CallError, WireError};
 use tokentap_schema::{Normalization, RawJson, WireApi};
 
 use crate::canonical::{ChatRequest, Delta, FinishReason, GenerationAccumulator, Usage};
+use crate::engine_options::EngineOption;
 
 /// A harness request after parsing.
 #[derive(Debug, Clone)]
@@ -92,6 +93,12 @@ pub trait WireCodec: Send + Sync {
     fn id_prefix(&self) -> &'static str;
 
     fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError>;
+
+    /// The request field an engine option comes from, as this API names it (for errors and
+    /// notes about it); Chat Completions sends each under its own name.
+    fn engine_option_param(&self, option: EngineOption) -> &'static str {
+        option.name()
+    }
 
     /// The whole (non-streamed) answer body.
     fn render_whole(&self, meta: &ResponseMeta, generation: &GenerationAccumulator) -> Vec<u8>;

@@ -24,6 +24,7 @@ use crate::canonical::{
     ChatMessage, ChatRequest, ContentPart, Delta, FinishReason, GenerationAccumulator, Role,
     SamplingParams, ToolCall, ToolSpec, Usage,
 };
+use crate::engine_options::EngineOption;
 
 pub struct Responses;
 
@@ -361,6 +362,14 @@ impl WireCodec for Responses {
 
     fn id_prefix(&self) -> &'static str {
         "resp_"
+    }
+
+    fn engine_option_param(&self, option: EngineOption) -> &'static str {
+        match option {
+            EngineOption::ResponseFormat => "text.format",
+            EngineOption::ReasoningEffort => "reasoning.effort",
+            other => other.name(),
+        }
     }
 
     fn parse(&self, body: &[u8]) -> Result<ParsedCall, WireError> {

@@ -18,6 +18,7 @@ mod control_plane;
 mod deploy_manifests;
 mod direct_llamacpp;
 mod disk_full;
+mod engine_options;
 mod harnesses;
 mod limits;
 mod listener_tokens;
