@@ -54,6 +54,12 @@ fn build(program: &Path, out: &Path) -> Result<PathBuf, String> {
         dirs.extend(std::env::split_paths(&path));
         path = std::env::join_paths(dirs).map_err(|e| e.to_string())?;
     }
+    // Without the linker the nested build can only fail, and only after compiling `core` for
+    // the BPF target (about 40 s of a 2-core machine's time in every fresh build, the demo's
+    // among them): say so at once.
+    if !std::env::split_paths(&path).any(|dir| dir.join("bpf-linker").is_file()) {
+        return Err("bpf-linker not found".into());
+    }
     let target_dir = out.join("ebpf-target");
     let mut cmd = Command::new("rustup");
     cmd.args([

@@ -90,6 +90,8 @@ EOF
 }
 
 check_qwen() {
+  # `setup --only pi` (the demo's) installs Pi alone.
+  if ! command -v qwen >/dev/null 2>&1; then say "skip qwen (not installed: setup's harnesses step)"; return; fi
   local home="$TMP/qwen-home"
   mkdir -p "$home/.qwen"
   echo '{"privacy":{"usageStatisticsEnabled":false},"memory":{"enableManagedAutoMemory":false,"enableManagedAutoDream":false}}' \

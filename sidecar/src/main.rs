@@ -24,7 +24,10 @@ mod worker_cmd;
 use clap::{Parser, Subcommand};
 
 /// The proxy allocates per call (JSON values, buffers); jemalloc roughly halved its CPU per call
-/// in `tokentap bench proxy` compared with glibc malloc.
+/// in `tokentap bench proxy` compared with glibc malloc. On by default (the `jemalloc`
+/// feature); only scripts/demo's first build leaves it out, as its C build is the longest step
+/// of that build.
+#[cfg(feature = "jemalloc")]
 #[global_allocator]
 static ALLOCATOR: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
 

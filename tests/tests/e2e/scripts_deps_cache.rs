@@ -1,9 +1,10 @@
-//! `scripts/deps-cache` as a fresh machine runs it: a cargo home that holds none of the
-//! lock file's crates (no Linux build fetches the other platforms' ones, such as
-//! `android_system_properties`), offline. A save that resolved the whole lock file failed
-//! there and, from scripts/test's exit trap, turned a green test run red (issue 36). Each test
-//! works in a copy of the repository's tracked files, so the real manifests and the script
-//! under test are the ones in this tree.
+//! `scripts/deps-cache` as a fresh machine runs it, offline: a cargo home that holds none of
+//! the lock file's crates, and one that holds exactly what a build on this platform fetched
+//! (no Linux build fetches the other platforms' crates, such as `android_system_properties`).
+//! A save that resolved the whole lock file (`cargo metadata --offline`) failed there, and the
+//! demo, which hid it, left CI to start cold (issues 36 and 40); from scripts/test's exit trap
+//! it turned a green test run red. Each test works in a copy of the repository's tracked files,
+//! so the real manifests and the script under test are the ones in this tree.
 
 use std::fs;
 use std::path::{Path, PathBuf};
@@ -24,7 +25,99 @@ struct FreshMachine {
     dir: TempDir,
 }
 
+/// The cargo home the tests themselves were built with (it holds every crate this platform's
+/// build of the workspace needed).
+fn runner_cargo_home() -> PathBuf {
+    std::env::var_os("CARGO_HOME")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(std::env::var_os("HOME").expect("HOME")).join(".cargo"))
+}
+
+fn host_triple() -> String {
+    let out = Command::new("rustc").arg("-vV").output().expect("rustc");
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .find_map(|l| l.strip_prefix("host: "))
+        .expect("rustc -vV names its host")
+        .to_string()
+}
+
+/// A hard link, or a copy where the two paths are on different file systems.
+fn link_or_copy(from: &Path, to: &Path) {
+    fs::create_dir_all(to.parent().unwrap()).unwrap();
+    if fs::hard_link(from, to).is_err() {
+        fs::copy(from, to).unwrap_or_else(|e| panic!("copy {}: {e}", from.display()));
+    }
+}
+
+fn link_or_copy_tree(from: &Path, to: &Path) {
+    for entry in fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let (src, dst) = (entry.path(), to.join(entry.file_name()));
+        if entry.file_type().unwrap().is_dir() {
+            link_or_copy_tree(&src, &dst);
+        } else {
+            link_or_copy(&src, &dst);
+        }
+    }
+}
+
 impl FreshMachine {
+    /// The machine after a first build: its cargo home holds the registry index and the
+    /// `.crate` files of exactly the packages this platform resolves to (`cargo metadata
+    /// --filter-platform HOST` on the runner's cargo home), nothing for other platforms.
+    fn with_host_crates_fetched() -> Self {
+        let machine = Self::new();
+        let meta = Command::new("cargo")
+            .args(["metadata", "--format-version", "1", "--offline", "--locked"])
+            .args(["--filter-platform", &host_triple()])
+            .current_dir(repo())
+            .output()
+            .expect("cargo");
+        assert!(
+            meta.status.success(),
+            "cargo metadata --filter-platform on the runner's cargo home: {}",
+            String::from_utf8_lossy(&meta.stderr)
+        );
+        let meta: serde_json::Value = serde_json::from_slice(&meta.stdout).unwrap();
+        let registry = runner_cargo_home().join("registry");
+        let home = machine.cargo_home().join("registry");
+        // The registry's index (its cached entries are what an offline resolve reads).
+        for entry in fs::read_dir(registry.join("index")).unwrap() {
+            let entry = entry.unwrap();
+            link_or_copy_tree(&entry.path(), &home.join("index").join(entry.file_name()));
+        }
+        let mut linked = 0;
+        for cache in fs::read_dir(registry.join("cache")).unwrap() {
+            let cache = cache.unwrap();
+            for package in meta["packages"].as_array().unwrap() {
+                if package["source"].is_null() {
+                    continue; // a path package
+                }
+                let file = format!(
+                    "{}-{}.crate",
+                    package["name"].as_str().unwrap(),
+                    package["version"].as_str().unwrap()
+                );
+                let from = cache.path().join(&file);
+                if from.is_file() {
+                    link_or_copy(
+                        &from,
+                        &home.join("cache").join(cache.file_name()).join(&file),
+                    );
+                    linked += 1;
+                }
+            }
+        }
+        assert!(
+            linked > 100,
+            "only {linked} crates found in {}",
+            registry.display()
+        );
+        machine
+    }
+
     fn new() -> Self {
         let dir = tempfile::tempdir().unwrap();
         let listing = Command::new("git")
@@ -57,10 +150,14 @@ impl FreshMachine {
         self.dir.path().join("cache")
     }
 
+    fn cargo_home(&self) -> PathBuf {
+        self.dir.path().join("cargo-home")
+    }
+
     fn command(&self, program: &str) -> Command {
         let mut cmd = Command::new(program);
         cmd.current_dir(self.root())
-            .env("CARGO_HOME", self.dir.path().join("cargo-home"))
+            .env("CARGO_HOME", self.cargo_home())
             .env("CARGO_NET_OFFLINE", "true")
             .env("TOKENTAP_CACHE", self.cache())
             .env_remove("DEPS_CACHE_TOOLCHAIN");
@@ -140,22 +237,60 @@ fn assert_ok(out: &Output, what: &str) {
     );
 }
 
+/// The command the save of issues 36 and 40 ran: a resolve of the whole lock file, which
+/// wants every package downloaded, also those of other platforms.
+fn full_resolve(machine: &FreshMachine) -> Output {
+    machine
+        .command("cargo")
+        .args(["metadata", "--format-version", "1", "--offline"])
+        .output()
+        .expect("cargo")
+}
+
 #[test]
 fn save_and_restore_work_with_none_of_the_lock_files_crates_fetched() {
     let machine = FreshMachine::new();
 
     // Positive control: this cargo home is a fresh machine's. Resolving the whole lock file
     // offline fails here, as the save of issue 36 did.
-    let full = machine
+    assert!(
+        !full_resolve(&machine).status.success(),
+        "a full resolve worked offline with an empty cargo home: this is not a fresh machine"
+    );
+    save_and_restore(&machine);
+}
+
+#[test]
+fn save_and_restore_work_with_only_the_host_platforms_crates_fetched() {
+    let machine = FreshMachine::with_host_crates_fetched();
+
+    // Positive controls: everything this platform's build needs is here (an offline fetch for
+    // the host finds it all), and the old save's resolve fails on another platform's crate,
+    // as it did on the fresh machine of issue 40 (`failed to download
+    // android_system_properties … --offline was specified`).
+    let fetch = machine
         .command("cargo")
-        .args(["metadata", "--format-version", "1", "--offline"])
+        .args(["fetch", "--offline", "--locked", "--target", &host_triple()])
         .output()
         .expect("cargo");
     assert!(
-        !full.status.success(),
-        "a full resolve worked offline with an empty cargo home: this is not a fresh machine"
+        fetch.status.success(),
+        "the host's crates are not all in the test's cargo home: {}",
+        String::from_utf8_lossy(&fetch.stderr)
     );
+    let full = full_resolve(&machine);
+    let stderr = String::from_utf8_lossy(&full.stderr);
+    assert!(
+        !full.status.success() && stderr.contains("failed to download"),
+        "a full resolve did not fail on a missing package: {}\n{stderr}",
+        full.status
+    );
+    save_and_restore(&machine);
+}
 
+/// Restore into a fresh target dir, a build's files, save; a second clone's restore; the same
+/// for the fuzz workspace: nothing may fail, only crates.io dependencies may be kept.
+fn save_and_restore(machine: &FreshMachine) {
     // The workspace: restore (nothing kept yet), a build's files, save, then a new clone's
     // target dir restored from it.
     assert_ok(&machine.deps_cache(&["restore"]), "restore (empty cache)");
