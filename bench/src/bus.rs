@@ -16,12 +16,13 @@ use clap::Args;
 use serde::Serialize;
 use tokentap_bus::group::Member;
 use tokentap_bus::partition::{GroupMetrics, WorkerContext};
-use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
+use tokentap_bus::publish::{publish_spool, PublishStop};
 use tokentap_bus::topology::Topology;
 use tokentap_bus::BusConnect;
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::synthetic::LongSession;
 use tokentap_reconstruct::{LiveOptions, TraceSink};
+use tokentap_spool::downstream::DownstreamMetrics;
 use tokentap_spool::{SpoolConfig, SpoolWriter};
 
 use super::report::Machine;
@@ -190,7 +191,7 @@ pub fn run(args: BusBenchArgs) -> anyhow::Result<()> {
         &bus,
         16,
         &stop,
-        PublishMetrics::unregistered(),
+        DownstreamMetrics::unregistered(),
     ))?;
     let seconds = t0.elapsed().as_secs_f64();
     let publish = Phase {

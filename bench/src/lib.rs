@@ -33,8 +33,8 @@ use instant_backend::InstantBackend;
 use load::{Call, RunResult};
 use proxy_child::ProxyChild;
 use report::{
-    CaptureCheck, Config, LatencyRow, Machine, Percentiles, Report, Throughput, ThroughputRow,
-    TARGET_DIRECT, TARGET_OFF, TARGET_ON,
+    progress, CaptureCheck, Config, LatencyRow, Machine, Percentiles, Report, Throughput,
+    ThroughputRow, TARGET_DIRECT, TARGET_OFF, TARGET_ON,
 };
 
 #[derive(Subcommand)]
@@ -513,9 +513,4 @@ fn check_capture(
         ),
         median_backend_ms: median(last.iter().map(|r| r.timings.backend_ms).collect()),
     })
-}
-
-/// Progress goes to stderr, so that `--json` output stays clean.
-fn progress(msg: &str) {
-    eprintln!("bench: {msg}");
 }

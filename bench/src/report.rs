@@ -5,6 +5,11 @@ use serde::Serialize;
 
 use super::load::RunResult;
 
+/// Progress goes to stderr, so that `--json` output stays clean.
+pub fn progress(msg: &str) {
+    eprintln!("bench: {msg}");
+}
+
 /// The targets.
 pub const ADDED_P50_MS: f64 = 0.5;
 pub const ADDED_P99_MS: f64 = 2.0;

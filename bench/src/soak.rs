@@ -226,7 +226,7 @@ pub fn run(args: SoakBenchArgs) -> anyhow::Result<()> {
         // proxy stopped earlier keeps open sessions for its next start).
         let spool = proxy.spool.clone().expect("the soak proxy captures");
         let (records, _) = count_spool_lines(&spool)?;
-        crate::progress(&format!(
+        crate::report::progress(&format!(
             "waiting for the {records} records' sessions to go idle and be traced"
         ));
         let deadline = Instant::now() + Duration::from_secs(3 * args.session_idle + 60);
@@ -234,12 +234,12 @@ pub fn run(args: SoakBenchArgs) -> anyhow::Result<()> {
             proxy.ensure_alive()?;
             std::thread::sleep(Duration::from_secs(1));
         }
-        crate::progress("stopping the proxy");
+        crate::report::progress("stopping the proxy");
         proxy.stop()?;
         summarize(&args, &proxy, tally, memory)
     });
     if args.keep_temp {
-        crate::progress(&format!("kept {}", dir.keep().display()));
+        crate::report::progress(&format!("kept {}", dir.keep().display()));
     }
     let report = result?;
     if args.json {
@@ -256,7 +256,7 @@ async fn load(
     proxy: &mut ProxyChild,
 ) -> anyhow::Result<(Tally, Vec<MemorySample>)> {
     proxy.wait_ready(Duration::from_secs(20)).await?;
-    crate::progress(&format!(
+    crate::report::progress(&format!(
         "proxy pid {} on {}: {} sessions, {} s warm-up, {} s measured",
         proxy.pid(),
         proxy.addr,

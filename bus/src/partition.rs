@@ -22,7 +22,9 @@ use async_nats::jetstream::consumer::{pull, DeliverPolicy};
 use async_nats::jetstream::message::PublishMessage;
 use futures::StreamExt;
 use serde::{Deserialize, Serialize};
-use tokentap_reconstruct::{FinishedSession, LiveOptions, RecentIds, Reconstructor, TraceSink};
+use tokentap_reconstruct::{
+    EncodedTraces, FinishedSession, LiveOptions, RecentIds, Reconstructor, TraceSink,
+};
 use tokentap_schema::CaptureRecord;
 use tokio::sync::watch;
 
@@ -307,11 +309,11 @@ impl Partition {
     async fn emit(&mut self, s: FinishedSession) -> Result<(), PartitionError> {
         let session = s.report.session_id.clone();
         let next_index = s.traces.iter().map(|t| t.index + 1).max().unwrap_or(0);
-        let mut acks = Vec::with_capacity(s.traces.len());
-        for t in &s.traces {
-            let payload = serde_json::to_vec(t).map_err(|e| self.bus(e.into()))?;
+        let traces = EncodedTraces::new(s.traces).map_err(|e| self.bus(e.into()))?;
+        let mut acks = Vec::with_capacity(traces.len());
+        for (t, json) in traces.iter() {
             let message = PublishMessage::build()
-                .payload(payload.into())
+                .payload(json.to_vec().into())
                 .message_id(&t.trace_id);
             let ack = self
                 .w
@@ -327,14 +329,14 @@ impl Partition {
             let a = ack.await.map_err(|e| self.bus(e.into()))?;
             duplicates += usize::from(a.duplicate);
         }
-        let traces = s.traces.len() as u64;
+        let count = traces.len() as u64;
         // Every trace already on the stream: a previous owner finished this session and wrote
         // it before it could checkpoint. Written once is enough.
-        if traces > 0 && duplicates == s.traces.len() {
-            self.w.metrics.traces_already_published.inc_by(traces);
+        if count > 0 && duplicates == traces.len() {
+            self.w.metrics.traces_already_published.inc_by(count);
         } else {
             self.w.metrics.sessions_finished.inc();
-            self.w.metrics.traces.inc_by(traces);
+            self.w.metrics.traces.inc_by(count);
             self.w
                 .metrics
                 .violations
@@ -343,7 +345,7 @@ impl Partition {
                 .out
                 .lock()
                 .unwrap()
-                .write_session(s.traces, &s.report)
+                .write_session(traces, &s.report)
                 .map_err(|e| self.bus(e.into()))?;
         }
         self.first_seq.remove(&session);

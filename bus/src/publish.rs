@@ -19,7 +19,8 @@ use async_nats::jetstream::context::{PublishAckFuture, PublishErrorKind};
 use async_nats::jetstream::message::PublishMessage;
 use bytes::Bytes;
 use tokentap_schema::ndjson::encode_line;
-use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::downstream::{self, DownstreamMetrics};
+use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
 
 use crate::topology::{record_subject, PublishTopology};
 
@@ -29,34 +30,6 @@ pub const CURSOR_FILE: &str = "bus-cursor.json";
 pub const DEAD_LETTER_FILE: &str = "bus-dead-letter.ndjson";
 /// Publishes awaiting their ack at once.
 pub const MAX_IN_FLIGHT: usize = 256;
-
-/// What the publisher counts (the proxy's `tokentap_ship_*` series: shipping is shipping,
-/// whatever carries it).
-#[derive(Clone)]
-pub struct PublishMetrics {
-    pub records: prometheus::IntCounter,
-    pub dead_letters: prometheus::IntCounter,
-    pub backlog_bytes: prometheus::IntGauge,
-    pub last_ack: prometheus::Gauge,
-    pub errors: prometheus::IntCounter,
-}
-
-impl PublishMetrics {
-    /// The series under their `tokentap_ship_*` names, registered nowhere: for a caller that
-    /// reads them itself (a benchmark, a test).
-    pub fn unregistered() -> PublishMetrics {
-        let counter = |name: &str| prometheus::IntCounter::new(name, name).expect("valid counter");
-        PublishMetrics {
-            records: counter("tokentap_ship_records_total"),
-            dead_letters: counter("tokentap_ship_dead_letter_total"),
-            backlog_bytes: prometheus::IntGauge::new("tokentap_ship_backlog_bytes", "backlog")
-                .expect("valid gauge"),
-            last_ack: prometheus::Gauge::new("tokentap_ship_last_ack_timestamp_seconds", "ack")
-                .expect("valid gauge"),
-            errors: counter("tokentap_ship_errors_total"),
-        }
-    }
-}
 
 /// When the publisher stops.
 #[derive(Clone)]
@@ -89,7 +62,7 @@ pub async fn publish_spool(
     bus: &crate::BusConnect,
     partitions: u32,
     stop: &PublishStop,
-    metrics: PublishMetrics,
+    metrics: DownstreamMetrics,
 ) -> anyhow::Result<PublishTotals> {
     let url = bus.url.as_str();
     let cursor_path = spool.join(CURSOR_FILE);
@@ -119,18 +92,17 @@ pub async fn publish_spool(
             }
         }
     };
-    let topology = loop {
-        match PublishTopology::open(crate::jetstream(client.clone()), partitions).await {
-            Ok(t) => break t,
-            Err(e) => {
-                metrics.errors.inc();
-                tracing::warn!(error = %e, "the bus's streams are not reachable yet; retrying");
-                if gave_up(&mut drain_since) {
-                    return Ok(totals);
-                }
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
+    let topology = match crate::topology::until_reachable(
+        || PublishTopology::open(crate::jetstream(client.clone()), partitions),
+        || {
+            metrics.errors.inc();
+            gave_up(&mut drain_since)
+        },
+    )
+    .await
+    {
+        Some(t) => t,
+        None => return Ok(totals),
     };
     let dead_letters = spool.join(DEAD_LETTER_FILE);
     let mut cursor = start;
@@ -291,7 +263,7 @@ fn dead_letter(
     position: SpoolPosition,
     reason: &str,
     record_line: Option<&[u8]>,
-    metrics: &PublishMetrics,
+    metrics: &DownstreamMetrics,
     totals: &mut PublishTotals,
 ) -> anyhow::Result<()> {
     tracing::error!(%position, reason, file = %path.display(), "a record will never reach the bus: kept in the dead-letter file");

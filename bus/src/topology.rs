@@ -105,6 +105,30 @@ impl Topology {
     }
 }
 
+/// Retries `attempt` once a second until it succeeds: a bus whose streams are not reachable
+/// yet (the server still starting, or no worker has created them) is waited for, by publishers
+/// and workers alike. `give_up` is asked after each failure; when it says so, `None`.
+pub async fn until_reachable<T, Fut>(
+    mut attempt: impl FnMut() -> Fut,
+    mut give_up: impl FnMut() -> bool,
+) -> Option<T>
+where
+    Fut: std::future::Future<Output = anyhow::Result<T>>,
+{
+    loop {
+        match attempt().await {
+            Ok(t) => return Some(t),
+            Err(e) => {
+                tracing::warn!(error = %e, "the bus's streams are not reachable yet; retrying");
+                if give_up() {
+                    return None;
+                }
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    }
+}
+
 /// What a publisher needs of the bus: JetStream and the partition count. A publisher only
 /// looks these up (the records stream's info, the `partitions` key of the progress bucket):
 /// on a bus with roles (`deploy/kubernetes/components/bus/nats.conf`) its user may create nothing, and

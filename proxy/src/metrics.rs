@@ -78,6 +78,17 @@ pub struct Metrics {
 }
 
 impl Metrics {
+    /// The `tokentap_ship_*` series, for whichever downstream this proxy's spool has.
+    pub fn downstream(&self) -> tokentap_spool::downstream::DownstreamMetrics {
+        tokentap_spool::downstream::DownstreamMetrics {
+            records: self.ship_records.clone(),
+            dead_letters: self.ship_dead_letter.clone(),
+            backlog_bytes: self.ship_backlog_bytes.clone(),
+            last_ack: self.ship_last_ack.clone(),
+            errors: self.ship_errors.clone(),
+        }
+    }
+
     pub fn new() -> Metrics {
         let registry = Registry::new();
         let histogram = |name: &str, help: &str, labels: &[&str]| {

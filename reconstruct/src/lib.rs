@@ -20,7 +20,7 @@ pub mod verify;
 pub use builder::{build_all, SessionBuilder, SessionTraces};
 pub use error::Error;
 pub use live::{LiveOptions, LiveReconstructor, LiveStats};
-pub use output::{SinkMark, TraceSink};
+pub use output::{EncodedTraces, SinkMark, TraceSink};
 pub use recent::RecentIds;
 pub use reconstructor::{reconstruct_spool, FinishedSession, Reconstructor, SpoolReadStats};
 pub use verify::{verify, RecordDigest};

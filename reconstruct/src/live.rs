@@ -266,7 +266,8 @@ impl LiveReconstructor {
                 u64::from(s.report.stats.calls - s.report.stats.calls_without_tokens);
             self.stats.violations += s.report.faithfulness.violations;
             let next_index = s.traces.iter().map(|t| t.index + 1).max().unwrap_or(0);
-            self.sink.write_session(s.traces, &s.report)?;
+            self.sink
+                .write_session(crate::EncodedTraces::new(s.traces)?, &s.report)?;
             let mut line = serde_json::to_vec(&FinishedMark {
                 session_id: id.clone(),
                 upto,

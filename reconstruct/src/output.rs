@@ -27,6 +27,37 @@ pub const TRACES_JSONL: &str = "traces.jsonl";
 pub const SESSIONS_JSONL: &str = "sessions.jsonl";
 pub const PARQUET_DIR: &str = "parquet";
 
+/// A finished session's traces, each serialized once: the line `traces.jsonl` gets is the same
+/// JSON a worker publishes on the bus (`tokentap_bus::partition`), so a trace is encoded once
+/// whichever way it leaves.
+pub struct EncodedTraces {
+    traces: Vec<Trace>,
+    lines: Vec<Vec<u8>>,
+}
+
+impl EncodedTraces {
+    pub fn new(traces: Vec<Trace>) -> serde_json::Result<EncodedTraces> {
+        let lines = traces
+            .iter()
+            .map(serde_json::to_vec)
+            .collect::<serde_json::Result<_>>()?;
+        Ok(EncodedTraces { traces, lines })
+    }
+
+    /// Each trace with its JSON (no newline).
+    pub fn iter(&self) -> impl Iterator<Item = (&Trace, &[u8])> {
+        self.traces.iter().zip(self.lines.iter().map(Vec::as_slice))
+    }
+
+    pub fn len(&self) -> usize {
+        self.traces.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.traces.is_empty()
+    }
+}
+
 /// Appends traces and session reports to an output directory.
 pub struct TraceSink {
     dir: PathBuf,
@@ -144,23 +175,22 @@ impl TraceSink {
     /// Writes one finished session: its traces and its report.
     pub fn write_session(
         &mut self,
-        traces: Vec<Trace>,
+        traces: EncodedTraces,
         report: &SessionReport,
     ) -> Result<(), Error> {
-        for t in &traces {
-            let mut line = serde_json::to_vec(t)?;
-            line.push(b'\n');
-            self.traces.write_all(&line)?;
-            self.traces_bytes += line.len() as u64;
+        for line in &traces.lines {
+            self.traces.write_all(line)?;
+            self.traces.write_all(b"\n")?;
+            self.traces_bytes += line.len() as u64 + 1;
         }
         let mut line = serde_json::to_vec(report)?;
         line.push(b'\n');
         self.sessions.write_all(&line)?;
         self.sessions_bytes += line.len() as u64;
-        if !traces.is_empty() {
+        if !traces.traces.is_empty() {
             self.oldest_pending.get_or_insert_with(Instant::now);
         }
-        self.pending.extend(traces);
+        self.pending.extend(traces.traces);
         Ok(())
     }
 
@@ -296,7 +326,8 @@ mod tests {
             recon.push(&r);
         }
         for s in recon.finish_all() {
-            sink.write_session(s.traces, &s.report).unwrap();
+            sink.write_session(EncodedTraces::new(s.traces).unwrap(), &s.report)
+                .unwrap();
         }
         let pending = sink.pending();
         assert!(pending > 0);

@@ -19,14 +19,13 @@ use clap::Args;
 use prometheus::{Encoder, Registry};
 use tokentap_bus::group::Member;
 use tokentap_bus::partition::{GroupMetrics, WorkerContext};
-use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop};
+use tokentap_bus::publish::{publish_spool, PublishStop};
 use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
 use tokentap_bus::{BusConnect, BusUser};
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
 use tokentap_rollout::bearer::{self, BearerToken};
-
-use crate::ship::ShipMetrics;
+use tokentap_spool::downstream::DownstreamMetrics;
 
 #[derive(Args, Clone, Default)]
 pub struct BusArgs {
@@ -130,16 +129,9 @@ pub fn start_publisher(
     bus: BusConnect,
     partitions: u32,
     drain: Arc<AtomicBool>,
-    metrics: ShipMetrics,
+    metrics: DownstreamMetrics,
 ) -> anyhow::Result<JoinHandle<()>> {
     let spool = spool.to_path_buf();
-    let metrics = PublishMetrics {
-        records: metrics.records,
-        dead_letters: metrics.dead_letters,
-        backlog_bytes: metrics.backlog_bytes,
-        last_ack: metrics.last_ack,
-        errors: metrics.errors,
-    };
     let stop = PublishStop {
         drain,
         drain_deadline: Duration::from_secs(10),
@@ -209,15 +201,11 @@ pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
             let joined = async {
                 let client = tokentap_bus::connect(&bus, "tokentap worker").await?;
                 let js = tokentap_bus::jetstream(client);
-                loop {
-                    match Topology::ensure(js.clone(), partitions).await {
-                        Ok(t) => break anyhow::Ok(t),
-                        Err(e) => {
-                            tracing::warn!(error = %e, "the bus's streams are not reachable yet; retrying");
-                            tokio::time::sleep(Duration::from_secs(1)).await;
-                        }
-                    }
-                }
+                let ensured = tokentap_bus::topology::until_reachable(
+                    || Topology::ensure(js.clone(), partitions),
+                    || false,
+                );
+                anyhow::Context::context(ensured.await, "stopped waiting for the bus")
             };
             let topology = tokio::select! {
                 t = joined => t?,

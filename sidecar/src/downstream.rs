@@ -55,7 +55,7 @@ impl DownstreamArgs {
         &self,
         spool: &std::path::Path,
         ca_roots: Vec<reqwest::Certificate>,
-        metrics: ship::ShipMetrics,
+        metrics: tokentap_spool::downstream::DownstreamMetrics,
     ) -> anyhow::Result<Option<Downstream>> {
         let stop = Arc::new(AtomicBool::new(false));
         let finish_open = Arc::new(AtomicBool::new(false));

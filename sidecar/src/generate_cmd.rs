@@ -16,7 +16,7 @@ use serde_json::{json, Value};
 use tokentap_rollout::pipeline::now_ms;
 use tokentap_rollout::task::{Outcome, Sample, TaskSpec};
 
-use crate::serve_cmd::{runtime, NodeArgs};
+use crate::serve_cmd::NodeArgs;
 
 #[derive(Args)]
 #[command(
@@ -66,7 +66,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     let specs = read_tasks(&args)?;
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
-    let rt = runtime()?;
+    let rt = crate::runtime::build()?;
     let report = rt.block_on(async {
         let node = args.node.start(parts).await?;
         let store = node.pipeline.store();

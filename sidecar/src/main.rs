@@ -14,6 +14,7 @@ mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
 mod run_cmd;
+mod runtime;
 mod serve_cmd;
 mod ship;
 mod signals;

@@ -24,17 +24,9 @@ use tokentap_proxy::transparent::TransparentListener;
 use tokentap_rollout::bearer::{self, BearerToken};
 
 use crate::downstream::DownstreamArgs;
+use crate::node_agent_sources::Source;
 use crate::proxy_cmd::CaptureArgs;
 use crate::run_cmd::InterceptArgs;
-
-/// Where workloads come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
-pub enum Source {
-    /// Containers labelled tokentap.io/capture=true (Docker Engine API; Podman's socket too).
-    Docker,
-    /// Pods on this node annotated tokentap.io/capture: "true".
-    Kubernetes,
-}
 
 #[derive(Args)]
 #[command(after_help = "Examples:
@@ -125,7 +117,7 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         args.downstream.start(
             &args.capture.spool,
             args.capture.ca_roots()?,
-            crate::ship::ShipMetrics::of(service.metrics()),
+            service.metrics().downstream(),
         )?
     };
     let service = Arc::new(service);

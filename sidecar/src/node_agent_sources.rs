@@ -9,7 +9,14 @@ use tokentap_node_agent::docker::{DockerSource, DockerSourceConfig};
 use tokentap_node_agent::kubernetes::{KubernetesSource, KubernetesSourceConfig};
 use tokentap_node_agent::WorkloadEvent;
 
-use crate::node_agent_cmd::Source;
+/// Where workloads come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Source {
+    /// Containers labelled tokentap.io/capture=true (Docker Engine API; Podman's socket too).
+    Docker,
+    /// Pods on this node annotated tokentap.io/capture: "true".
+    Kubernetes,
+}
 
 pub struct SourceOptions {
     pub docker_host: String,

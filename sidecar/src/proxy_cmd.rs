@@ -246,7 +246,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
         args.downstream.start(
             &capture.spool,
             capture.ca_roots()?,
-            crate::ship::ShipMetrics::of(service.metrics()),
+            service.metrics().downstream(),
         )?
     };
 

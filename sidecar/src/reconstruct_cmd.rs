@@ -61,7 +61,10 @@ pub fn reconstruct(args: ReconstructArgs) -> anyhow::Result<std::process::ExitCo
         for e in &s.report.faithfulness.examples {
             eprintln!("faithfulness violation: {e}");
         }
-        sink.write_session(s.traces, &s.report)?;
+        sink.write_session(
+            tokentap_reconstruct::EncodedTraces::new(s.traces)?,
+            &s.report,
+        )?;
     }
     sink.flush()?;
     println!(

@@ -174,7 +174,7 @@ impl TransparentArgs {
             self.downstream.start(
                 &self.capture.spool,
                 self.capture.ca_roots()?,
-                crate::ship::ShipMetrics::of(service.metrics()),
+                service.metrics().downstream(),
             )?
         };
         let service = Arc::new(service);

@@ -252,13 +252,6 @@ impl NodeArgs {
     }
 }
 
-pub fn runtime() -> anyhow::Result<tokio::runtime::Runtime> {
-    Ok(tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?)
-}
-
 #[derive(Args)]
 #[command(after_help = "Examples:
   tokentap serve --backend http://gpu:8000 --backend-kind vllm --data ./node --spool ./node/spool
@@ -345,11 +338,11 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
             bus.clone(),
             args.bus.bus_partitions,
             drain.clone(),
-            crate::ship::ShipMetrics::of(parts.metrics()),
+            parts.metrics().downstream(),
         )?),
         None => None,
     };
-    let rt = runtime()?;
+    let rt = crate::runtime::build()?;
     rt.block_on(async {
         let node = args.node.start(parts).await?;
         let cluster = match &bus {

@@ -27,7 +27,8 @@ use clap::Args;
 use prometheus::IntCounter;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
-use tokentap_spool::{downstream, SpoolItem, SpoolPosition, SpoolReader};
+use tokentap_spool::downstream::{self, DownstreamMetrics};
+use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
 
 /// The least body limit of a worker the shipper believes. A record is tens of KB, a long
 /// session's last calls a few MB; a worker that says it takes less than this is misconfigured
@@ -185,7 +186,7 @@ pub fn ship(
     target: &ShipTarget,
     stop: &ShipStop,
     limits: BatchLimits,
-    metrics: ShipMetrics,
+    metrics: DownstreamMetrics,
 ) -> anyhow::Result<ShipTotals> {
     let cursor_path = spool.join(CURSOR_FILE);
     let to = target.to.trim_end_matches('/').to_owned();
@@ -425,33 +426,6 @@ pub fn ship(
     }
 }
 
-/// What the shipper counts: the proxy's `tokentap_ship_*` series, or (for `tokentap ship`)
-/// counters nobody scrapes.
-#[derive(Clone)]
-pub struct ShipMetrics {
-    pub dead_letters: IntCounter,
-    pub backlog_bytes: prometheus::IntGauge,
-    pub records: IntCounter,
-    pub last_ack: prometheus::Gauge,
-    pub errors: IntCounter,
-}
-
-impl ShipMetrics {
-    pub fn of(m: &tokentap_proxy::metrics::Metrics) -> ShipMetrics {
-        ShipMetrics {
-            dead_letters: m.ship_dead_letter.clone(),
-            backlog_bytes: m.ship_backlog_bytes.clone(),
-            records: m.ship_records.clone(),
-            last_ack: m.ship_last_ack.clone(),
-            errors: m.ship_errors.clone(),
-        }
-    }
-
-    pub fn unregistered() -> ShipMetrics {
-        ShipMetrics::of(&tokentap_proxy::metrics::Metrics::new())
-    }
-}
-
 /// The worker, as the shipper talks to it.
 struct Worker {
     http: reqwest::blocking::Client,
@@ -580,7 +554,7 @@ pub fn run(args: ShipArgs) -> anyhow::Result<()> {
             drain_deadline: Duration::from_secs(if args.follow { 10 } else { 60 }),
         },
         BatchLimits::default(),
-        ShipMetrics::unregistered(),
+        DownstreamMetrics::unregistered(),
     )?;
     println!(
         "shipped {} records in {} batches ({} duplicates dropped by the worker, {} rejected, {} dead-lettered, {} retries)",
@@ -733,7 +707,7 @@ mod tests {
             &target,
             &drained(Duration::from_secs(5)),
             BatchLimits::default(),
-            ShipMetrics::unregistered(),
+            DownstreamMetrics::unregistered(),
         )
         .unwrap();
         assert_eq!(totals.dead_lettered, 0, "{totals:?}");
@@ -782,7 +756,7 @@ mod tests {
             &target,
             &drained(Duration::from_secs(1)),
             BatchLimits::default(),
-            ShipMetrics::unregistered(),
+            DownstreamMetrics::unregistered(),
         )
         .unwrap();
         assert_eq!(*elsewhere.lock().unwrap(), Vec::<String>::new());
@@ -850,7 +824,7 @@ mod tests {
         w.sync().unwrap();
         drop(w);
 
-        let metrics = ShipMetrics::unregistered();
+        let metrics = DownstreamMetrics::unregistered();
         let dead = metrics.dead_letters.clone();
         let target = tokenless(url);
         let totals = ship(

@@ -116,7 +116,7 @@ pub fn run(args: ViewArgs) -> anyhow::Result<()> {
             axum::routing::get(|| async { axum::response::Redirect::to("/view/") }),
         )
         .route("/health", axum::routing::get(|| async { "ok" }));
-    let rt = crate::serve_cmd::runtime()?;
+    let rt = crate::runtime::build()?;
     rt.block_on(crate::control_plane::serve(
         args.listen,
         &args.tls,

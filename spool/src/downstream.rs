@@ -11,6 +11,39 @@ use serde::{Deserialize, Serialize};
 
 use crate::{owner_only, SpoolPosition};
 
+/// What a downstream counts, whichever carries the records (the shipper's HTTP or the bus
+/// publisher): the proxy's `tokentap_ship_*` series, so a dashboard reads one set.
+#[derive(Clone)]
+pub struct DownstreamMetrics {
+    /// Records the destination acknowledged (accepted or already held).
+    pub records: prometheus::IntCounter,
+    /// Records written to the dead-letter file.
+    pub dead_letters: prometheus::IntCounter,
+    /// Spool bytes not yet acknowledged.
+    pub backlog_bytes: prometheus::IntGauge,
+    /// When the destination last acknowledged, Unix seconds.
+    pub last_ack: prometheus::Gauge,
+    /// Failed attempts (each retried).
+    pub errors: prometheus::IntCounter,
+}
+
+impl DownstreamMetrics {
+    /// The series under their `tokentap_ship_*` names, registered nowhere: for a caller that
+    /// reads them itself (`tokentap ship`, a benchmark, a test).
+    pub fn unregistered() -> DownstreamMetrics {
+        let counter = |name: &str| prometheus::IntCounter::new(name, name).expect("valid counter");
+        DownstreamMetrics {
+            records: counter("tokentap_ship_records_total"),
+            dead_letters: counter("tokentap_ship_dead_letter_total"),
+            backlog_bytes: prometheus::IntGauge::new("tokentap_ship_backlog_bytes", "backlog")
+                .expect("valid gauge"),
+            last_ack: prometheus::Gauge::new("tokentap_ship_last_ack_timestamp_seconds", "ack")
+                .expect("valid gauge"),
+            errors: counter("tokentap_ship_errors_total"),
+        }
+    }
+}
+
 /// A cursor file's content.
 #[derive(Serialize, Deserialize)]
 struct Cursor {

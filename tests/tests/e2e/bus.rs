@@ -463,8 +463,9 @@ async fn heavy_the_bus_refuses_clients_without_its_token() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_stores_nothing_twice() {
     use std::sync::atomic::AtomicBool;
-    use tokentap_bus::publish::{publish_spool, PublishMetrics, PublishStop, CURSOR_FILE};
+    use tokentap_bus::publish::{publish_spool, PublishStop, CURSOR_FILE};
     use tokentap_reconstruct::synthetic::LongSession;
+    use tokentap_spool::downstream::DownstreamMetrics;
     use tokentap_spool::{SpoolConfig, SpoolWriter};
 
     let dir = tempfile::tempdir().unwrap();
@@ -498,7 +499,7 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
         drain: Arc::new(AtomicBool::new(true)),
         drain_deadline: Duration::from_secs(30),
     };
-    let first = publish_spool(&spool, &bus, 16, &stop, PublishMetrics::unregistered())
+    let first = publish_spool(&spool, &bus, 16, &stop, DownstreamMetrics::unregistered())
         .await
         .unwrap();
     assert_eq!((first.records, first.duplicates), (written, 0), "{first:?}");
@@ -509,7 +510,7 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
     // The cursor gone (a new disk, a restored backup): everything is sent again, and the
     // stream keeps one copy of each.
     std::fs::remove_file(spool.join(CURSOR_FILE)).unwrap();
-    let again = publish_spool(&spool, &bus, 16, &stop, PublishMetrics::unregistered())
+    let again = publish_spool(&spool, &bus, 16, &stop, DownstreamMetrics::unregistered())
         .await
         .unwrap();
     assert_eq!(

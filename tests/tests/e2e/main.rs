@@ -30,6 +30,7 @@ mod records_cli;
 mod rollout;
 mod rollout_cluster;
 mod scripts_deps_cache;
+mod scripts_module_cycles;
 mod sdk_types;
 mod secrets;
 mod sessions;
