@@ -1,13 +1,10 @@
-//! `--bus`: records over NATS JetStream instead of a direct ship. The publisher side (proxy,
-//! run, sidecar, node agent) runs beside the proxy on its own thread; the worker side is
+//! `--bus`: records over NATS JetStream instead of a direct ship. The flags; the publisher
+//! side (proxy, run, sidecar, node agent) is `tokentap_ship::downstream`; the worker side is
 //! `tokentap worker --bus`, one member of a group that splits the partitions.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
 use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
 
 use anyhow::Context;
 use axum::extract::State;
@@ -19,13 +16,11 @@ use clap::Args;
 use prometheus::{Encoder, Registry};
 use tokentap_bus::group::Member;
 use tokentap_bus::partition::{GroupMetrics, WorkerContext};
-use tokentap_bus::publish::{publish_spool, PublishStop};
 use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
 use tokentap_bus::{BusConnect, BusUser};
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
 use tokentap_rollout::bearer::{self, BearerToken};
-use tokentap_spool::downstream::DownstreamMetrics;
 
 #[derive(Args, Clone, Default)]
 pub struct BusArgs {
@@ -119,47 +114,6 @@ impl BusArgs {
             ca: self.bus_ca.clone(),
         }))
     }
-}
-
-/// Starts the thread publishing `spool` to the bus; it returns once `drain` is set and the
-/// spool is published (or 10 s after that if the bus is unreachable: the records wait in the
-/// spool for the next start).
-pub fn start_publisher(
-    spool: &Path,
-    bus: BusConnect,
-    partitions: u32,
-    drain: Arc<AtomicBool>,
-    metrics: DownstreamMetrics,
-) -> anyhow::Result<JoinHandle<()>> {
-    let spool = spool.to_path_buf();
-    let stop = PublishStop {
-        drain,
-        drain_deadline: Duration::from_secs(10),
-    };
-    Ok(std::thread::Builder::new()
-        .name("bus-publish".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    tracing::error!(error = %e, "publishing to the bus: no runtime");
-                    return;
-                }
-            };
-            match rt.block_on(publish_spool(&spool, &bus, partitions, &stop, metrics)) {
-                Ok(t) => tracing::info!(
-                    records = t.records,
-                    duplicates = t.duplicates,
-                    dead_lettered = t.dead_lettered,
-                    retries = t.retries,
-                    "publishing to the bus stopped"
-                ),
-                Err(e) => tracing::error!(error = %e, "publishing to the bus stopped"),
-            }
-        })?)
 }
 
 /// What `tokentap worker --bus` serves besides the group's work.

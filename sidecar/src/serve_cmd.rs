@@ -333,7 +333,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // The node's records go to the bus's records stream too, for its worker group.
     let drain = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let publisher = match &bus {
-        Some(bus) => Some(crate::bus_cmd::start_publisher(
+        Some(bus) => Some(tokentap_ship::downstream::start_publisher(
             &args.node.capture.spool,
             bus.clone(),
             args.bus.bus_partitions,

@@ -325,14 +325,14 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--max-body-bytes`, refused below [`crate::ship::MIN_WORKER_LIMIT`], the least limit a
+/// `--max-body-bytes`, refused below [`tokentap_ship::shipper::MIN_WORKER_LIMIT`], the least limit a
 /// shipper believes.
 fn at_least_the_shippers_floor(s: &str) -> Result<usize, String> {
     let n: usize = s.parse().map_err(|e| format!("{e}"))?;
-    if (n as u64) < crate::ship::MIN_WORKER_LIMIT {
+    if (n as u64) < tokentap_ship::shipper::MIN_WORKER_LIMIT {
         return Err(format!(
             "{n} is below {} bytes, the least body limit a shipper believes; a record is tens of KB, a long session's calls a few MB",
-            crate::ship::MIN_WORKER_LIMIT
+            tokentap_ship::shipper::MIN_WORKER_LIMIT
         ));
     }
     Ok(n)
@@ -498,7 +498,7 @@ mod tests {
     /// would, before, have dead-lettered nearly every record for).
     #[test]
     fn a_body_limit_under_the_shippers_floor_is_refused() {
-        let floor = crate::ship::MIN_WORKER_LIMIT as usize;
+        let floor = tokentap_ship::shipper::MIN_WORKER_LIMIT as usize;
         let err = at_least_the_shippers_floor("1000").unwrap_err();
         assert!(
             err.contains("1000") && err.contains(&floor.to_string()),
