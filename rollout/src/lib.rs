@@ -5,7 +5,6 @@
 //! - [`store`]: the durable state (redb) that survives node restarts.
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
-//! - [`bearer`]: the token check of the control planes (`serve`, `worker`).
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`accept`]: accept loops a flood of connections cannot stop.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
@@ -22,7 +21,6 @@
 
 pub mod accept;
 pub mod api;
-pub mod bearer;
 pub mod capture;
 pub mod clock;
 pub mod cluster;

@@ -18,9 +18,9 @@ use tokentap_bus::group::Member;
 use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
 use tokentap_bus::{BusConnect, BusUser};
+use tokentap_control_plane::bearer::{self, BearerToken};
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
-use tokentap_rollout::bearer::{self, BearerToken};
 
 #[derive(Args, Clone, Default)]
 pub struct BusArgs {
@@ -123,7 +123,7 @@ pub struct BusWorker<'a> {
     pub member: String,
     pub listen: SocketAddr,
     pub token: Option<&'a str>,
-    pub tls: &'a crate::control_plane::TlsListenArgs,
+    pub tls: &'a tokentap_control_plane::TlsListenArgs,
     pub out: &'a Path,
     pub live: LiveOptions,
 }
@@ -185,7 +185,7 @@ pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
         ))
         .route("/health", get(|| async { "ok" }))
         .with_state(Arc::new(registry));
-    rt.block_on(crate::control_plane::serve(
+    rt.block_on(tokentap_control_plane::serve(
         w.listen,
         w.tls,
         app,

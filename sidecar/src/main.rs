@@ -3,10 +3,8 @@
 mod await_capture_cmd;
 mod bus_cmd;
 mod ca_cmd;
-mod control_plane;
 mod downstream;
 mod generate_cmd;
-mod guarded_conn;
 mod health_cmd;
 mod node_agent_cmd;
 mod node_agent_sources;

@@ -16,12 +16,12 @@ use axum::routing::get;
 use axum::{Json, Router};
 use clap::Args;
 use tokentap_cgroup::cgroup2_mount;
+use tokentap_control_plane::bearer::{self, BearerToken};
 use tokentap_ebpf::{Redirect, RedirectConfig};
 use tokentap_node_agent::agent::Agent;
 use tokentap_node_agent::WorkloadEvent;
 use tokentap_proxy::tls::ca;
 use tokentap_proxy::transparent::TransparentListener;
-use tokentap_rollout::bearer::{self, BearerToken};
 
 use crate::downstream::DownstreamArgs;
 use crate::node_agent_sources::Source;
@@ -78,7 +78,7 @@ pub struct NodeAgentArgs {
     #[arg(long, env = "TOKENTAP_AGENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     #[command(flatten)]
     capture: CaptureArgs,
     #[command(flatten)]
@@ -88,7 +88,7 @@ pub struct NodeAgentArgs {
 }
 
 pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
-    crate::control_plane::check_exposure(
+    tokentap_control_plane::check_exposure(
         args.status_listen,
         args.token.as_deref(),
         "--token",
@@ -218,7 +218,7 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         metrics,
     };
     let app = status_router(state, BearerToken::new(args.token.as_deref()));
-    let served = rt.block_on(crate::control_plane::serve(
+    let served = rt.block_on(tokentap_control_plane::serve(
         args.status_listen,
         &args.tls,
         app,

@@ -224,7 +224,7 @@ impl LimitArgs {
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     match args.listen.parse::<std::net::SocketAddr>() {
-        Ok(listen) => crate::control_plane::check_exposure(
+        Ok(listen) => tokentap_control_plane::check_exposure(
             listen,
             args.client_token.as_deref(),
             "--client-token",

@@ -269,7 +269,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     /// The viewer at /view/ (behind --token) shows token text from the engine's /detokenize
     /// (llama.cpp, vLLM) unless one of these says otherwise.
     #[command(flatten)]
@@ -303,7 +303,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
-    crate::control_plane::check_exposure(
+    tokentap_control_plane::check_exposure(
         args.listen,
         args.token.as_deref(),
         "--token",
@@ -391,7 +391,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         })
         .merge(crate::view_cmd::routes(view, args.token.as_deref()));
         let (capture, data) = (node.capture.addr, args.node.data_dir());
-        crate::control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
+        tokentap_control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
             tracing::info!(%listen, tls, %capture, data = %data.display(), "tokentap rollout node ready")
         })
         .await

@@ -23,9 +23,9 @@ use axum::{Json, Router};
 use clap::Args;
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 use serde_json::json;
+use tokentap_control_plane::bearer::{self, BearerToken};
 use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
-use tokentap_rollout::bearer::{self, BearerToken};
 use tokentap_schema::ship::{
     decode_batch, DecodedBatch, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH,
 };
@@ -68,7 +68,7 @@ pub struct WorkerArgs {
     #[arg(long, default_value_t = 128 << 20, value_parser = at_least_the_shippers_floor)]
     max_body_bytes: usize,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     /// Output directory for traces.
     #[arg(long)]
     out: PathBuf,
@@ -232,7 +232,7 @@ struct AppState {
 }
 
 pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
-    crate::control_plane::check_exposure(
+    tokentap_control_plane::check_exposure(
         args.listen,
         args.token.as_deref(),
         "--token",
@@ -310,7 +310,7 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(crate::control_plane::serve(
+    rt.block_on(tokentap_control_plane::serve(
         args.listen,
         &args.tls,
         app,
