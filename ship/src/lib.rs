@@ -5,9 +5,12 @@
 //!   (`tokentap ship`, `proxy --ship-to`).
 //! - [`downstream`]: what a capture does with its spool: ship it, publish it to the bus, or
 //!   reconstruct it in-process.
+//! - [`receive`]: the worker's end (`tokentap worker`): batches in, deduplicated and durable
+//!   in the worker's spool before the ack, reconstructed from there as they arrive.
 //!
 //! The shipping protocol (`ShipAck`, the paths) is in `tokentap-schema`; the flags are the
 //! `tokentap` binary's.
 
 pub mod downstream;
+pub mod receive;
 pub mod shipper;
