@@ -11,6 +11,7 @@
 //! - [`cluster`]: nodes sharing one bus (`serve --bus`): the sample queue, state, results,
 //!   events, callbacks and the gate on NATS JetStream.
 //! - [`openapi`]: the control plane's OpenAPI document.
+//! - [`generate`]: offline generation's task file in and SFT dataset out.
 //! - [`metrics`]: per-stage Prometheus metrics.
 //! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
@@ -27,6 +28,7 @@ pub mod cluster;
 pub mod deliver;
 pub mod evaluate;
 pub mod gate;
+pub mod generate;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
