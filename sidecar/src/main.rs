@@ -7,7 +7,6 @@ mod downstream;
 mod generate_cmd;
 mod health_cmd;
 mod node_agent_cmd;
-mod node_agent_sources;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
