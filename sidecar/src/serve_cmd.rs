@@ -354,7 +354,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                 let node_id = args
                     .node_id
                     .clone()
-                    .unwrap_or_else(crate::bus_cmd::default_member_id);
+                    .unwrap_or_else(tokentap_ship::bus_worker::default_member_id);
                 let options = tokentap_rollout::cluster::QueueOptions {
                     ack_wait: std::time::Duration::from_secs(args.sample_ack_wait.max(1)),
                     max_attempts: node.pipeline.max_attempts(),

@@ -89,13 +89,14 @@ pub fn run(args: WorkerArgs) -> anyhow::Result<()> {
         "TOKENTAP_WORKER_TOKEN",
     )?;
     if let Some(bus) = args.bus.connect()? {
-        return crate::bus_cmd::run_worker(crate::bus_cmd::BusWorker {
+        return tokentap_ship::bus_worker::run_worker(tokentap_ship::bus_worker::BusWorker {
+            shutdown: Box::pin(crate::signals::shutdown_signal()),
             bus,
             partitions: args.bus.bus_partitions,
             member: args
                 .member_id
                 .clone()
-                .unwrap_or_else(crate::bus_cmd::default_member_id),
+                .unwrap_or_else(tokentap_ship::bus_worker::default_member_id),
             listen: args.listen,
             token: args.token.as_deref(),
             tls: &args.tls,
