@@ -317,7 +317,7 @@ impl CaptureArgs {
             Arc::from(backend::build(backend_config).context("configuring the backend")?);
         let backend_model = match args.backend_model.clone() {
             Some(m) => Some(m),
-            None => discover_model(backend.as_ref()),
+            None => backend::served_model(backend.as_ref()),
         };
         let metrics = Arc::new(Metrics::new());
         let (sink, spool_thread) = if args.no_capture {
@@ -357,46 +357,5 @@ impl CaptureArgs {
             CaptureService::new(config, backend, sink, metrics),
             spool_thread,
         ))
-    }
-}
-
-/// Asks the engine which model it serves; uses it when there is exactly one.
-fn discover_model(backend: &dyn backend::Backend) -> Option<String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .ok()?;
-    let models =
-        rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), backend.models()).await });
-    match models {
-        Ok(Ok(v)) => {
-            let ids: Vec<String> = v
-                .get("data")
-                .and_then(|d| d.as_array())
-                .map(|d| {
-                    d.iter()
-                        .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
-                        .collect()
-                })
-                .unwrap_or_default();
-            match ids.as_slice() {
-                [one] => {
-                    tracing::info!(model = %one, "using the engine's only served model");
-                    Some(one.clone())
-                }
-                _ => {
-                    tracing::info!(models = ?ids, "engine serves several models; passing the harness's model name through");
-                    None
-                }
-            }
-        }
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "could not ask the engine for its models; passing the harness's model name through");
-            None
-        }
-        Err(_) => {
-            tracing::warn!("the engine did not list its models in time; passing the harness's model name through");
-            None
-        }
     }
 }

@@ -118,3 +118,96 @@ pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
         BackendKind::Llamacpp => Box::new(LlamaCppBackend::new(client)),
     })
 }
+
+/// Asks the engine which model it serves (within 5 s, on a runtime of its own: call it
+/// outside one); the model when there is exactly one, else the harness's name goes through.
+pub fn served_model(backend: &dyn Backend) -> Option<String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    let models = rt.block_on(async {
+        tokio::time::timeout(std::time::Duration::from_secs(5), backend.models()).await
+    });
+    match models {
+        Ok(Ok(v)) => {
+            let ids: Vec<String> = v
+                .get("data")
+                .and_then(|d| d.as_array())
+                .map(|d| {
+                    d.iter()
+                        .filter_map(|m| m.get("id")?.as_str().map(str::to_owned))
+                        .collect()
+                })
+                .unwrap_or_default();
+            match ids.as_slice() {
+                [one] => {
+                    tracing::info!(model = %one, "using the engine's only served model");
+                    Some(one.clone())
+                }
+                _ => {
+                    tracing::info!(models = ?ids, "engine serves several models; passing the harness's model name through");
+                    None
+                }
+            }
+        }
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "could not ask the engine for its models; passing the harness's model name through");
+            None
+        }
+        Err(_) => {
+            tracing::warn!("the engine did not list its models in time; passing the harness's model name through");
+            None
+        }
+    }
+}
+
+#[cfg(test)]
+mod served_model_tests {
+    use super::*;
+    use std::io::{Read, Write};
+    use std::time::Duration;
+
+    /// An engine at a loopback port that answers its first request with `models`.
+    fn engine(models: &'static str) -> String {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}", listener.local_addr().unwrap());
+        std::thread::spawn(move || {
+            let (mut c, _) = listener.accept().unwrap();
+            let mut head = [0u8; 4096];
+            let _ = c.read(&mut head);
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{models}",
+                models.len()
+            );
+            let _ = c.write_all(answer.as_bytes());
+        });
+        url
+    }
+
+    fn asked(url: String) -> Option<String> {
+        let backend = build(BackendConfig {
+            kind: BackendKind::Vllm,
+            url,
+            api_key: None,
+            ca_roots: Vec::new(),
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(5),
+            max_answer_bytes: DEFAULT_MAX_ANSWER_BYTES,
+        })
+        .unwrap();
+        served_model(backend.as_ref())
+    }
+
+    #[test]
+    fn only_an_engine_serving_one_model_names_it() {
+        let one = engine(r#"{"data": [{"id": "qwen3-8b"}]}"#);
+        assert_eq!(asked(one).as_deref(), Some("qwen3-8b"));
+        let two = engine(r#"{"data": [{"id": "a"}, {"id": "b"}]}"#);
+        assert_eq!(asked(two), None);
+        let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let gone = format!("http://{}", closed.local_addr().unwrap());
+        drop(closed);
+        assert_eq!(asked(gone), None);
+    }
+}
