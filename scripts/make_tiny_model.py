@@ -157,13 +157,16 @@ R = 20.0                          # rank of a tool-call token
 # Tool branch. Before `<tool_call>\n` nothing constrains sampling; after it llama-server's lazy
 # grammar (built from the offered tools) allows only a well-formed call to one of them, and the
 # highest-ranked allowed token wins. The ranks spell, for whichever shell tool is offered,
-#   <tool_call>\n{"name": "bash", "arguments":{"command": "pwd"}}</tool_call><|im_end|>
-# (`exec_command`/`cmd` for Codex, `run_shell_command` for Qwen Code, `Bash` for Claude Code).
-# Each rank was chosen against the other ranked tokens the grammar allows at the same place
-# (e.g. after `pwd` a string may go on with `{"` or ` "`, so `"}}` outranks both).
+#   <tool_call>\n{"name": "bash", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>
+# (`exec_command`/`cmd` for Codex, `run_shell_command` for Qwen Code, `Bash` for Claude Code),
+# byte for byte what Qwen3's template writes when the call comes back in the history. Each rank
+# was chosen against the other ranked tokens the grammar allows at the same place (e.g. after
+# `pwd` a string may go on with ` {"` or ` "`, so `"}}\n` outranks both), and the pieces are
+# the ones Qwen's tokenizer cuts that text into, so the call's sampled ids reappear unchanged
+# in the next request's prompt ids.
 TOOL_RANKS = {
-    '{"': R + 10, 'Ġ{"': R, 'name': R, '":': R, 'Ġ"': R, '",': R, 'arguments': R,
-    'command': R, 'cmd': R, '"}}': R + 25, '</tool_call>': R,
+    '{"': R, 'Ġ{"': R + 10, 'name': R, '":': R, 'Ġ"': R, '",': R, 'arguments': R,
+    'command': R, 'cmd': R, '"}}Ċ': R + 25, '</tool_call>': R,
     # first pieces of the shell tools' names (the grammar allows only offered names)
     'bash': R, 'exec': R, '_command': R, 'run': R, '_shell': R, 'B': R, 'ash': R,
 }
@@ -171,6 +174,7 @@ TOOL_RANKS = {
 TOOL_BIGRAMS = [
     (["Ċ", "ĊĊ"], "<tool_call>", 60.0),   # the generation prompt ends in "\n" (or "\n\n" after
     (["<tool_call>"], "Ċ", 60.0),          # an empty think block): open a call; "\n" triggers
+    (["Ċ"], '{"', 20.0),                   # `{"name"` right after the trigger, as the template
     (['":'], 'Ġ"', 35.0),                  # a string value, not `"}}` as an empty string
     (['Ġ"'], "pwd", 55.0),                 # the one string the model writes itself
     (["</tool_call>"], "<|im_end|>", 30.0),
