@@ -13,7 +13,9 @@ use std::time::Instant;
 
 use serde_json::{json, Value};
 use tokentap_e2e::checks::{assert_complete_token_data, assert_records_match_engine};
-use tokentap_e2e::harness::{run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire};
+use tokentap_e2e::harness::{
+    run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
+};
 use tokentap_e2e::llama::{LlamaServer, QWEN3_END_OF_TURN, QWEN3_TOOL_CALL};
 use tokentap_e2e::sse::{parse_chat_stream, typed_events};
 use tokentap_e2e::tee::{Exchange, TeeProxy};
@@ -57,7 +59,10 @@ fn streamed_tool_calls(wire: Wire, body: &str) -> Vec<(String, String)> {
             for (name, data) in &events {
                 match name.as_str() {
                     "response.output_item.added" if data["item"]["type"] == "function_call" => {
-                        calls.push((data["item"]["name"].as_str().unwrap().to_owned(), String::new()))
+                        calls.push((
+                            data["item"]["name"].as_str().unwrap().to_owned(),
+                            String::new(),
+                        ))
                     }
                     "response.function_call_arguments.delta" => calls
                         .last_mut()
@@ -65,14 +70,23 @@ fn streamed_tool_calls(wire: Wire, body: &str) -> Vec<(String, String)> {
                         .1
                         .push_str(data["delta"].as_str().unwrap()),
                     "response.function_call_arguments.done" => assert_eq!(
-                        Some(calls.last().expect("arguments before their call").1.as_str()),
+                        Some(
+                            calls
+                                .last()
+                                .expect("arguments before their call")
+                                .1
+                                .as_str()
+                        ),
                         data["arguments"].as_str(),
                         "the deltas add up to the arguments"
                     ),
                     _ => {}
                 }
             }
-            assert_eq!(events.last().map(|e| e.0.as_str()), Some("response.completed"));
+            assert_eq!(
+                events.last().map(|e| e.0.as_str()),
+                Some("response.completed")
+            );
             calls
         }
         Wire::Messages => {
@@ -172,7 +186,10 @@ async fn model_tool_loop(
     let m = call.message.as_ref().unwrap();
     assert_eq!(m.tool_calls.len(), 1, "{what}: one call per turn");
     let tc = &m.tool_calls[0];
-    assert_eq!(tc.name, t.tool, "{what}: the model called the harness's shell tool");
+    assert_eq!(
+        tc.name, t.tool,
+        "{what}: the model called the harness's shell tool"
+    );
     let arguments = json!({t.arg: "pwd"});
     assert_eq!(
         serde_json::from_str::<Value>(&tc.arguments).unwrap(),
@@ -231,9 +248,7 @@ async fn model_tool_loop(
     let follow_call = calls
         .iter()
         .find(|e| carries_result(e))
-        .unwrap_or_else(|| {
-            panic!("{what}: no engine call carries the tool's output ({work})")
-        });
+        .unwrap_or_else(|| panic!("{what}: no engine call carries the tool's output ({work})"));
     let follow = records
         .iter()
         .filter(|r| r.completion_token_ids.as_ref() == Some(&follow_call.reported_ids()))
@@ -286,18 +301,22 @@ async fn heavy_pi_runs_the_models_own_bash_call_over_chat_completions() {
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_runs_the_models_own_bash_call_over_responses() {
     let wire = Wire::Responses;
-    model_tool_loop("pi -p (openai-responses)", shell("bash", wire), async |d, s| {
-        run_pi(d, s, wire, "sk-e2e-pi-model-tools-resp", "m", PROMPT).await
-    })
+    model_tool_loop(
+        "pi -p (openai-responses)",
+        shell("bash", wire),
+        async |d, s| run_pi(d, s, wire, "sk-e2e-pi-model-tools-resp", "m", PROMPT).await,
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_runs_the_models_own_bash_call_over_messages() {
     let wire = Wire::Messages;
-    model_tool_loop("pi -p (anthropic-messages)", shell("bash", wire), async |d, s| {
-        run_pi(d, s, wire, "sk-e2e-pi-model-tools-msg", "m", PROMPT).await
-    })
+    model_tool_loop(
+        "pi -p (anthropic-messages)",
+        shell("bash", wire),
+        async |d, s| run_pi(d, s, wire, "sk-e2e-pi-model-tools-msg", "m", PROMPT).await,
+    )
     .await;
 }
 
@@ -313,18 +332,44 @@ async fn heavy_qwen_code_runs_the_models_own_shell_call_over_chat_completions() 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_qwen_code_runs_the_models_own_shell_call_over_responses() {
     let wire = Wire::Responses;
-    model_tool_loop("qwen (openai-responses)", shell("run_shell_command", wire), async |d, s| {
-        run_qwen(d, s, wire, "sk-e2e-qwen-model-tools-resp", "m", PROMPT, true).await
-    })
+    model_tool_loop(
+        "qwen (openai-responses)",
+        shell("run_shell_command", wire),
+        async |d, s| {
+            run_qwen(
+                d,
+                s,
+                wire,
+                "sk-e2e-qwen-model-tools-resp",
+                "m",
+                PROMPT,
+                true,
+            )
+            .await
+        },
+    )
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_qwen_code_runs_the_models_own_shell_call_over_messages() {
     let wire = Wire::Messages;
-    model_tool_loop("qwen (anthropic)", shell("run_shell_command", wire), async |d, s| {
-        run_qwen(d, s, wire, "sk-ant-e2e-qwen-model-tools-msg", "m", PROMPT, true).await
-    })
+    model_tool_loop(
+        "qwen (anthropic)",
+        shell("run_shell_command", wire),
+        async |d, s| {
+            run_qwen(
+                d,
+                s,
+                wire,
+                "sk-ant-e2e-qwen-model-tools-msg",
+                "m",
+                PROMPT,
+                true,
+            )
+            .await
+        },
+    )
     .await;
 }
 
