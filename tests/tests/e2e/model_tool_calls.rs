@@ -6,7 +6,8 @@
 //! the model then answers `Done.`, so the run ends by itself. Checked: the streamed tool-call
 //! events the harness got, the capture record of the call (its parsed tool call, the sampled
 //! ids and logprobs of every token of it), the next call's conversation carrying the tool's
-//! output, and the final answer. (`tool_calls.rs` scripts the engine instead, for the turns the
+//! output, the next prompt's ids extending the call's prompt and sampled ids, and the final
+//! answer. (`tool_calls.rs` scripts the engine instead, for the turns the
 //! tokentap side must get right whatever the model does.)
 
 use std::time::Instant;
@@ -262,18 +263,14 @@ async fn model_tool_loop(
     );
     assert!(follow.message.as_ref().unwrap().tool_calls.is_empty());
     assert_eq!(follow.finish_reason.map(|f| f.as_openai()), Some("stop"));
-    // The template writes the call back exactly as it was sampled: its ids reappear, in one
-    // piece, in the next prompt's ids.
-    let p2 = follow.prompt_token_ids.as_ref().unwrap();
-    let sampled = &ids[..];
-    assert!(
-        p2.windows(sampled.len()).any(|w| w == sampled),
-        "{what}: the call's sampled ids are not in the follow-up's prompt ids"
-    );
+    // The template writes the call back exactly as it was sampled, and every harness keeps its
+    // conversation's start: the follow-up's prompt ids are the call's prompt ids, then its
+    // sampled ids (the end of turn included), then the tool result.
     let p1 = call.prompt_token_ids.as_ref().unwrap();
-    eprintln!(
-        "{what}: the follow-up's prompt ids extend the call's prompt + completion ids: {}",
-        p2.starts_with(&[&p1[..], sampled].concat())
+    let p2 = follow.prompt_token_ids.as_ref().unwrap();
+    assert!(
+        p2.starts_with(&[&p1[..], &ids[..]].concat()),
+        "{what}: the follow-up's prompt ids do not extend the call's prompt and completion ids"
     );
     (tokentap, records)
 }
