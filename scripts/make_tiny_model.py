@@ -175,7 +175,7 @@ TOOL_BIGRAMS = [
     (["Ċ", "ĊĊ"], "<tool_call>", 60.0),   # the generation prompt ends in "\n" (or "\n\n" after
     (["<tool_call>"], "Ċ", 60.0),          # an empty think block): open a call; "\n" triggers
     (["Ċ"], '{"', 20.0),                   # `{"name"` right after the trigger, as the template
-    (['":'], 'Ġ"', 35.0),                  # a string value, not `"}}` as an empty string
+    (['":'], 'Ġ"', 35.0),                  # a string value, not `"}}\n` closing an empty one
     (['Ġ"'], "pwd", 55.0),                 # the one string the model writes itself
     (["</tool_call>"], "<|im_end|>", 30.0),
 ]
