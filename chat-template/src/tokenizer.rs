@@ -1,0 +1,253 @@
+//! A model's tokenizer with its chat templates and special tokens, from a Hugging Face
+//! directory (`tokenizer.json` + `tokenizer_config.json`) or a GGUF file.
+//!
+//! Encoding follows transformers: added tokens (special or not) written in the text are
+//! matched whole, as one id each, before the rest is split and merged. [`Tokenizer::encode`]
+//! adds no BOS/EOS, which is right after a chat template (templates write `bos_token`
+//! themselves; adding it again would double it).
+
+use std::path::Path;
+
+use serde_json::{Map, Value as Json};
+
+use crate::gguf::{GgufError, GgufVocabulary};
+use crate::template::{ChatTemplates, TemplateError};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("reading {path}: {source}")]
+    Io {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error(transparent)]
+    Gguf(#[from] GgufError),
+    #[error("{path}: {message}")]
+    Config { path: String, message: String },
+    #[error("the tokenizer: {0}")]
+    Tokenizers(String),
+    #[error(transparent)]
+    Template(#[from] TemplateError),
+}
+
+/// A tokenizer ready to encode rendered prompts; cheap to keep for a process's lifetime.
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    templates: Option<ChatTemplates>,
+    /// `bos_token`, `eos_token`, … as templates receive them.
+    variables: Map<String, Json>,
+    bos_id: Option<u32>,
+    /// Whether the model's own encode adds BOS (for [`Tokenizer::encode_with_special_tokens`]
+    /// on a GGUF; a tokenizer.json carries this in its post-processor).
+    add_bos: bool,
+    from_gguf: bool,
+}
+
+impl std::fmt::Debug for Tokenizer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tokenizer")
+            .field("vocab_size", &self.inner.get_vocab_size(true))
+            .field("variables", &self.variables)
+            .finish_non_exhaustive()
+    }
+}
+
+fn read(path: &Path) -> Result<String, TokenizerError> {
+    std::fs::read_to_string(path).map_err(|source| TokenizerError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+impl Tokenizer {
+    /// A Hugging Face model directory: `tokenizer.json`, and `tokenizer_config.json` for the
+    /// chat template and special tokens when present (the template may instead be in
+    /// `chat_template.jinja` or `chat_template.json`, as newer repositories store it).
+    pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
+        let tokenizer_json = dir.join("tokenizer.json");
+        let config = dir.join("tokenizer_config.json");
+        let mut t = Tokenizer::from_files(
+            &tokenizer_json,
+            config.exists().then_some(config.as_path()),
+        )?;
+        if t.templates.is_none() {
+            let jinja = dir.join("chat_template.jinja");
+            let json = dir.join("chat_template.json");
+            if jinja.exists() {
+                t.templates = Some(ChatTemplates::single(&read(&jinja)?)?);
+            } else if json.exists() {
+                let v: Json = serde_json::from_str(&read(&json)?).map_err(|e| {
+                    TokenizerError::Config {
+                        path: json.display().to_string(),
+                        message: e.to_string(),
+                    }
+                })?;
+                if let Some(ct) = v.get("chat_template") {
+                    t.templates = Some(ChatTemplates::from_config(ct)?);
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// A `tokenizer.json`, and optionally its `tokenizer_config.json`.
+    pub fn from_files(
+        tokenizer_json: &Path,
+        config: Option<&Path>,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
+            .map_err(|e| TokenizerError::Tokenizers(format!("{}: {e}", tokenizer_json.display())))?;
+        let mut t = Tokenizer {
+            inner,
+            templates: None,
+            variables: Map::new(),
+            bos_id: None,
+            add_bos: false,
+            from_gguf: false,
+        };
+        if let Some(config) = config {
+            let path = config.display().to_string();
+            let v: Json =
+                serde_json::from_str(&read(config)?).map_err(|e| TokenizerError::Config {
+                    path: path.clone(),
+                    message: e.to_string(),
+                })?;
+            // transformers passes its special_tokens_map to the template: the named special
+            // tokens that are set, each as its text (a config may write an AddedToken dict).
+            for key in [
+                "bos_token",
+                "eos_token",
+                "unk_token",
+                "sep_token",
+                "pad_token",
+                "cls_token",
+                "mask_token",
+            ] {
+                let text = match v.get(key) {
+                    Some(Json::String(s)) => Some(s.clone()),
+                    Some(Json::Object(o)) => {
+                        o.get("content").and_then(Json::as_str).map(str::to_owned)
+                    }
+                    _ => None,
+                };
+                if let Some(text) = text {
+                    t.variables.insert(key.into(), Json::String(text));
+                }
+            }
+            if let Some(Json::Array(extra)) = v.get("additional_special_tokens") {
+                t.variables
+                    .insert("additional_special_tokens".into(), Json::Array(extra.clone()));
+            }
+            if let Some(ct) = v.get("chat_template") {
+                t.templates = Some(ChatTemplates::from_config(ct)?);
+            }
+            t.bos_id = t
+                .variables
+                .get("bos_token")
+                .and_then(Json::as_str)
+                .and_then(|b| t.inner.token_to_id(b));
+        }
+        Ok(t)
+    }
+
+    /// A GGUF model (or vocabulary-only) file: its vocabulary rebuilt as the equivalent
+    /// byte-level BPE tokenizer with llama.cpp's pre-tokenizer for the file's `pre` type, its
+    /// chat template(s), and `bos_token`/`eos_token` from its BOS/EOS ids.
+    pub fn from_gguf(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        let v = GgufVocabulary::read(path)?;
+        Tokenizer::from_gguf_vocabulary(&v)
+    }
+
+    pub fn from_gguf_vocabulary(v: &GgufVocabulary) -> Result<Tokenizer, TokenizerError> {
+        let json = v.tokenizer_json()?;
+        let inner: tokenizers::Tokenizer = serde_json::from_value(json)
+            .map_err(|e| TokenizerError::Tokenizers(format!("the GGUF vocabulary: {e}")))?;
+        let mut variables = Map::new();
+        let token = |id: Option<u32>| id.and_then(|i| v.tokens.get(i as usize)).cloned();
+        if let Some(b) = token(v.bos_token_id) {
+            variables.insert("bos_token".into(), Json::String(b));
+        }
+        if let Some(e) = token(v.eos_token_id) {
+            variables.insert("eos_token".into(), Json::String(e));
+        }
+        let templates = if v.chat_templates.is_empty() {
+            None
+        } else {
+            let list: Vec<Json> = v
+                .chat_templates
+                .iter()
+                .map(|(n, t)| serde_json::json!({"name": n, "template": t}))
+                .collect();
+            Some(ChatTemplates::from_config(&Json::Array(list))?)
+        };
+        // llama.cpp's default for the pre types that add BOS unless the file says otherwise.
+        let default_bos = matches!(
+            v.pre.as_deref(),
+            Some("llama3" | "llama-v3" | "llama-bpe" | "falcon3")
+        );
+        Ok(Tokenizer {
+            inner,
+            templates,
+            variables,
+            bos_id: v.bos_token_id,
+            add_bos: v.add_bos_token.unwrap_or(default_bos),
+            from_gguf: true,
+        })
+    }
+
+    /// The ids of `text` without added BOS/EOS (`add_special_tokens=False`): the encoding of
+    /// a rendered chat template. Special tokens written in the text are matched whole.
+    pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode_fast(text, false)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The ids of `text` as the model's plain encode produces them (`add_special_tokens=True`:
+    /// BOS first where the model adds one).
+    pub fn encode_with_special_tokens(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        if self.from_gguf {
+            let mut ids = Vec::new();
+            if let (true, Some(bos)) = (self.add_bos, self.bos_id) {
+                ids.push(bos);
+            }
+            ids.extend(self.encode(text)?);
+            return Ok(ids);
+        }
+        let enc = self
+            .inner
+            .encode_fast(text, true)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))?;
+        Ok(enc.get_ids().to_vec())
+    }
+
+    /// The text of `ids`, special tokens included.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
+        self.inner
+            .decode(ids, false)
+            .map_err(|e| TokenizerError::Tokenizers(e.to_string()))
+    }
+
+    /// The model's chat template(s), when its files carry any.
+    pub fn chat_templates(&self) -> Option<&ChatTemplates> {
+        self.templates.as_ref()
+    }
+
+    /// The special-token variables templates read (`bos_token`, `eos_token`, …); put them in
+    /// [`crate::RenderOptions::kwargs`].
+    pub fn template_variables(&self) -> &Map<String, Json> {
+        &self.variables
+    }
+
+    /// The BOS id, when the model has one.
+    pub fn bos_token_id(&self) -> Option<u32> {
+        self.bos_id
+    }
+
+    /// The `tokenizers` tokenizer underneath (vocabulary, decoding of single ids).
+    pub fn inner(&self) -> &tokenizers::Tokenizer {
+        &self.inner
+    }
+}

