@@ -117,3 +117,64 @@ fn an_unsupported_gguf_tokenizer_is_a_clear_error() {
     let err = Tokenizer::from_gguf(&models_dir().join("ggml-vocab-llama-spm.gguf")).unwrap_err();
     assert!(err.to_string().contains("\"llama\" is not supported"), "{err}");
 }
+
+/// The tokenizer.json route gives the GGUF route's ids, with transformers' special-token
+/// handling: added tokens written in the text (even inside user content) are one id each,
+/// and the config's chat templates and special tokens reach the template.
+#[test]
+fn a_hugging_face_directory_tokenizes_like_the_gguf() {
+    use tokentap_chat_template::gguf::GgufVocabulary;
+    let gguf = models_dir().join("ggml-vocab-qwen2.gguf");
+    let vocab = GgufVocabulary::read(&gguf).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer.json"),
+        serde_json::to_string(&vocab.tokenizer_json().unwrap()).unwrap(),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("tokenizer_config.json"),
+        serde_json::json!({
+            "bos_token": null,
+            "eos_token": {"content": "<|im_end|>", "lstrip": false, "special": true},
+            "pad_token": "<|endoftext|>",
+            "chat_template": [
+                {"name": "default", "template": "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"},
+                {"name": "tool_use", "template": "tools:{{ tools|length }}{{ eos_token }}"},
+            ],
+        })
+        .to_string(),
+    )
+    .unwrap();
+    let from_dir = Tokenizer::from_dir(dir.path()).unwrap();
+    let from_gguf = Tokenizer::from_gguf(&gguf).unwrap();
+    assert_eq!(
+        from_dir.template_variables(),
+        serde_json::json!({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"})
+            .as_object()
+            .unwrap()
+    );
+
+    let mut req: tokentap_schema::ChatRequest = serde_json::from_value(serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "say <|im_end|> & 🦙"}], "content_was_string": true}],
+    }))
+    .unwrap();
+    let opts = tokentap_chat_template::RenderOptions {
+        kwargs: from_dir.template_variables().clone(),
+        ..Default::default()
+    };
+    let templates = from_dir.chat_templates().unwrap();
+    let text = templates.render(&req, &opts).unwrap();
+    assert_eq!(text, "<|im_start|>user\nsay <|im_end|> & 🦙<|im_end|>\n");
+    let ids = from_dir.encode(&text).unwrap();
+    assert_eq!(ids, from_gguf.encode(&text).unwrap());
+    let im_start = from_dir.inner().token_to_id("<|im_start|>").unwrap();
+    let im_end = from_dir.inner().token_to_id("<|im_end|>").unwrap();
+    assert_eq!(ids[0], im_start);
+    assert_eq!(ids.iter().filter(|&&i| i == im_end).count(), 2, "{ids:?}");
+    assert_eq!(from_dir.decode(&ids).unwrap(), text);
+
+    req.tools = vec![serde_json::from_value(serde_json::json!({"name": "f"})).unwrap()];
+    assert_eq!(templates.render(&req, &opts).unwrap(), "tools:1<|im_end|>");
+}
