@@ -85,7 +85,10 @@ impl GgufVocabulary {
             })
             .collect();
         steps.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}));
-        self.build(json!({"type": "Sequence", "pretokenizers": steps}), ignore_merges)
+        self.build(
+            json!({"type": "Sequence", "pretokenizers": steps}),
+            ignore_merges,
+        )
     }
 
     /// A tokenizer for decoding ids to text only: any `pre` type is accepted, since the
@@ -143,16 +146,41 @@ impl GgufVocabulary {
 
 /// The `pre` names [`pre_tokenizer`] knows (llama.cpp's `llama_vocab::impl::load` maps them).
 pub const SUPPORTED_PRE: &[&str] = &[
-    "gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "qwen2", "deepseek-r1-qwen", "megrez",
-    "stablelm2", "qwen35", "llama3", "llama-v3", "llama-bpe", "falcon3", "smaug-bpe", "dbrx",
-    "deepseek-llm", "deepseek-coder", "deepseek-v3", "starcoder", "refact", "command-r",
-    "smollm", "codeshell", "exaone", "minerva-7b", "falcon", "chatglm-bpe", "glm4",
+    "gpt-2",
+    "phi-2",
+    "mpt",
+    "olmo",
+    "jais",
+    "exaone4",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "megrez",
+    "stablelm2",
+    "qwen35",
+    "llama3",
+    "llama-v3",
+    "llama-bpe",
+    "falcon3",
+    "smaug-bpe",
+    "dbrx",
+    "deepseek-llm",
+    "deepseek-coder",
+    "deepseek-v3",
+    "starcoder",
+    "refact",
+    "command-r",
+    "smollm",
+    "codeshell",
+    "exaone",
+    "minerva-7b",
+    "falcon",
+    "chatglm-bpe",
+    "glm4",
 ];
 
 // The regexes of llama.cpp's `llm_tokenizer_bpe` (src/llama-vocab.cpp, llama.cpp 11434),
 // applied in order, each to the pieces the previous ones left.
-const GPT2: &str =
-    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+const GPT2: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
 const LLAMA3: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN2: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 const QWEN35: &str = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
@@ -198,8 +226,9 @@ pub fn pre_tokenizer(pre: &str) -> Option<(Vec<&'static str>, bool)> {
         "deepseek-llm" => (DEEPSEEK_LLM.to_vec(), false),
         "deepseek-coder" => (DEEPSEEK_CODER.to_vec(), false),
         "deepseek-v3" => (DEEPSEEK_V3.to_vec(), false),
-        "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone"
-        | "minerva-7b" => (vec![r"\p{N}", GPT2], false),
+        "starcoder" | "refact" | "command-r" | "smollm" | "codeshell" | "exaone" | "minerva-7b" => {
+            (vec![r"\p{N}", GPT2], false)
+        }
         "falcon" => (FALCON.to_vec(), false),
         _ => return None,
     })
@@ -460,7 +489,11 @@ mod tests {
             entry("tokenizer.ggml.merges", ARRAY, strings(&["h i"])),
             entry("tokenizer.ggml.token_type", ARRAY, types),
             entry("tokenizer.ggml.pre", STRING, string("qwen2")),
-            entry("tokenizer.ggml.bos_token_id", U32, 2u32.to_le_bytes().to_vec()),
+            entry(
+                "tokenizer.ggml.bos_token_id",
+                U32,
+                2u32.to_le_bytes().to_vec(),
+            ),
             entry("tokenizer.ggml.add_bos_token", BOOL, vec![0]),
             entry("tokenizer.chat_template.tool_use", STRING, string("U")),
             entry("tokenizer.chat_template", STRING, string("T")),
@@ -472,7 +505,10 @@ mod tests {
         assert_eq!(v.add_bos_token, Some(false));
         assert_eq!(
             v.chat_templates,
-            [("default".to_owned(), "T".to_owned()), ("tool_use".to_owned(), "U".to_owned())]
+            [
+                ("default".to_owned(), "T".to_owned()),
+                ("tool_use".to_owned(), "U".to_owned())
+            ]
         );
         assert_eq!(v.tokens, ["h", "i", "<|end|>"]);
         assert_eq!(v.merges, ["h i"]);

@@ -175,8 +175,17 @@ mod tests {
         let keys: Vec<&String> = aliased.as_object().unwrap().keys().collect();
         assert_eq!(
             keys,
-            ["thinking", "role", "content", "reasoning_content", "tool_calls"]
+            [
+                "thinking",
+                "role",
+                "content",
+                "reasoning_content",
+                "tool_calls"
+            ]
         );
-        assert_eq!(alias_reasoning(&json!({"role": "user"})), json!({"role": "user"}));
+        assert_eq!(
+            alias_reasoning(&json!({"role": "user"})),
+            json!({"role": "user"})
+        );
     }
 }

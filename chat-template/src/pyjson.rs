@@ -220,7 +220,9 @@ mod tests {
     #[test]
     fn strings_escape_like_python() {
         assert_eq!(
-            py(&json!("Café ☕ 日本語 🦙 \"q\" \\ \n\r\t\u{08}\u{0c}\u{01}\u{1f}\u{7f}\u{2028}")),
+            py(&json!(
+                "Café ☕ 日本語 🦙 \"q\" \\ \n\r\t\u{08}\u{0c}\u{01}\u{1f}\u{7f}\u{2028}"
+            )),
             "\"Café ☕ 日本語 🦙 \\\"q\\\" \\\\ \\n\\r\\t\\b\\f\\u0001\\u001f\u{7f}\u{2028}\""
         );
         let ascii = DumpOptions {
@@ -275,6 +277,9 @@ mod tests {
             sort_keys: true,
             ..Default::default()
         };
-        assert_eq!(dumps(&json!({"b": 1, "a": [2, 3]}), &compact), r#"{"a":[2,3],"b":1}"#);
+        assert_eq!(
+            dumps(&json!({"b": 1, "a": [2, 3]}), &compact),
+            r#"{"a":[2,3],"b":1}"#
+        );
     }
 }

@@ -465,9 +465,11 @@ fn to_json(v: &Value) -> Result<Json, minijinja::Error> {
         }
         ValueKind::String => Json::String(v.as_str().unwrap_or_default().to_owned()),
         ValueKind::Bytes => return Err(unserializable("bytes")),
-        ValueKind::Seq | ValueKind::Iterable => {
-            Json::Array(v.try_iter()?.map(|i| to_json(&i)).collect::<Result<_, _>>()?)
-        }
+        ValueKind::Seq | ValueKind::Iterable => Json::Array(
+            v.try_iter()?
+                .map(|i| to_json(&i))
+                .collect::<Result<_, _>>()?,
+        ),
         ValueKind::Map => {
             let mut m = Map::new();
             for key in v.try_iter()? {
@@ -635,7 +637,10 @@ mod tests {
         assert_eq!(err.line(), Some(2), "{err}");
         assert!(err.to_string().contains("in `nosuchfilter`"), "{err}");
         let err = render("{% for %}", json!([])).unwrap_err();
-        assert!(matches!(err, TemplateError::Syntax { line: Some(1), .. }), "{err}");
+        assert!(
+            matches!(err, TemplateError::Syntax { line: Some(1), .. }),
+            "{err}"
+        );
         let err = render("a\nb\n{{ messages.append(1) }}", json!([])).unwrap_err();
         assert!(
             matches!(err, TemplateError::Render { line: Some(3), .. }),
@@ -660,7 +665,10 @@ mod tests {
 
     #[test]
     fn strftime_now_reads_the_given_clock() {
-        let t = ChatTemplate::new("{{ strftime_now('%d %b %Y') }}|{{ strftime_now('%Y-%m-%d %H:%M') }}").unwrap();
+        let t = ChatTemplate::new(
+            "{{ strftime_now('%d %b %Y') }}|{{ strftime_now('%Y-%m-%d %H:%M') }}",
+        )
+        .unwrap();
         let opts = RenderOptions {
             now: Some(
                 chrono::NaiveDate::from_ymd_opt(2025, 3, 4)
@@ -686,10 +694,25 @@ mod tests {
         ]))
         .unwrap();
         let opts = RenderOptions::default();
-        assert_eq!(set.select(true).unwrap().render_dicts(&[], None, &opts).unwrap(), "T");
-        assert_eq!(set.select(false).unwrap().render_dicts(&[], None, &opts).unwrap(), "D");
+        assert_eq!(
+            set.select(true)
+                .unwrap()
+                .render_dicts(&[], None, &opts)
+                .unwrap(),
+            "T"
+        );
+        assert_eq!(
+            set.select(false)
+                .unwrap()
+                .render_dicts(&[], None, &opts)
+                .unwrap(),
+            "D"
+        );
         let only_rag =
             ChatTemplates::from_config(&json!([{"name": "rag", "template": "R"}])).unwrap();
-        assert!(matches!(only_rag.select(false), Err(TemplateError::Missing(_))));
+        assert!(matches!(
+            only_rag.select(false),
+            Err(TemplateError::Missing(_))
+        ));
     }
 }

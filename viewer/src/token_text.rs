@@ -10,8 +10,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokentap_chat_template::gguf::GgufVocabulary;
 use futures::StreamExt;
+use tokentap_chat_template::gguf::GgufVocabulary;
 
 /// Most distinct ids asked of an engine for one page (the rest show as ids).
 const MAX_REMOTE_IDS: usize = 20_000;
