@@ -7,6 +7,7 @@
 //! - [`Tokenizer`]: a `tokenizer.json` (+ `tokenizer_config.json`) or a GGUF vocabulary
 //!   ([`gguf`]) through the `tokenizers` crate; [`Tokenizer::encode`] the rendered prompt.
 
+mod fast_bpe;
 pub mod gguf;
 pub mod messages;
 pub mod pyjson;

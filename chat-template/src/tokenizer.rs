@@ -10,6 +10,7 @@ use std::path::Path;
 
 use serde_json::{Map, Value as Json};
 
+use crate::fast_bpe::FastBpe;
 use crate::gguf::{GgufError, GgufVocabulary};
 use crate::template::{ChatTemplates, TemplateError};
 
@@ -41,6 +42,9 @@ pub struct Tokenizer {
     /// on a GGUF; a tokenizer.json carries this in its post-processor).
     add_bos: bool,
     from_gguf: bool,
+    /// The fast encoder, for tokenizers this crate built (GGUF); others go through the
+    /// `tokenizers` pipeline.
+    fast: Option<FastBpe>,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -102,6 +106,7 @@ impl Tokenizer {
             bos_id: None,
             add_bos: false,
             from_gguf: false,
+            fast: None,
         };
         if let Some(config) = config {
             let path = config.display().to_string();
@@ -160,6 +165,16 @@ impl Tokenizer {
 
     pub fn from_gguf_vocabulary(v: &GgufVocabulary) -> Result<Tokenizer, TokenizerError> {
         let json = v.tokenizer_json()?;
+        let added: Vec<(String, u32)> = v
+            .tokens
+            .iter()
+            .enumerate()
+            .filter(|(id, _)| matches!(v.token_types.get(*id), Some(3 | 4)))
+            .map(|(id, t)| (t.clone(), id as u32))
+            .collect();
+        let (patterns, _) = crate::gguf::pre_tokenizer(v.pre.as_deref().unwrap_or("default"))
+            .expect("tokenizer_json() accepted the pre type");
+        let fast = FastBpe::new(&added, &patterns).map_err(TokenizerError::Tokenizers)?;
         let inner: tokenizers::Tokenizer = serde_json::from_value(json)
             .map_err(|e| TokenizerError::Tokenizers(format!("the GGUF vocabulary: {e}")))?;
         let mut variables = Map::new();
@@ -192,12 +207,24 @@ impl Tokenizer {
             bos_id: v.bos_token_id,
             add_bos: v.add_bos_token.unwrap_or(default_bos),
             from_gguf: true,
+            fast: Some(fast),
         })
     }
 
     /// The ids of `text` without added BOS/EOS (`add_special_tokens=False`): the encoding of
     /// a rendered chat template. Special tokens written in the text are matched whole.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
+        match &self.fast {
+            Some(fast) => fast
+                .encode(text, self.inner.get_model())
+                .map_err(TokenizerError::Tokenizers),
+            None => self.encode_reference(text),
+        }
+    }
+
+    /// [`Tokenizer::encode`] through the whole `tokenizers` pipeline: the reference the fast
+    /// path is tested against (the same ids, slower).
+    pub fn encode_reference(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         let enc = self
             .inner
             .encode_fast(text, false)

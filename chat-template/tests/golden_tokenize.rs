@@ -191,3 +191,42 @@ fn a_hugging_face_directory_tokenizes_like_the_gguf() {
     req.tools = vec![serde_json::from_value(serde_json::json!({"name": "f"})).unwrap()];
     assert_eq!(templates.render(&req, &opts).unwrap(), "tools:1<|im_end|>");
 }
+
+/// The fast encoder and the `tokenizers` pipeline agree on every vocabulary: llama.cpp's test
+/// texts and a spread of real rendered prompts (special tokens, unicode, code, JSON).
+#[test]
+fn the_fast_path_equals_the_tokenizers_pipeline() {
+    let golden = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/golden/expected");
+    let mut rendered = Vec::new();
+    let mut files: Vec<_> = std::fs::read_dir(golden)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    for f in files {
+        let v: serde_json::Value =
+            serde_json::from_str(&std::fs::read_to_string(f).unwrap()).unwrap();
+        for case in v["cases"].as_array().unwrap() {
+            if let Some(out) = case["output"].as_str() {
+                rendered.push(out.to_owned());
+            }
+        }
+    }
+    // Every 7th rendering keeps a debug-build run short and still spans every template family.
+    let rendered: Vec<String> = rendered.into_iter().step_by(7).collect();
+    assert!(rendered.len() > 100);
+    let mut compared = 0;
+    for vocab in VOCABS {
+        let tok = Tokenizer::from_gguf(&models_dir().join(format!("ggml-vocab-{vocab}.gguf"))).unwrap();
+        let texts = vectors(vocab).into_iter().map(|(t, _)| t).chain(rendered.iter().cloned());
+        for text in texts {
+            assert_eq!(
+                tok.encode(&text).unwrap(),
+                tok.encode_reference(&text).unwrap(),
+                "{vocab}: {text:?}"
+            );
+            compared += 1;
+        }
+    }
+    assert!(compared > 1000, "{compared}");
+}
