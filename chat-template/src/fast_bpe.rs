@@ -221,7 +221,10 @@ mod tests {
         assert_eq!(split(gpt2, "a   b"), ["a", "  ", " b"]);
         assert_eq!(split(gpt2, "a \n\tb  "), ["a", " \n", "\t", "b", "  "]);
         let qwen2 = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
-        assert_eq!(split(qwen2, "x  \n\n  y   7"), ["x", "  \n\n", " ", " y", "  ", " ", "7"]);
+        assert_eq!(
+            split(qwen2, "x  \n\n  y   7"),
+            ["x", "  \n\n", " ", " y", "  ", " ", "7"]
+        );
     }
 
     #[test]

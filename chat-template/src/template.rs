@@ -687,6 +687,27 @@ mod tests {
     }
 
     #[test]
+    fn tests_follow_python_and_request_kwargs_reach_the_template() {
+        let out = render(
+            "{{ none is iterable }} {{ 'ab' is sequence }} {{ {} is sequence }} {{ true is number }} {{ [] is iterable }} {{ 3 is iterable }}",
+            json!([]),
+        )
+        .unwrap();
+        assert_eq!(out, "False True True True True False");
+        let t = ChatTemplate::new("{{ enable_thinking }} {{ bos_token }}").unwrap();
+        let mut req: ChatRequest =
+            serde_json::from_value(json!({"model": "m", "messages": []})).unwrap();
+        req.extra.insert(
+            "chat_template_kwargs".into(),
+            json!({"enable_thinking": false, "bos_token": "<from request>"}),
+        );
+        let mut opts = RenderOptions::default();
+        assert_eq!(t.render(&req, &opts).unwrap(), "False <from request>");
+        opts.kwargs.insert("bos_token".into(), json!("<s>"));
+        assert_eq!(t.render(&req, &opts).unwrap(), "False <s>");
+    }
+
+    #[test]
     fn named_templates_pick_tool_use_when_tools_are_offered() {
         let set = ChatTemplates::from_config(&json!([
             {"name": "default", "template": "D"},

@@ -217,8 +217,12 @@ fn the_fast_path_equals_the_tokenizers_pipeline() {
     assert!(rendered.len() > 100);
     let mut compared = 0;
     for vocab in VOCABS {
-        let tok = Tokenizer::from_gguf(&models_dir().join(format!("ggml-vocab-{vocab}.gguf"))).unwrap();
-        let texts = vectors(vocab).into_iter().map(|(t, _)| t).chain(rendered.iter().cloned());
+        let tok =
+            Tokenizer::from_gguf(&models_dir().join(format!("ggml-vocab-{vocab}.gguf"))).unwrap();
+        let texts = vectors(vocab)
+            .into_iter()
+            .map(|(t, _)| t)
+            .chain(rendered.iter().cloned());
         for text in texts {
             assert_eq!(
                 tok.encode(&text).unwrap(),
