@@ -32,13 +32,14 @@ struct Splitter {
 
 impl Splitter {
     fn new(pattern: &str) -> Result<Splitter, regex::Error> {
-        // llama.cpp's patterns end in `\s+(?!\S)|\s+` (llama3, qwen2, qwen35, deepseek-v3),
-        // all with a `\s*[\r\n]+` alternative before, or in a bare `\s+(?!\S)` (gpt-2 and
-        // its relatives), with none.
+        // llama.cpp's patterns and Hugging Face's end in `\s+(?!\S)|\s+` (llama3, qwen2, qwen35,
+        // deepseek-v3, HF's ByteLevel) or in a bare `\s+(?!\S)` (llama.cpp's gpt-2 and its
+        // relatives); only some have a `\s*[\r\n]+` alternative before.
+        let newline_alternative = pattern.contains(r"\s*[\r\n]+");
         let (pattern, lookahead) = if let Some(p) = pattern.strip_suffix(r"\s+(?!\S)|\s+") {
-            (format!(r"{p}\s+"), Some(true))
+            (format!(r"{p}\s+"), Some(newline_alternative))
         } else if let Some(p) = pattern.strip_suffix(r"\s+(?!\S)") {
-            (format!(r"{p}\s+"), Some(false))
+            (format!(r"{p}\s+"), Some(newline_alternative))
         } else {
             (pattern.to_owned(), None)
         };
@@ -220,6 +221,10 @@ mod tests {
         let gpt2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
         assert_eq!(split(gpt2, "a   b"), ["a", "  ", " b"]);
         assert_eq!(split(gpt2, "a \n\tb  "), ["a", " \n", "\t", "b", "  "]);
+        // Hugging Face's ByteLevel regex: gpt-2's with a `|\s+` fallback, no newline alternative.
+        let hf = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+        assert_eq!(split(hf, "a \n\tb  "), ["a", " \n", "\t", "b", "  "]);
+        assert_eq!(split(hf, "a\n\nb"), ["a", "\n", "\n", "b"]);
         let qwen2 = r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
         assert_eq!(
             split(qwen2, "x  \n\n  y   7"),

@@ -45,6 +45,9 @@ pub struct Tokenizer {
     /// The fast encoder, for tokenizers this crate built (GGUF); others go through the
     /// `tokenizers` pipeline.
     fast: Option<FastBpe>,
+    /// The tokenizer.json normalizes with NFC: the fast path serves only text that is
+    /// already NFC (where normalizing changes nothing), the rest goes through the pipeline.
+    nfc: bool,
 }
 
 impl std::fmt::Debug for Tokenizer {
@@ -96,9 +99,14 @@ impl Tokenizer {
         tokenizer_json: &Path,
         config: Option<&Path>,
     ) -> Result<Tokenizer, TokenizerError> {
-        let inner = tokenizers::Tokenizer::from_file(tokenizer_json).map_err(|e| {
+        let text = read(tokenizer_json)?;
+        let inner: tokenizers::Tokenizer = text.parse().map_err(|e| {
             TokenizerError::Tokenizers(format!("{}: {e}", tokenizer_json.display()))
         })?;
+        let (fast, nfc) = match serde_json::from_str::<Json>(&text) {
+            Ok(v) => fast_path_for(&v),
+            Err(_) => (None, false),
+        };
         let mut t = Tokenizer {
             inner,
             templates: None,
@@ -106,7 +114,8 @@ impl Tokenizer {
             bos_id: None,
             add_bos: false,
             from_gguf: false,
-            fast: None,
+            fast,
+            nfc,
         };
         if let Some(config) = config {
             let path = config.display().to_string();
@@ -208,6 +217,7 @@ impl Tokenizer {
             add_bos: v.add_bos_token.unwrap_or(default_bos),
             from_gguf: true,
             fast: Some(fast),
+            nfc: false,
         })
     }
 
@@ -215,10 +225,15 @@ impl Tokenizer {
     /// a rendered chat template. Special tokens written in the text are matched whole.
     pub fn encode(&self, text: &str) -> Result<Vec<u32>, TokenizerError> {
         match &self.fast {
-            Some(fast) => fast
-                .encode(text, self.inner.get_model())
-                .map_err(TokenizerError::Tokenizers),
-            None => self.encode_reference(text),
+            Some(fast)
+                if !self.nfc
+                    || unicode_normalization::is_nfc_quick(text.chars())
+                        == unicode_normalization::IsNormalized::Yes =>
+            {
+                fast.encode(text, self.inner.get_model())
+                    .map_err(TokenizerError::Tokenizers)
+            }
+            _ => self.encode_reference(text),
         }
     }
 
@@ -250,6 +265,12 @@ impl Tokenizer {
         Ok(enc.get_ids().to_vec())
     }
 
+    /// Whether [`Tokenizer::encode`] takes the fast path (a GGUF, or a tokenizer.json whose
+    /// pipeline it reproduces) rather than the `tokenizers` pipeline.
+    pub fn uses_fast_encoder(&self) -> bool {
+        self.fast.is_some()
+    }
+
     /// The text of `ids`, special tokens included.
     pub fn decode(&self, ids: &[u32]) -> Result<String, TokenizerError> {
         self.inner
@@ -276,5 +297,96 @@ impl Tokenizer {
     /// The `tokenizers` tokenizer underneath (vocabulary, decoding of single ids).
     pub fn inner(&self) -> &tokenizers::Tokenizer {
         &self.inner
+    }
+}
+
+/// Hugging Face's ByteLevel pre-tokenizer regex (`use_regex: true`).
+const HF_BYTE_LEVEL: &str =
+    r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+";
+
+/// The fast encoder for a `tokenizer.json` whose pipeline it reproduces exactly — byte-level
+/// BPE (no dropout, byte fallback or affixes), no normalizer or NFC, pre-tokenized by
+/// isolating regex splits then a regex-free ByteLevel (Llama 3, Qwen2/3, DeepSeek V3 …) or
+/// by ByteLevel's own regex (GPT-2), added tokens without strip or single-word rules — and
+/// whether it normalizes with NFC. Anything else: `None`, the `tokenizers` pipeline.
+fn fast_path_for(v: &Json) -> (Option<FastBpe>, bool) {
+    let none = (None, false);
+    let model = &v["model"];
+    let plain = |k: &str| match &model[k] {
+        Json::Null => true,
+        Json::String(s) => s.is_empty(),
+        Json::Bool(b) => !b,
+        _ => false,
+    };
+    if model["type"] != "BPE"
+        || ![
+            "dropout",
+            "byte_fallback",
+            "continuing_subword_prefix",
+            "end_of_word_suffix",
+        ]
+        .iter()
+        .all(|k| plain(k))
+    {
+        return none;
+    }
+    let nfc = match &v["normalizer"] {
+        Json::Null => false,
+        n if n["type"] == "NFC" => true,
+        _ => return none,
+    };
+    let byte_level_plain = |p: &Json, use_regex: bool| {
+        p["type"] == "ByteLevel"
+            && p["add_prefix_space"] != true
+            && p.get("use_regex").and_then(Json::as_bool).unwrap_or(true) == use_regex
+    };
+    let pre = &v["pre_tokenizer"];
+    let mut patterns: Vec<String> = Vec::new();
+    if byte_level_plain(pre, true) {
+        patterns.push(HF_BYTE_LEVEL.into());
+    } else if pre["type"] == "Sequence" {
+        let Some(steps) = pre["pretokenizers"].as_array() else {
+            return none;
+        };
+        let Some((last, splits)) = steps.split_last() else {
+            return none;
+        };
+        if !byte_level_plain(last, false) {
+            return none;
+        }
+        for s in splits {
+            if s["type"] != "Split" || s["behavior"] != "Isolated" || s["invert"] == true {
+                return none;
+            }
+            match (&s["pattern"]["Regex"], &s["pattern"]["String"]) {
+                (Json::String(r), _) => patterns.push(r.clone()),
+                (_, Json::String(lit)) => patterns.push(regex::escape(lit)),
+                _ => return none,
+            }
+        }
+    } else {
+        return none;
+    }
+    let mut added = Vec::new();
+    for t in v["added_tokens"]
+        .as_array()
+        .map(Vec::as_slice)
+        .unwrap_or(&[])
+    {
+        if ["single_word", "lstrip", "rstrip"]
+            .iter()
+            .any(|k| t[*k] == true)
+        {
+            return none;
+        }
+        let (Some(content), Some(id)) = (t["content"].as_str(), t["id"].as_u64()) else {
+            return none;
+        };
+        added.push((content.to_owned(), id as u32));
+    }
+    let patterns: Vec<&str> = patterns.iter().map(String::as_str).collect();
+    match FastBpe::new(&added, &patterns) {
+        Ok(f) => (Some(f), nfc),
+        Err(_) => none,
     }
 }

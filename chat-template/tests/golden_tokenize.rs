@@ -234,3 +234,69 @@ fn the_fast_path_equals_the_tokenizers_pipeline() {
     }
     assert!(compared > 1000, "{compared}");
 }
+
+/// A tokenizer.json shaped like the ones Hugging Face ships (Qwen2's NFC normalizer and
+/// original case-insensitive regex; GPT-2's regex ByteLevel; an `lstrip` added token that
+/// the fast path must leave to the pipeline) encodes through the fast path where it can,
+/// with the pipeline's ids.
+#[test]
+fn hugging_face_tokenizer_json_files_take_the_fast_path_where_it_is_exact() {
+    use serde_json::json;
+    use tokentap_chat_template::gguf::GgufVocabulary;
+    let qwen_regex = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+    let variants = [
+        (
+            "qwen2",
+            json!({"type": "NFC"}),
+            json!({"type": "Sequence", "pretokenizers": [
+                {"type": "Split", "pattern": {"Regex": qwen_regex}, "behavior": "Isolated", "invert": false},
+                {"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": false, "use_regex": false},
+            ]}),
+            true,
+        ),
+        (
+            "gpt-2",
+            json!(null),
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+            true,
+        ),
+        (
+            "llama-bpe",
+            json!({"type": "Lowercase"}),
+            json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": true}),
+            false,
+        ),
+    ];
+    let mut texts: Vec<String> = vectors("qwen2").into_iter().map(|(t, _)| t).collect();
+    texts.push("café vs cafe\u{301}, Å vs A\u{30a}: <|im_start|>ok".into());
+    texts.push("<|im_start|>user\n  spaced\t\ttabs\n\n\nand 12345 'LL 'll<|im_end|>".into());
+    for (vocab, normalizer, pre, fast) in variants {
+        let gguf = models_dir().join(format!("ggml-vocab-{vocab}.gguf"));
+        let mut tj = GgufVocabulary::read(&gguf)
+            .unwrap()
+            .tokenizer_json()
+            .unwrap();
+        tj["normalizer"] = normalizer;
+        tj["pre_tokenizer"] = pre;
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+        let tok = Tokenizer::from_dir(dir.path()).unwrap();
+        assert_eq!(tok.uses_fast_encoder(), fast, "{vocab}");
+        for text in &texts {
+            assert_eq!(
+                tok.encode(text).unwrap(),
+                tok.encode_reference(text).unwrap(),
+                "{vocab}: {text:?}"
+            );
+        }
+        // An added token with lstrip changes the pipeline's matching: no fast path.
+        if let Some(first) = tj["added_tokens"]
+            .as_array_mut()
+            .and_then(|a| a.first_mut())
+        {
+            first["lstrip"] = json!(true);
+            std::fs::write(dir.path().join("tokenizer.json"), tj.to_string()).unwrap();
+            assert!(!Tokenizer::from_dir(dir.path()).unwrap().uses_fast_encoder());
+        }
+    }
+}
