@@ -8,7 +8,7 @@ use std::fmt::Write as _;
 use std::sync::Arc;
 
 use minijinja::value::{Kwargs, ValueKind};
-use minijinja::{Environment, ErrorKind, State, UndefinedBehavior, Value};
+use minijinja::{Environment, ErrorKind, UndefinedBehavior, Value};
 use serde_json::{Map, Value as Json};
 use tokentap_schema::ChatRequest;
 
@@ -172,7 +172,10 @@ impl ChatTemplate {
         );
         let mut ctx = Value::from_serialize(&ctx);
         if let Some(now) = options.now {
-            ctx = minijinja::context! { __tokentap_now => now.and_utc().timestamp(), ..ctx };
+            // A context variable shadows the global of the same name, so the template calls
+            // this render's clock without a variable of tokentap's own in its namespace.
+            let clock = Value::from_function(move |format: String| strftime(now, &format));
+            ctx = minijinja::context! { strftime_now => clock, ..ctx };
         }
         let template = self.env.get_template(NAME).expect("added in new()");
         template.render(ctx).map_err(|e| {
@@ -376,17 +379,17 @@ fn convert_error(e: &minijinja::Error, source: &str, compiling: bool) -> Templat
     }
 }
 
-/// `strftime_now(format)`: the clock (or the fixed one a caller passed) in Python's strftime
-/// directives, which chrono shares for everything templates use (`%d %b %Y`, `%Y-%m-%d`, …).
-fn strftime_now(state: &State, format: String) -> Result<Value, minijinja::Error> {
+/// `strftime_now(format)` on the local clock (a render with [`RenderOptions::now`] shadows it
+/// with that time).
+fn strftime_now(format: String) -> Result<Value, minijinja::Error> {
+    strftime(chrono::Local::now().naive_local(), &format)
+}
+
+/// `time.strftime(format)`: chrono shares Python's directives for everything templates use
+/// (`%d %b %Y`, `%Y-%m-%d`, `%H:%M`, …).
+fn strftime(now: chrono::NaiveDateTime, format: &str) -> Result<Value, minijinja::Error> {
     use chrono::format::{Item, StrftimeItems};
-    let now = match state.lookup("__tokentap_now").and_then(|v| v.as_i64()) {
-        Some(ts) => chrono::DateTime::from_timestamp(ts, 0)
-            .map(|d| d.naive_utc())
-            .unwrap_or_default(),
-        None => chrono::Local::now().naive_local(),
-    };
-    let items: Vec<Item> = StrftimeItems::new(&format).collect();
+    let items: Vec<Item> = StrftimeItems::new(format).collect();
     if items.iter().any(|i| matches!(i, Item::Error)) {
         // chrono would panic formatting these; Python would print them unchanged.
         return Err(minijinja::Error::new(
