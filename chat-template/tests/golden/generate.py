@@ -385,6 +385,47 @@ CONVERSATIONS = [
         {},
     ),
     (
+        "developer_role",
+        request([text("developer", "Answer tersely."), text("user", "What is HTTP 418?")]),
+        {},
+    ),
+    (
+        "image_part",
+        request(
+            [
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is in this picture?"},
+                        {"type": "image_url", "url": "data:image/png;base64,iVBORw0KGgo=", "detail": "low"},
+                    ],
+                },
+            ]
+        ),
+        {},
+    ),
+    (
+        "content_with_reasoning_and_calls",
+        request(
+            [
+                text("system", SYSTEM),
+                text("user", "Compare the weather, then search."),
+                assistant_calls(
+                    [
+                        call("wThr00001", "get_weather", '{"city": "Oslo", "unit": "celsius"}'),
+                        call("sRch00002", "search_files", '{"pattern": "weather", "max_results": 3, "threshold": 0.25}'),
+                    ],
+                    content="Let me check.",
+                    reasoning="Two independent lookups; run them together.",
+                ),
+                tool_result("wThr00001", "-3 degrees, snow", name="get_weather"),
+                tool_result("sRch00002", "[]", name="search_files"),
+            ],
+            [WEATHER, SEARCH],
+        ),
+        {"kwargs": {"enable_thinking": True}},
+    ),
+    (
         "documents",
         request([text("user", "Summarize the documents.")]),
         {
