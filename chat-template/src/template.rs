@@ -356,10 +356,12 @@ fn convert_error(e: &minijinja::Error, source: &str, compiling: bool) -> Templat
         }
         cause = c.source();
     }
+    // The failing expression when minijinja knows its span, else the whole line.
     let construct = e
         .range()
         .and_then(|r| source.get(r))
-        .map(|s| s.chars().take(200).collect::<String>());
+        .or_else(|| e.line().and_then(|l| source.lines().nth(l.checked_sub(1)?)))
+        .map(|s| s.trim().chars().take(200).collect::<String>());
     let message = match e.detail() {
         Some(d) => format!("{}: {d}", e.kind()),
         None => e.kind().to_string(),

@@ -300,3 +300,60 @@ fn hugging_face_tokenizer_json_files_take_the_fast_path_where_it_is_exact() {
         }
     }
 }
+
+/// A GGUF's named templates (`tokenizer.chat_template.tool_use`, `.rag`) come out as a named
+/// set, `tool_use` chosen when tools are offered; its BOS/EOS ids name the template's
+/// `bos_token`/`eos_token`; the rendered prompt starts with BOS as one id.
+#[test]
+fn gguf_named_templates_and_special_tokens() {
+    let tok = Tokenizer::from_gguf(&models_dir().join("ggml-vocab-command-r.gguf")).unwrap();
+    let templates = tok.chat_templates().unwrap();
+    assert_eq!(
+        templates.names().collect::<Vec<_>>(),
+        ["default", "tool_use", "rag"]
+    );
+    assert_eq!(tok.template_variables()["bos_token"], "<BOS_TOKEN>");
+    let mut req: tokentap_schema::ChatRequest = serde_json::from_value(serde_json::json!({
+        "model": "m",
+        "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}], "content_was_string": true}],
+    }))
+    .unwrap();
+    let opts = tokentap_chat_template::RenderOptions {
+        add_generation_prompt: true,
+        kwargs: tok.template_variables().clone(),
+        ..Default::default()
+    };
+    let plain = templates.render(&req, &opts).unwrap();
+    // Cohere's tool_use template wants its own tool shape (`name`, `parameter_definitions`)
+    // at the top level, not OpenAI's `function` wrapper: given ours it fails on
+    // `'def ' + tool.name` under transformers as here. So the choice is checked with its dicts.
+    let messages = tokentap_chat_template::messages::hf_messages(&req);
+    let cohere_tool = serde_json::json!({"name": "lookup", "description": "Looks up.", "parameter_definitions": {}});
+    let chosen = templates.select(true).unwrap();
+    let with_tools = chosen
+        .render_dicts(&messages, Some(&[cohere_tool.clone()]), &opts)
+        .unwrap();
+    assert!(with_tools.contains("def lookup("), "{with_tools}");
+    assert_eq!(
+        with_tools,
+        templates
+            .get("tool_use")
+            .unwrap()
+            .render_dicts(&messages, Some(&[cohere_tool]), &opts)
+            .unwrap()
+    );
+    req.tools = vec![serde_json::from_value(serde_json::json!({"name": "lookup"})).unwrap()];
+    let err = templates.render(&req, &opts).unwrap_err();
+    assert_eq!(err.line(), Some(17), "{err}");
+    assert!(err.to_string().contains("tool.name"), "{err}");
+    let ids = tok.encode(&plain).unwrap();
+    assert_eq!(ids[0], tok.bos_token_id().unwrap(), "{plain:?}");
+    assert!(plain.starts_with("<BOS_TOKEN>"));
+    // encode never adds a second BOS after a template that wrote one; the model's own
+    // encode (add_special_tokens) adds it in front of plain text.
+    assert_eq!(ids.iter().filter(|&&i| i == ids[0]).count(), 1);
+    assert_eq!(
+        tok.encode_with_special_tokens("Hi").unwrap(),
+        [vec![ids[0]], tok.encode("Hi").unwrap()].concat()
+    );
+}
