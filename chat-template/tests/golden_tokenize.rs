@@ -331,7 +331,7 @@ fn gguf_named_templates_and_special_tokens() {
     let cohere_tool = serde_json::json!({"name": "lookup", "description": "Looks up.", "parameter_definitions": {}});
     let chosen = templates.select(true).unwrap();
     let with_tools = chosen
-        .render_dicts(&messages, Some(&[cohere_tool.clone()]), &opts)
+        .render_dicts(&messages, Some(std::slice::from_ref(&cohere_tool)), &opts)
         .unwrap();
     assert!(with_tools.contains("def lookup("), "{with_tools}");
     assert_eq!(
