@@ -42,8 +42,8 @@ pub struct Tokenizer {
     /// on a GGUF; a tokenizer.json carries this in its post-processor).
     add_bos: bool,
     from_gguf: bool,
-    /// The fast encoder, for tokenizers this crate built (GGUF); others go through the
-    /// `tokenizers` pipeline.
+    /// The fast encoder, for a GGUF or a tokenizer.json whose pipeline it reproduces; others
+    /// go through the `tokenizers` pipeline.
     fast: Option<FastBpe>,
     /// The tokenizer.json normalizes with NFC: the fast path serves only text that is
     /// already NFC (where normalizing changes nothing), the rest goes through the pipeline.
