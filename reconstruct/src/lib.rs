@@ -6,6 +6,7 @@
 //!   mode), finishing sessions when told or when idle.
 //! - [`live`]: following a spool as it grows, with checkpoints (worker and local mode).
 //! - [`output`]: JSONL and Parquet files.
+//! - [`show`]: traces as text for people, mask runs made visible.
 //! - [`synthetic`]: made-up sessions for benchmarks and tests.
 
 pub mod builder;
@@ -14,6 +15,7 @@ pub mod live;
 pub mod output;
 pub mod recent;
 pub mod reconstructor;
+pub mod show;
 pub mod synthetic;
 pub mod verify;
 

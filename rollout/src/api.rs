@@ -15,11 +15,11 @@ use axum::{Json, Router};
 use serde::Deserialize;
 use serde_json::json;
 
-use crate::bearer::{self, BearerToken};
 use crate::cluster::{Cluster, ClusterError};
 use crate::pipeline::{now_ms, Pipeline};
 use crate::store::StoreError;
 use crate::task::{Rollout, Sample, TaskSpec};
+use tokentap_control_plane::bearer::{self, BearerToken};
 
 #[derive(Clone)]
 pub struct ApiState {

@@ -5,13 +5,13 @@
 //! - [`store`]: the durable state (redb) that survives node restarts.
 //! - [`pipeline`]: INIT → RUN → POST_RUN pools.
 //! - [`api`]: the HTTP control plane of `tokentap serve`.
-//! - [`bearer`]: the token check of the control planes (`serve`, `worker`).
 //! - [`capture`]: the in-process capture endpoint and the per-sample record index.
 //! - [`accept`]: accept loops a flood of connections cannot stop.
 //! - [`deliver`]: results POSTed to callback URLs from a durable outbox.
 //! - [`cluster`]: nodes sharing one bus (`serve --bus`): the sample queue, state, results,
 //!   events, callbacks and the gate on NATS JetStream.
 //! - [`openapi`]: the control plane's OpenAPI document.
+//! - [`generate`]: offline generation's task file in and SFT dataset out.
 //! - [`metrics`]: per-stage Prometheus metrics.
 //! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
@@ -22,13 +22,13 @@
 
 pub mod accept;
 pub mod api;
-pub mod bearer;
 pub mod capture;
 pub mod clock;
 pub mod cluster;
 pub mod deliver;
 pub mod evaluate;
 pub mod gate;
+pub mod generate;
 pub mod metrics;
 pub mod openapi;
 pub mod pipeline;

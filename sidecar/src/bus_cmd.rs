@@ -1,31 +1,14 @@
-//! `--bus`: records over NATS JetStream instead of a direct ship. The publisher side (proxy,
-//! run, sidecar, node agent) runs beside the proxy on its own thread; the worker side is
-//! `tokentap worker --bus`, one member of a group that splits the partitions.
+//! `--bus`: records over NATS JetStream instead of a direct ship. The flags; the publisher
+//! side (proxy, run, sidecar, node agent) is `tokentap_ship::downstream`; the worker side
+//! (`tokentap worker --bus`, one member of a group that splits the partitions) is
+//! `tokentap_ship::bus_worker`.
 
-use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicBool;
-use std::sync::{Arc, Mutex};
-use std::thread::JoinHandle;
-use std::time::Duration;
+use std::path::PathBuf;
 
 use anyhow::Context;
-use axum::extract::State;
-use axum::http::header;
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::Router;
 use clap::Args;
-use prometheus::{Encoder, Registry};
-use tokentap_bus::group::Member;
-use tokentap_bus::partition::{GroupMetrics, WorkerContext};
-use tokentap_bus::publish::{publish_spool, PublishStop};
-use tokentap_bus::topology::{Topology, DEFAULT_PARTITIONS};
+use tokentap_bus::topology::DEFAULT_PARTITIONS;
 use tokentap_bus::{BusConnect, BusUser};
-use tokentap_proxy::metrics::{counter_in, gauge_in};
-use tokentap_reconstruct::{LiveOptions, TraceSink};
-use tokentap_rollout::bearer::{self, BearerToken};
-use tokentap_spool::downstream::DownstreamMetrics;
 
 #[derive(Args, Clone, Default)]
 pub struct BusArgs {
@@ -119,148 +102,4 @@ impl BusArgs {
             ca: self.bus_ca.clone(),
         }))
     }
-}
-
-/// Starts the thread publishing `spool` to the bus; it returns once `drain` is set and the
-/// spool is published (or 10 s after that if the bus is unreachable: the records wait in the
-/// spool for the next start).
-pub fn start_publisher(
-    spool: &Path,
-    bus: BusConnect,
-    partitions: u32,
-    drain: Arc<AtomicBool>,
-    metrics: DownstreamMetrics,
-) -> anyhow::Result<JoinHandle<()>> {
-    let spool = spool.to_path_buf();
-    let stop = PublishStop {
-        drain,
-        drain_deadline: Duration::from_secs(10),
-    };
-    Ok(std::thread::Builder::new()
-        .name("bus-publish".into())
-        .spawn(move || {
-            let rt = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(rt) => rt,
-                Err(e) => {
-                    tracing::error!(error = %e, "publishing to the bus: no runtime");
-                    return;
-                }
-            };
-            match rt.block_on(publish_spool(&spool, &bus, partitions, &stop, metrics)) {
-                Ok(t) => tracing::info!(
-                    records = t.records,
-                    duplicates = t.duplicates,
-                    dead_lettered = t.dead_lettered,
-                    retries = t.retries,
-                    "publishing to the bus stopped"
-                ),
-                Err(e) => tracing::error!(error = %e, "publishing to the bus stopped"),
-            }
-        })?)
-}
-
-/// What `tokentap worker --bus` serves besides the group's work.
-pub struct BusWorker<'a> {
-    pub bus: BusConnect,
-    pub partitions: u32,
-    pub member: String,
-    pub listen: SocketAddr,
-    pub token: Option<&'a str>,
-    pub tls: &'a crate::control_plane::TlsListenArgs,
-    pub out: &'a Path,
-    pub live: LiveOptions,
-}
-
-/// Runs one member of the worker group until SIGTERM/SIGINT, then hands its partitions back
-/// (checkpointed) and writes its last Parquet part.
-pub fn run_worker(w: BusWorker<'_>) -> anyhow::Result<()> {
-    std::fs::create_dir_all(w.out)?;
-    let sink = TraceSink::open(w.out)
-        .with_context(|| format!("opening the output at {}", w.out.display()))?;
-    let out = Arc::new(Mutex::new(sink));
-    let registry = Registry::new();
-    let metrics = GroupMetrics::new(
-        |name, help| counter_in(&registry, name, help),
-        |name, help| gauge_in(&registry, name, help),
-    );
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()?;
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let group = {
-        let (bus, out, live, member) =
-            (w.bus.clone(), out.clone(), w.live.clone(), w.member.clone());
-        let partitions = w.partitions;
-        let mut stopping = stopped.clone();
-        rt.spawn(async move {
-            // A bus that is down at start is waited for (the HTTP side answers meanwhile).
-            let joined = async {
-                let client = tokentap_bus::connect(&bus, "tokentap worker").await?;
-                let js = tokentap_bus::jetstream(client);
-                let ensured = tokentap_bus::topology::until_reachable(
-                    || Topology::ensure(js.clone(), partitions),
-                    || false,
-                );
-                anyhow::Context::context(ensured.await, "stopped waiting for the bus")
-            };
-            let topology = tokio::select! {
-                t = joined => t?,
-                _ = stopping.wait_for(|&s| s) => return Ok(()),
-            };
-            tracing::info!(member = %member, partitions = topology.partitions, bus = %bus.url, "joined the worker group");
-            Member::new(WorkerContext {
-                topology,
-                member,
-                options: live,
-                out,
-                metrics,
-            })
-            .run(stopped)
-            .await
-        })
-    };
-    let app = Router::new()
-        .route("/metrics", get(render_metrics))
-        .route_layer(axum::middleware::from_fn_with_state(
-            BearerToken::new(w.token),
-            bearer::require,
-        ))
-        .route("/health", get(|| async { "ok" }))
-        .with_state(Arc::new(registry));
-    rt.block_on(crate::control_plane::serve(
-        w.listen,
-        w.tls,
-        app,
-        crate::signals::shutdown_signal(),
-        |listen, tls| tracing::info!(%listen, tls, out = %w.out.display(), "tokentap worker ready (bus)"),
-    ))?;
-    tracing::info!("shutting down: handing partitions back");
-    let _ = stop.send(true);
-    let result = rt.block_on(group);
-    let mut sink = out
-        .lock()
-        .map_err(|_| anyhow::anyhow!("the trace output's lock is poisoned"))?;
-    sink.flush()?;
-    match result {
-        Ok(r) => r,
-        Err(e) => Err(anyhow::anyhow!("the worker group task failed: {e}")),
-    }
-}
-
-async fn render_metrics(State(registry): State<Arc<Registry>>) -> Response {
-    let mut out = Vec::new();
-    let _ = prometheus::TextEncoder::new().encode(&registry.gather(), &mut out);
-    ([(header::CONTENT_TYPE, prometheus::TEXT_FORMAT)], out).into_response()
-}
-
-/// A member id unique in the group: this host's name and process id.
-pub fn default_member_id() -> String {
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|h| h.trim().to_owned())
-        .unwrap_or_else(|_| "host".into());
-    format!("{host}-{}", std::process::id())
 }

@@ -3,18 +3,16 @@
 //! run picks up where it stopped (finished samples are kept, running ones re-run). At the
 //! end the accepted samples (reward at least `--min-reward`) become an SFT dataset:
 //! OUT/sft.jsonl, one row per trace with its messages and token ids, and OUT/report.json
-//! with the acceptance rate.
+//! with the acceptance rate (both written by `tokentap_rollout::generate`).
 
-use std::collections::{HashMap, HashSet};
-use std::io::Write;
+use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use anyhow::{bail, Context};
+use anyhow::bail;
 use clap::Args;
-use serde_json::{json, Value};
+use tokentap_rollout::generate::{accepted, all_samples, read_tasks, write_dataset, TaskOverrides};
 use tokentap_rollout::pipeline::now_ms;
-use tokentap_rollout::task::{Outcome, Sample, TaskSpec};
 
 use crate::serve_cmd::NodeArgs;
 
@@ -63,7 +61,14 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     if args.node.capture.spool == Path::new(crate::proxy_cmd::DEFAULT_SPOOL) {
         args.node.capture.spool = args.out.join("spool");
     }
-    let specs = read_tasks(&args)?;
+    let specs = read_tasks(
+        &args.tasks,
+        &TaskOverrides {
+            harness: args.harness.clone(),
+            samples: args.samples,
+            evaluator: args.evaluator.clone(),
+        },
+    )?;
     let mut parts = args.node.prepare()?;
     let spool_thread = parts.spool_thread.take();
     let rt = crate::runtime::build()?;
@@ -152,139 +157,4 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
         args.out.join("sft.jsonl").display()
     );
     Ok(())
-}
-
-fn read_tasks(args: &GenerateArgs) -> anyhow::Result<Vec<TaskSpec>> {
-    let text = std::fs::read_to_string(&args.tasks)
-        .with_context(|| format!("reading {}", args.tasks.display()))?;
-    let base = args
-        .tasks
-        .parent()
-        .map(Path::to_path_buf)
-        .unwrap_or_default();
-    let evaluator: Option<Value> = match &args.evaluator {
-        Some(e) => Some(serde_json::from_str(e).context("--evaluator is not JSON")?),
-        None => None,
-    };
-    let mut specs = Vec::new();
-    let mut seen = HashSet::new();
-    for (i, line) in text.lines().enumerate() {
-        if line.trim().is_empty() {
-            continue;
-        }
-        let at = || format!("{}:{}", args.tasks.display(), i + 1);
-        let mut v: Value = serde_json::from_str(line).with_context(at)?;
-        let o = v
-            .as_object_mut()
-            .with_context(|| format!("{}: not an object", at()))?;
-        if let Some(h) = &args.harness {
-            o.insert("harness".into(), json!({"name": h}));
-        }
-        if let Some(n) = args.samples {
-            o.insert("num_samples".into(), json!(n));
-        }
-        if let Some(e) = &evaluator {
-            o.insert("evaluator".into(), e.clone());
-        }
-        if let Some(Value::String(p)) = o
-            .get_mut("workspace")
-            .and_then(|w| w.get_mut("dir"))
-            .and_then(|d| d.get_mut("path"))
-        {
-            if Path::new(p.as_str()).is_relative() {
-                *p = base.join(&*p).display().to_string();
-            }
-        }
-        let spec: TaskSpec = serde_json::from_value(v).with_context(at)?;
-        if !seen.insert(spec.task_id.clone()) {
-            bail!("{}: task_id {} appears twice", at(), spec.task_id);
-        }
-        specs.push(spec);
-    }
-    if specs.is_empty() {
-        bail!("{} has no tasks", args.tasks.display());
-    }
-    Ok(specs)
-}
-
-fn all_samples(
-    store: &tokentap_rollout::store::Store,
-    submitted: &HashMap<String, String>,
-) -> anyhow::Result<Vec<Sample>> {
-    let mut out = Vec::new();
-    for r in submitted.values() {
-        out.extend(store.rollout(r)?.1);
-    }
-    out.sort_by(|a, b| a.sample_id.cmp(&b.sample_id));
-    Ok(out)
-}
-
-fn accepted(s: &Sample, min_reward: f64) -> bool {
-    matches!(s.outcome, Some(Outcome::Completed { reward }) if reward >= min_reward)
-}
-
-/// OUT/sft.jsonl (rewritten whole from the store, so a resumed run never duplicates rows) and
-/// OUT/report.json.
-fn write_dataset(out: &Path, samples: &[Sample], min_reward: f64) -> anyhow::Result<Value> {
-    let tmp = out.join("sft.jsonl.tmp");
-    let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-    let (mut rows, mut accepted_n) = (0u64, 0u64);
-    let mut outcomes: HashMap<&str, u64> = HashMap::new();
-    for s in samples {
-        let kind = match &s.outcome {
-            Some(Outcome::Completed { .. }) => "completed",
-            Some(Outcome::Timeout { .. }) => "timeout",
-            Some(Outcome::Error { .. }) => "error",
-            Some(Outcome::Cancelled) => "cancelled",
-            None => "unfinished",
-        };
-        *outcomes.entry(kind).or_default() += 1;
-        if !accepted(s, min_reward) {
-            continue;
-        }
-        accepted_n += 1;
-        let Some(t) = &s.trajectory else { continue };
-        let text =
-            std::fs::read_to_string(&t.path).with_context(|| format!("reading {}", t.path))?;
-        for line in text.lines() {
-            let trace: tokentap_schema::Trace = serde_json::from_str(line)?;
-            let messages: Value = serde_json::from_str(&trace.messages_json).unwrap_or(Value::Null);
-            let tools: Value = serde_json::from_str(&trace.tools_json).unwrap_or(Value::Null);
-            let mut input_ids = trace.prompt_ids.clone();
-            input_ids.extend(&trace.response_ids);
-            let mut mask = vec![0u8; trace.prompt_ids.len()];
-            mask.extend(&trace.loss_mask);
-            serde_json::to_writer(
-                &mut w,
-                &json!({
-                    "task_id": s.task_id,
-                    "sample_id": s.sample_id,
-                    "trace_id": trace.trace_id,
-                    "reward": trace.reward,
-                    "messages": messages,
-                    "tools": tools,
-                    "input_ids": input_ids,
-                    "loss_mask": mask,
-                    "prompt_len": trace.prompt_ids.len(),
-                    "logprobs": trace.logprobs,
-                }),
-            )?;
-            w.write_all(b"\n")?;
-            rows += 1;
-        }
-    }
-    w.flush()?;
-    drop(w);
-    std::fs::rename(&tmp, out.join("sft.jsonl"))?;
-    let n = samples.len() as u64;
-    let report = json!({
-        "samples": n,
-        "accepted": accepted_n,
-        "acceptance_rate": if n == 0 { 0.0 } else { accepted_n as f64 / n as f64 },
-        "min_reward": min_reward,
-        "rows": rows,
-        "outcomes": outcomes,
-    });
-    std::fs::write(out.join("report.json"), serde_json::to_vec_pretty(&report)?)?;
-    Ok(report)
 }

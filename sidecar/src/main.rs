@@ -3,20 +3,17 @@
 mod await_capture_cmd;
 mod bus_cmd;
 mod ca_cmd;
-mod control_plane;
 mod downstream;
 mod generate_cmd;
-mod guarded_conn;
 mod health_cmd;
 mod node_agent_cmd;
-mod node_agent_sources;
 mod proxy_cmd;
 mod reconstruct_cmd;
 mod records_cmd;
 mod run_cmd;
 mod runtime;
 mod serve_cmd;
-mod ship;
+mod ship_cmd;
 mod signals;
 mod view_cmd;
 mod webhook_cmd;
@@ -102,7 +99,7 @@ enum Command {
     /// Receive records shipped by proxies (--ship-to) and rebuild trajectories as they arrive.
     Worker(worker_cmd::WorkerArgs),
     /// Ship a spool's records to a worker (what `proxy --ship-to` does, for an existing spool).
-    Ship(ship::ShipArgs),
+    Ship(ship_cmd::ShipArgs),
     /// Rebuild token-faithful trajectories from a spool (offline).
     Reconstruct(reconstruct_cmd::ReconstructArgs),
     /// Inspect trajectory files.
@@ -171,7 +168,7 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
             std::process::exit(code);
         }
         Command::Worker(args) => worker_cmd::run(args).map(|()| ok),
-        Command::Ship(args) => ship::run(args).map(|()| ok),
+        Command::Ship(args) => ship_cmd::run(args).map(|()| ok),
         Command::Reconstruct(args) => reconstruct_cmd::reconstruct(args),
         Command::Trajectories(cmd) => reconstruct_cmd::trajectories(cmd).map(|()| ok),
         Command::View(args) => view_cmd::run(args).map(|()| ok),

@@ -10,21 +10,18 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use axum::extract::State;
-use axum::response::{IntoResponse, Response};
-use axum::routing::get;
-use axum::{Json, Router};
 use clap::Args;
 use tokentap_cgroup::cgroup2_mount;
+use tokentap_control_plane::bearer::BearerToken;
 use tokentap_ebpf::{Redirect, RedirectConfig};
 use tokentap_node_agent::agent::Agent;
+use tokentap_node_agent::sources::{self, Source, SourceOptions};
+use tokentap_node_agent::status::{status_router, AgentMetrics, StatusState};
 use tokentap_node_agent::WorkloadEvent;
 use tokentap_proxy::tls::ca;
 use tokentap_proxy::transparent::TransparentListener;
-use tokentap_rollout::bearer::{self, BearerToken};
 
 use crate::downstream::DownstreamArgs;
-use crate::node_agent_sources::Source;
 use crate::proxy_cmd::CaptureArgs;
 use crate::run_cmd::InterceptArgs;
 
@@ -78,7 +75,7 @@ pub struct NodeAgentArgs {
     #[arg(long, env = "TOKENTAP_AGENT_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     #[command(flatten)]
     capture: CaptureArgs,
     #[command(flatten)]
@@ -88,7 +85,7 @@ pub struct NodeAgentArgs {
 }
 
 pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
-    crate::control_plane::check_exposure(
+    tokentap_control_plane::check_exposure(
         args.status_listen,
         args.token.as_deref(),
         "--token",
@@ -153,9 +150,9 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
     let metrics = Arc::new(AgentMetrics::new()?);
 
     let (events_tx, mut events) = tokio::sync::mpsc::channel::<(Source, WorkloadEvent)>(1024);
-    let sources = rt.block_on(crate::node_agent_sources::start(
+    let sources = rt.block_on(sources::start(
         &args.sources,
-        &crate::node_agent_sources::SourceOptions {
+        &SourceOptions {
             docker_host: args.docker_host.clone(),
             node_name: args.node_name.clone(),
             kubeconfig: args.kubeconfig.clone(),
@@ -218,7 +215,7 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         metrics,
     };
     let app = status_router(state, BearerToken::new(args.token.as_deref()));
-    let served = rt.block_on(crate::control_plane::serve(
+    let served = rt.block_on(tokentap_control_plane::serve(
         args.status_listen,
         &args.tls,
         app,
@@ -243,101 +240,4 @@ pub fn run(args: NodeAgentArgs) -> anyhow::Result<()> {
         d.stop(false);
     }
     served
-}
-
-#[derive(Clone)]
-struct StatusState {
-    agent: Arc<Agent>,
-    service: Arc<tokentap_proxy::app::CaptureService>,
-    metrics: Arc<AgentMetrics>,
-}
-
-fn status_router(state: StatusState, token: BearerToken) -> Router {
-    let guarded = Router::new()
-        .route("/v1/workloads", get(workloads))
-        .route("/metrics", get(render_metrics))
-        .route_layer(axum::middleware::from_fn_with_state(token, bearer::require));
-    Router::new()
-        .merge(guarded)
-        .route("/health", get(|| async { "ok" }))
-        .with_state(state)
-}
-
-async fn workloads(State(state): State<StatusState>) -> Json<serde_json::Value> {
-    Json(serde_json::json!({ "workloads": state.agent.workloads() }))
-}
-
-async fn render_metrics(State(state): State<StatusState>) -> Response {
-    state.metrics.observe(&state.agent);
-    let mut body = state.service.metrics().render();
-    body.extend(state.metrics.render());
-    (
-        [(
-            axum::http::header::CONTENT_TYPE,
-            "text/plain; version=0.0.4",
-        )],
-        body,
-    )
-        .into_response()
-}
-
-/// The agent's own metrics, beside the capture's.
-struct AgentMetrics {
-    registry: prometheus::Registry,
-    workloads: prometheus::IntGaugeVec,
-    attach_errors: prometheus::IntCounter,
-    unattributed: prometheus::IntCounter,
-}
-
-impl AgentMetrics {
-    fn new() -> anyhow::Result<AgentMetrics> {
-        let registry = prometheus::Registry::new();
-        let workloads = prometheus::IntGaugeVec::new(
-            prometheus::Opts::new(
-                "tokentap_agent_workloads",
-                "Workloads the node agent captures, by how they are attached (own cgroup or the capture parent)",
-            ),
-            &["attached_via"],
-        )?;
-        let attach_errors = prometheus::IntCounter::new(
-            "tokentap_agent_attach_errors_total",
-            "Workloads the agent could not attach (cgroup not found, the kernel refused)",
-        )?;
-        let unattributed = prometheus::IntCounter::new(
-            "tokentap_agent_unattributed_connections_total",
-            "Redirected connections from a cgroup no tracked workload held (captured without a workload session)",
-        )?;
-        registry.register(Box::new(workloads.clone()))?;
-        registry.register(Box::new(attach_errors.clone()))?;
-        registry.register(Box::new(unattributed.clone()))?;
-        Ok(AgentMetrics {
-            registry,
-            workloads,
-            attach_errors,
-            unattributed,
-        })
-    }
-
-    fn observe(&self, agent: &Agent) {
-        let all = agent.workloads();
-        for via in ["own", "capture-parent"] {
-            let n = all.iter().filter(|w| w.attached_via == via).count();
-            self.workloads.with_label_values(&[via]).set(n as i64);
-        }
-        let counts = agent.counts();
-        // The agent counts; the counters catch up (they only ever grow).
-        let catch_up = |c: &prometheus::IntCounter, n: u64| c.inc_by(n.saturating_sub(c.get()));
-        catch_up(&self.attach_errors, counts.attach_errors);
-        catch_up(&self.unattributed, counts.unattributed);
-    }
-
-    fn render(&self) -> Vec<u8> {
-        let mut buf = Vec::new();
-        let _ = prometheus::Encoder::encode(
-            &prometheus::TextEncoder::new(),
-            &self.registry.gather(),
-            &mut buf,
-        );
-        buf
-    }
 }

@@ -224,7 +224,7 @@ impl LimitArgs {
 
 pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
     match args.listen.parse::<std::net::SocketAddr>() {
-        Ok(listen) => crate::control_plane::check_exposure(
+        Ok(listen) => tokentap_control_plane::check_exposure(
             listen,
             args.client_token.as_deref(),
             "--client-token",
@@ -286,7 +286,7 @@ pub fn run(args: ProxyArgs) -> anyhow::Result<()> {
 impl CaptureArgs {
     /// The `--ca-file` certificates (none without it).
     pub fn ca_roots(&self) -> anyhow::Result<Vec<reqwest::Certificate>> {
-        crate::ship::load_ca_file(self.ca_file.as_deref())
+        tokentap_ship::shipper::load_ca_file(self.ca_file.as_deref())
     }
 
     /// The capture service and the spool writer's thread (join it after the service is gone).

@@ -4,7 +4,7 @@ use std::path::{Path, PathBuf};
 
 use anyhow::{bail, Context};
 use clap::{Args, Subcommand, ValueEnum};
-use tokentap_reconstruct::{output, reconstruct_spool, TraceSink};
+use tokentap_reconstruct::{output, reconstruct_spool, show, TraceSink};
 use tokentap_schema::{Strategy, Trace};
 
 use crate::records_cmd::Detokenizer;
@@ -117,7 +117,7 @@ pub fn trajectories(cmd: TrajectoriesCmd) -> anyhow::Result<()> {
             .as_ref()
             .is_none_or(|p| t.trace_id.starts_with(p.as_str()))
     }) {
-        print!("{}", render(t, args.ids, &|id| pieces.piece(id)));
+        print!("{}", show::render(t, args.ids, &|id| pieces.piece(id)));
         shown += 1;
     }
     if shown == 0 {
@@ -134,84 +134,4 @@ fn read_traces(file: &Path) -> anyhow::Result<Vec<Trace>> {
         output::read_traces_jsonl(file)
     };
     traces.with_context(|| format!("reading traces from {}", file.display()))
-}
-
-/// A trace as text: a header, then its prompt and each run of equal mask.
-pub fn render(t: &Trace, ids: usize, piece: &dyn Fn(u32) -> Option<String>) -> String {
-    use std::fmt::Write;
-    let mut out = String::new();
-    let trainable = t.trainable_tokens();
-    let _ = writeln!(
-        out,
-        "trace {}  {}  started by {}  {} calls  prompt {} + response {} tokens ({} sampled mask=1, {} context mask=0){}",
-        t.trace_id,
-        t.strategy.as_str(),
-        t.started_by.as_str(),
-        t.calls.len(),
-        t.prompt_ids.len(),
-        t.response_ids.len(),
-        trainable,
-        t.response_ids.len() - trainable,
-        if t.spans_policy_versions { "  SPANS POLICY VERSIONS" } else { "" }
-    );
-    let _ = writeln!(
-        out,
-        "  prompt   {:>6}  {}",
-        t.prompt_ids.len(),
-        show(&t.prompt_ids, ids, piece)
-    );
-    let mut i = 0;
-    while i < t.response_ids.len() {
-        let m = t.loss_mask[i];
-        let end = (i..t.response_ids.len())
-            .find(|&j| t.loss_mask[j] != m)
-            .unwrap_or(t.response_ids.len());
-        // A sampled run may hold several calls back to back only if nothing came between;
-        // label it with the call that starts at or covers its start.
-        let call = t
-            .calls
-            .iter()
-            .rev()
-            .find(|c| c.response_start as usize <= i);
-        if m == 1 {
-            let lp = &t.logprobs[i..end];
-            let mean = lp.iter().map(|&x| f64::from(x)).sum::<f64>() / lp.len() as f64;
-            let _ = writeln!(
-                out,
-                "  ▶ SAMPLED {:>5}  [{i}..{end})  record {}{}  mean logprob {mean:.3}\n             {}",
-                end - i,
-                call.map_or("?", |c| c.record_id.as_str()),
-                call.and_then(|c| c.finish_reason)
-                    .map(|f| format!("  finish {f:?}").to_lowercase())
-                    .unwrap_or_default(),
-                show(&t.response_ids[i..end], ids, piece)
-            );
-        } else {
-            let _ = writeln!(
-                out,
-                "  · context {:>5}  [{i}..{end})  {}",
-                end - i,
-                show(&t.response_ids[i..end], ids, piece)
-            );
-        }
-        i = end;
-    }
-    for g in &t.gaps {
-        let _ = writeln!(out, "  gap: {g}");
-    }
-    out
-}
-
-/// The first and last `n` ids of a run (all when `n` is 0 or the run is short).
-fn show(run: &[u32], n: usize, piece: &dyn Fn(u32) -> Option<String>) -> String {
-    let one = |id: &u32| match piece(*id) {
-        Some(p) => format!("{id}{p:?}"),
-        None => id.to_string(),
-    };
-    if n == 0 || run.len() <= 2 * n {
-        return run.iter().map(one).collect::<Vec<_>>().join(" ");
-    }
-    let head: Vec<String> = run[..n].iter().map(one).collect();
-    let tail: Vec<String> = run[run.len() - n..].iter().map(one).collect();
-    format!("{} … {}", head.join(" "), tail.join(" "))
 }

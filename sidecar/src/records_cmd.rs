@@ -5,6 +5,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use clap::Subcommand;
+use tokentap_reconstruct::show;
 use tokentap_schema::CaptureRecord;
 use tokentap_spool::{SpoolItem, SpoolReader};
 
@@ -74,7 +75,7 @@ pub fn run(cmd: RecordsCmd) -> anyhow::Result<()> {
             let shown = if stored {
                 serde_json::to_value(&record)?
             } else {
-                readable(&record)?
+                show::readable(&record).map_err(anyhow::Error::msg)?
             };
             println!("{}", serde_json::to_string_pretty(&shown)?);
             Ok(())
@@ -95,65 +96,16 @@ pub fn run(cmd: RecordsCmd) -> anyhow::Result<()> {
     }
 }
 
-/// A record as JSON for people and dataframes: token data as plain arrays, and the engine
-/// request with its conversation, which the spool keeps once, in the harness body.
-fn readable(r: &CaptureRecord) -> anyhow::Result<serde_json::Value> {
-    let mut v = tokentap_schema::compact::expand_token_fields(serde_json::to_value(r)?);
-    if let Some(request) = tokentap_proxy::replay::backend_request(r).map_err(anyhow::Error::msg)? {
-        v["backend_request"] = serde_json::to_value(request.as_ref())?;
-        if let Some(o) = v.as_object_mut() {
-            o.remove("backend_conversation");
-        }
-    }
-    Ok(v)
-}
-
 fn print_record(r: &CaptureRecord, json: bool) -> anyhow::Result<()> {
     if json {
-        println!("{}", serde_json::to_string(&readable(r)?)?);
+        println!(
+            "{}",
+            serde_json::to_string(&show::readable(r).map_err(anyhow::Error::msg)?)?
+        );
     } else {
-        println!("{}", one_line(r));
+        println!("{}", show::one_line(r));
     }
     Ok(())
-}
-
-/// `id  session#seq  api  status  prompt→completion tokens  finish  ms  text`
-fn one_line(r: &CaptureRecord) -> String {
-    let count = |ids: &Option<Vec<u32>>| {
-        ids.as_ref()
-            .map_or("?".to_string(), |v| v.len().to_string())
-    };
-    let text = r
-        .message
-        .as_ref()
-        .map(|m| {
-            let mut t = m.content.clone().unwrap_or_default();
-            for c in &m.tool_calls {
-                t.push_str(&format!(" [call {}({})]", c.name, c.arguments));
-            }
-            t
-        })
-        .unwrap_or_default();
-    let text: String = text.chars().take(60).collect::<String>().replace('\n', "⏎");
-    let outcome = match &r.error {
-        Some(e) => format!("error:{}", e.kind.as_str()),
-        None => r
-            .finish_reason
-            .map_or("-".into(), |f| format!("{f:?}").to_lowercase()),
-    };
-    format!(
-        "{}  {}#{}  {}  {}  {}→{} tok  {}  {:.0} ms  {}",
-        r.record_id,
-        r.session_id,
-        r.seq,
-        r.wire_api.as_str(),
-        r.response_status,
-        count(&r.prompt_token_ids),
-        count(&r.completion_token_ids),
-        outcome,
-        r.timings.total_ms,
-        text
-    )
 }
 
 fn tail(spool: &Path, n: usize, follow: bool, json: bool) -> anyhow::Result<()> {
@@ -187,55 +139,12 @@ fn summary(spool: &Path, show_tokens: usize, detokenize: Option<&str>) -> anyhow
             SpoolItem::Corrupt { .. } | SpoolItem::Torn { .. } => problems += 1,
         }
     }
-    let sessions: std::collections::BTreeSet<&str> =
-        records.iter().map(|r| r.session_id.as_str()).collect();
-    let prompt: usize = records
-        .iter()
-        .filter_map(|r| r.prompt_token_ids.as_ref())
-        .map(Vec::len)
-        .sum();
-    let completion: usize = records
-        .iter()
-        .filter_map(|r| r.completion_token_ids.as_ref())
-        .map(Vec::len)
-        .sum();
-    let with_ids = records
-        .iter()
-        .filter(|r| {
-            r.prompt_token_ids.is_some() && r.completion_token_ids.is_some() && r.logprobs.is_some()
-        })
-        .count();
-    let errors = records.iter().filter(|r| r.error.is_some()).count();
-    println!("spool {}", spool.display());
-    println!(
-        "calls {}  sessions {}  with full token data {}  errors {}  unreadable lines {}",
-        records.len(),
-        sessions.len(),
-        with_ids,
-        errors,
-        problems
-    );
-    println!("prompt tokens {prompt}  completion tokens {completion}");
     let pieces = Detokenizer::new(detokenize);
-    for r in &records {
-        println!("\n{}", one_line(r));
-        for gap in &r.token_provenance.gaps {
-            println!("    gap in {:?}: {}", gap.field, gap.reason);
-        }
-        let (Some(ids), Some(lps)) = (&r.completion_token_ids, &r.logprobs) else {
-            continue;
-        };
-        let shown: Vec<String> = ids
-            .iter()
-            .zip(lps)
-            .take(show_tokens)
-            .map(|(id, lp)| match pieces.piece(*id) {
-                Some(p) => format!("{id} {p:?} ({lp:.3})"),
-                None => format!("{id} ({lp:.3})"),
-            })
-            .collect();
-        println!("    first sampled tokens: {}", shown.join(", "));
-    }
+    print!(
+        "{}",
+        show::spool_summary(spool, &records, problems, show_tokens, &|id| pieces
+            .piece(id))
+    );
     Ok(())
 }
 

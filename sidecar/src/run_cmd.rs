@@ -20,8 +20,9 @@ use tokentap_proxy::transparent::{
     InterceptList, OriginalDestination, TransparentListener, DEFAULT_INTERCEPT,
 };
 
-use crate::downstream::{Downstream, DownstreamArgs};
+use crate::downstream::DownstreamArgs;
 use crate::proxy_cmd::CaptureArgs;
+use tokentap_ship::downstream::Downstream;
 
 /// What `run` and `sidecar` share.
 #[derive(Args, Clone)]

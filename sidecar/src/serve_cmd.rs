@@ -269,7 +269,7 @@ pub struct ServeArgs {
     #[arg(long, env = "TOKENTAP_NODE_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     /// The viewer at /view/ (behind --token) shows token text from the engine's /detokenize
     /// (llama.cpp, vLLM) unless one of these says otherwise.
     #[command(flatten)]
@@ -303,7 +303,7 @@ pub struct ServeArgs {
 }
 
 pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
-    crate::control_plane::check_exposure(
+    tokentap_control_plane::check_exposure(
         args.listen,
         args.token.as_deref(),
         "--token",
@@ -333,7 +333,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     // The node's records go to the bus's records stream too, for its worker group.
     let drain = Arc::new(std::sync::atomic::AtomicBool::new(false));
     let publisher = match &bus {
-        Some(bus) => Some(crate::bus_cmd::start_publisher(
+        Some(bus) => Some(tokentap_ship::downstream::start_publisher(
             &args.node.capture.spool,
             bus.clone(),
             args.bus.bus_partitions,
@@ -354,7 +354,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
                 let node_id = args
                     .node_id
                     .clone()
-                    .unwrap_or_else(crate::bus_cmd::default_member_id);
+                    .unwrap_or_else(tokentap_ship::bus_worker::default_member_id);
                 let options = tokentap_rollout::cluster::QueueOptions {
                     ack_wait: std::time::Duration::from_secs(args.sample_ack_wait.max(1)),
                     max_attempts: node.pipeline.max_attempts(),
@@ -391,7 +391,7 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
         })
         .merge(crate::view_cmd::routes(view, args.token.as_deref()));
         let (capture, data) = (node.capture.addr, args.node.data_dir());
-        crate::control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
+        tokentap_control_plane::serve(args.listen, &args.tls, app, shutdown_signal(), |listen, tls| {
             tracing::info!(%listen, tls, %capture, data = %data.display(), "tokentap rollout node ready")
         })
         .await

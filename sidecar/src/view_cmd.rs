@@ -7,7 +7,7 @@ use std::path::PathBuf;
 use anyhow::Context;
 use axum::Router;
 use clap::Args;
-use tokentap_rollout::bearer::{self, BearerToken};
+use tokentap_control_plane::bearer::{self, BearerToken};
 use tokentap_viewer::{TokenText, TraceFiles, ViewSources};
 
 use crate::signals::shutdown_signal;
@@ -73,7 +73,7 @@ pub struct ViewArgs {
     #[arg(long, env = "TOKENTAP_VIEW_TOKEN", hide_env_values = true)]
     token: Option<String>,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     #[command(flatten)]
     text: TokenTextArgs,
 }
@@ -117,7 +117,7 @@ pub fn run(args: ViewArgs) -> anyhow::Result<()> {
         )
         .route("/health", axum::routing::get(|| async { "ok" }));
     let rt = crate::runtime::build()?;
-    rt.block_on(crate::control_plane::serve(
+    rt.block_on(tokentap_control_plane::serve(
         args.listen,
         &args.tls,
         app,

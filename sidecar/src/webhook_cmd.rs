@@ -14,7 +14,7 @@ use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
 use axum::{Json, Router};
 use clap::{Args, Subcommand};
-use tokentap_rollout::bearer::{self, BearerToken};
+use tokentap_control_plane::bearer::{self, BearerToken};
 use tokentap_webhook::{admit, cert, InjectConfig, Mode};
 
 #[derive(Subcommand)]
@@ -30,7 +30,7 @@ pub struct ServeArgs {
     #[arg(long, default_value = "0.0.0.0:8443")]
     listen: SocketAddr,
     #[command(flatten)]
-    tls: crate::control_plane::TlsListenArgs,
+    tls: tokentap_control_plane::TlsListenArgs,
     /// Bearer token the API server sends (its admission kubeconfig); required beyond
     /// loopback unless --allow-unauthenticated.
     #[arg(long, env = "TOKENTAP_WEBHOOK_TOKEN", hide_env_values = true)]
@@ -126,7 +126,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if args.allow_unauthenticated {
         tracing::warn!("--allow-unauthenticated: anyone who reaches {} may ask for patches (the webhook holds no secret and only patches the pod it is sent)", args.listen);
     } else {
-        crate::control_plane::check_exposure(
+        tokentap_control_plane::check_exposure(
             args.listen,
             args.token.as_deref(),
             "--token",
@@ -159,7 +159,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(crate::control_plane::serve(
+    rt.block_on(tokentap_control_plane::serve(
         args.listen,
         &args.tls,
         app,

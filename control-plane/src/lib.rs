@@ -1,7 +1,11 @@
-//! What `tokentap serve` and `tokentap worker` share about their HTTP control plane: no
-//! open port beyond loopback without a token, and the listener (plain TCP, or TLS with
+//! What tokentap's HTTP control planes share (`serve`, `worker`, `view`, `node-agent`,
+//! `webhook`): no open port beyond loopback without a token ([`check_exposure`]), the token
+//! check itself ([`bearer`]), and the listener ([`serve`]: plain TCP, or TLS with
 //! `--tls-cert`/`--tls-key`), with a connection cap, a TLS handshake deadline and request head
-//! and idle deadlines.
+//! and idle deadlines ([`guarded_conn`]).
+
+pub mod bearer;
+pub mod guarded_conn;
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -10,10 +14,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use clap::Args;
 use tokentap_proxy::limits::ConnectionGate;
 
-use crate::guarded_conn::{Conn, Deadlines, GuardedConn};
+use guarded_conn::{Conn, Deadlines, GuardedConn};
 
 /// How long a client has to finish its TLS handshake.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
@@ -30,14 +33,15 @@ const DEADLINES: Deadlines = Deadlines {
     idle: Duration::from_secs(120),
 };
 
-/// TLS for a control plane's own listener.
-#[derive(Args, Clone)]
+/// TLS for a control plane's own listener (with the `clap` feature, its flags).
+#[cfg_attr(feature = "clap", derive(clap::Args))]
+#[derive(Clone, Default)]
 pub struct TlsListenArgs {
     /// Serve over HTTPS with this certificate chain (PEM, leaf first); needs --tls-key.
-    #[arg(long, requires = "tls_key", value_name = "PEM")]
+    #[cfg_attr(feature = "clap", arg(long, requires = "tls_key", value_name = "PEM"))]
     pub tls_cert: Option<PathBuf>,
     /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1).
-    #[arg(long, requires = "tls_cert", value_name = "PEM")]
+    #[cfg_attr(feature = "clap", arg(long, requires = "tls_cert", value_name = "PEM"))]
     pub tls_key: Option<PathBuf>,
 }
 
@@ -222,5 +226,154 @@ mod tests {
             assert!(ok(open, Some("t")).is_ok());
         }
         assert!(ok("127.0.0.1:1", Some(" ")).is_err());
+    }
+
+    #[test]
+    fn only_refusals_before_the_body_say_the_connection_closes() {
+        use axum::http::{header, StatusCode};
+        use axum::response::IntoResponse;
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        for (status, closes) in [
+            (StatusCode::PAYLOAD_TOO_LARGE, true),
+            (StatusCode::UNAUTHORIZED, true),
+            (StatusCode::OK, false),
+            (StatusCode::BAD_REQUEST, false),
+        ] {
+            let r = rt.block_on(close_after_refusal(status.into_response()));
+            let close = r.headers().get(header::CONNECTION);
+            assert_eq!(close.is_some_and(|v| v == "close"), closes, "{status}");
+        }
+    }
+
+    /// Starts `app` under [`serve`] on a loopback port: that port, and the runtime serving it.
+    fn served(app: axum::Router) -> (tokio::runtime::Runtime, SocketAddr) {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(1)
+            .enable_all()
+            .build()
+            .unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        rt.spawn(async move {
+            let tls = TlsListenArgs::default();
+            let ready = move |addr, tls| tx.send((addr, tls)).unwrap();
+            serve(
+                "127.0.0.1:0".parse().unwrap(),
+                &tls,
+                app,
+                std::future::pending(),
+                ready,
+            )
+            .await
+        });
+        let (addr, tls) = rx.recv().unwrap();
+        assert!(!tls, "no --tls-cert: plain");
+        (rt, addr)
+    }
+
+    /// Sends `request` on a connection of its own and reads the answer until the server
+    /// closes it.
+    fn exchange(rt: &tokio::runtime::Runtime, addr: SocketAddr, request: &[u8]) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        rt.block_on(async {
+            let mut c = tokio::net::TcpStream::connect(addr).await.unwrap();
+            c.write_all(request).await.unwrap();
+            let mut answer = Vec::new();
+            tokio::time::timeout(Duration::from_secs(10), c.read_to_end(&mut answer))
+                .await
+                .expect("the server closes the connection")
+                .unwrap();
+            String::from_utf8_lossy(&answer).into_owned()
+        })
+    }
+
+    /// The token check and a body limit as a control plane stacks them, driven through the
+    /// listener: a request without the token, or with a body over the limit, is refused and
+    /// its connection closed; `/health` stays open.
+    #[test]
+    fn the_token_and_the_body_limit_refuse_and_close() {
+        use axum::routing::{get, post};
+        let guarded = axum::Router::new()
+            .route(
+                "/data",
+                post(|body: axum::body::Bytes| async move { body.len().to_string() }),
+            )
+            .route_layer(axum::middleware::from_fn_with_state(
+                bearer::BearerToken::new(Some("s3cret")),
+                bearer::require,
+            ));
+        let app = axum::Router::new()
+            .merge(guarded)
+            .route("/health", get(|| async { "ok" }))
+            .layer(axum::extract::DefaultBodyLimit::max(16));
+        let (rt, addr) = served(app);
+
+        let unauthorized = exchange(
+            &rt,
+            addr,
+            b"POST /data HTTP/1.1\r\nHost: a\r\nContent-Length: 2\r\n\r\nhi",
+        );
+        assert!(unauthorized.starts_with("HTTP/1.1 401"), "{unauthorized}");
+        assert!(
+            unauthorized
+                .to_ascii_lowercase()
+                .contains("connection: close"),
+            "{unauthorized}"
+        );
+        assert!(unauthorized.contains("unauthorized"), "{unauthorized}");
+
+        let big = format!(
+            "POST /data HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer s3cret\r\nContent-Length: 64\r\n\r\n{}",
+            "x".repeat(64)
+        );
+        let too_large = exchange(&rt, addr, big.as_bytes());
+        assert!(too_large.starts_with("HTTP/1.1 413"), "{too_large}");
+        assert!(
+            too_large.to_ascii_lowercase().contains("connection: close"),
+            "{too_large}"
+        );
+
+        let fits = exchange(
+            &rt,
+            addr,
+            b"POST /data HTTP/1.1\r\nHost: a\r\nAuthorization: Bearer s3cret\r\nContent-Length: 2\r\nConnection: close\r\n\r\nhi",
+        );
+        assert!(
+            fits.starts_with("HTTP/1.1 200") && fits.ends_with("\r\n\r\n2"),
+            "{fits}"
+        );
+
+        let health = exchange(
+            &rt,
+            addr,
+            b"GET /health HTTP/1.1\r\nHost: a\r\nConnection: close\r\n\r\n",
+        );
+        assert!(
+            health.starts_with("HTTP/1.1 200") && health.ends_with("ok"),
+            "{health}"
+        );
+    }
+
+    #[test]
+    fn an_unreadable_tls_pair_is_an_error_naming_the_flag() {
+        let dir = std::env::temp_dir().join(format!("tokentap-cp-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let missing = TlsListenArgs {
+            tls_cert: Some(dir.join("absent.pem")),
+            tls_key: Some(dir.join("absent.key")),
+        };
+        let e = missing.server_config().expect_err("no such file");
+        assert!(e.to_string().contains("--tls-cert"), "{e}");
+        let not_pem = dir.join("not.pem");
+        std::fs::write(&not_pem, "no certificate here").unwrap();
+        let empty = TlsListenArgs {
+            tls_cert: Some(not_pem.clone()),
+            tls_key: Some(not_pem),
+        };
+        let e = empty.server_config().expect_err("no certificate");
+        assert!(e.to_string().contains("no certificate"), "{e}");
+        assert!(TlsListenArgs::default().server_config().unwrap().is_none());
+        let _ = std::fs::remove_dir_all(dir);
     }
 }

@@ -23,7 +23,6 @@ use tokentap_proxy::backend::error_chain;
 use tokentap_proxy::capped_body::{self, MAX_BODY_READ};
 
 use anyhow::Context;
-use clap::Args;
 use prometheus::IntCounter;
 use tokentap_schema::ndjson::encode_line;
 use tokentap_schema::ship::{ShipAck, ShipLimits, SHIP_CONTENT_TYPE, SHIP_LIMITS_PATH, SHIP_PATH};
@@ -42,37 +41,6 @@ pub const CURSOR_FILE: &str = "ship-cursor.json";
 /// Records that will never be delivered, one JSON object a line (`reason`, `worker`,
 /// `position`, `record`), next to the cursor; created 0600.
 pub const DEAD_LETTER_FILE: &str = "dead-letter.ndjson";
-
-#[derive(Args)]
-#[command(after_help = "Examples:
-  # ship what a proxy captured to a worker, then keep following the spool
-  TOKENTAP_WORKER_TOKEN=... tokentap ship --spool ./spool --to https://worker:8900 --follow
-
-Records the worker will never take are kept in SPOOL/dead-letter.ndjson.")]
-pub struct ShipArgs {
-    /// The spool to ship.
-    #[arg(long, default_value = "tokentap-spool")]
-    spool: PathBuf,
-    /// The worker's base URL.
-    #[arg(long)]
-    to: String,
-    /// Keep following the spool for new records (until SIGINT/SIGTERM).
-    #[arg(long)]
-    follow: bool,
-    #[command(flatten)]
-    auth: ShipAuthArgs,
-    /// A PEM file of CA certificates to trust (besides the system's) for an https:// worker.
-    #[arg(long, env = "TOKENTAP_CA_FILE")]
-    ca_file: Option<PathBuf>,
-}
-
-/// The worker's token, wherever records are shipped from.
-#[derive(Args, Clone)]
-pub struct ShipAuthArgs {
-    /// Bearer token of the worker (its --token).
-    #[arg(long, env = "TOKENTAP_WORKER_TOKEN", hide_env_values = true)]
-    pub ship_token: Option<String>,
-}
 
 /// Where and how records are sent.
 #[derive(Clone)]
@@ -535,46 +503,6 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// `tokentap ship`.
-pub fn run(args: ShipArgs) -> anyhow::Result<()> {
-    let drain = Arc::new(AtomicBool::new(!args.follow));
-    for signal in [libc::SIGINT, libc::SIGTERM] {
-        signal_sets(signal, drain.clone());
-    }
-    let target = ShipTarget {
-        to: args.to.clone(),
-        token: args.auth.ship_token.clone(),
-        ca_roots: load_ca_file(args.ca_file.as_deref())?,
-    };
-    let totals = ship(
-        &args.spool,
-        &target,
-        &ShipStop {
-            drain,
-            drain_deadline: Duration::from_secs(if args.follow { 10 } else { 60 }),
-        },
-        BatchLimits::default(),
-        DownstreamMetrics::unregistered(),
-    )?;
-    println!(
-        "shipped {} records in {} batches ({} duplicates dropped by the worker, {} rejected, {} dead-lettered, {} retries)",
-        totals.records,
-        totals.batches,
-        totals.duplicates,
-        totals.rejected,
-        totals.dead_lettered,
-        totals.retries
-    );
-    if totals.dead_lettered > 0 {
-        eprintln!(
-            "{} records could not be delivered; they are in {}",
-            totals.dead_lettered,
-            args.spool.join(DEAD_LETTER_FILE).display()
-        );
-    }
-    Ok(())
-}
-
 /// The CA certificates of a `--ca-file` (PEM, one or more), to trust besides the built-in
 /// roots; none without one.
 pub fn load_ca_file(path: Option<&Path>) -> anyhow::Result<Vec<reqwest::Certificate>> {
@@ -589,23 +517,6 @@ pub fn load_ca_file(path: Option<&Path>) -> anyhow::Result<Vec<reqwest::Certific
         anyhow::bail!("--ca-file {}: no certificate in it", path.display());
     }
     Ok(certs)
-}
-
-/// Sets `flag` when `signal` arrives (a thread waits on the signal through tokio).
-pub fn signal_sets(signal: libc::c_int, flag: Arc<AtomicBool>) {
-    std::thread::spawn(move || {
-        let rt = tokio::runtime::Builder::new_current_thread()
-            .enable_all()
-            .build()
-            .expect("a signal runtime");
-        rt.block_on(async {
-            use tokio::signal::unix::{signal as on, SignalKind};
-            if let Ok(mut s) = on(SignalKind::from_raw(signal)) {
-                s.recv().await;
-                flag.store(true, Ordering::Relaxed);
-            }
-        });
-    });
 }
 
 #[cfg(test)]

@@ -4,13 +4,14 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use tokentap_node_agent::agent::ContainerLookup;
-use tokentap_node_agent::docker::{DockerSource, DockerSourceConfig};
-use tokentap_node_agent::kubernetes::{KubernetesSource, KubernetesSourceConfig};
-use tokentap_node_agent::WorkloadEvent;
+use crate::agent::ContainerLookup;
+use crate::docker::{DockerSource, DockerSourceConfig};
+use crate::kubernetes::{KubernetesSource, KubernetesSourceConfig};
+use crate::WorkloadEvent;
 
-/// Where workloads come from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+/// Where workloads come from (with the `clap` feature, `--source`'s values).
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Source {
     /// Containers labelled tokentap.io/capture=true (Docker Engine API; Podman's socket too).
     Docker,
@@ -18,6 +19,7 @@ pub enum Source {
     Kubernetes,
 }
 
+/// What the sources need to know of the host.
 pub struct SourceOptions {
     pub docker_host: String,
     pub node_name: Option<String>,
@@ -40,6 +42,7 @@ impl Drop for Sources {
     }
 }
 
+/// Starts `sources`, each feeding `events`.
 pub async fn start(
     sources: &[Source],
     options: &SourceOptions,

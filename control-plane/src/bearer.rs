@@ -1,5 +1,5 @@
-//! Bearer-token authentication of tokentap's HTTP control planes (`tokentap serve` and
-//! `tokentap worker`): one middleware, so both refuse the same way.
+//! Bearer-token authentication of tokentap's HTTP control planes (`tokentap serve`, `worker`,
+//! `view`, `node-agent`, `webhook`): one middleware, so all refuse the same way.
 //!
 //! Every route but `/health` goes behind [`require`] when a token is configured. The
 //! comparison is constant-time ([`subtle`]), so response timing does not reveal how much of a
