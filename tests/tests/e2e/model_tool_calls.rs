@@ -119,15 +119,7 @@ fn streamed_tool_calls(wire: Wire, body: &str) -> Vec<(String, String)> {
 
 /// The text of a tool message (or any message) of an engine request.
 fn text_of(m: &Value) -> String {
-    match &m["content"] {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p["text"].as_str())
-            .collect::<Vec<_>>()
-            .join(""),
-        _ => String::new(),
-    }
+    tokentap_e2e::scripted::content_text(&m["content"])
 }
 
 /// Runs a harness against tokentap in front of llama-server on the tool model (a tee on each
