@@ -94,6 +94,30 @@ impl Tokenizer {
         Ok(t)
     }
 
+    /// What `--tokenizer PATH` names: a Hugging Face model directory ([`Tokenizer::from_dir`]),
+    /// a `tokenizer.json` (with the `tokenizer_config.json` beside it, when there is one), or
+    /// a GGUF file (recognised by its magic, whatever its name).
+    pub fn open(path: &Path) -> Result<Tokenizer, TokenizerError> {
+        if path.is_dir() {
+            return Tokenizer::from_dir(path);
+        }
+        let mut magic = [0u8; 4];
+        let is_gguf = std::fs::File::open(path)
+            .and_then(|mut f| std::io::Read::read_exact(&mut f, &mut magic))
+            .map(|()| &magic == b"GGUF");
+        match is_gguf {
+            Ok(true) => Tokenizer::from_gguf(path),
+            Ok(false) => {
+                let config = path.with_file_name("tokenizer_config.json");
+                Tokenizer::from_files(path, config.is_file().then_some(config.as_path()))
+            }
+            Err(source) => Err(TokenizerError::Io {
+                path: path.display().to_string(),
+                source,
+            }),
+        }
+    }
+
     /// A `tokenizer.json`, and optionally its `tokenizer_config.json`.
     pub fn from_files(
         tokenizer_json: &Path,

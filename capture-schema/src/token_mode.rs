@@ -1,0 +1,141 @@
+//! `--token-mode observe`: tokentap renders and tokenizes each call's conversation itself with
+//! the model's own chat template and tokenizer, and records how that compares with the
+//! engine's prompt ids and with the session's earlier calls. Calls still go to the engine as
+//! text; this measures how much of the data re-rendering changes before anything is switched.
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// What tokentap found out about one call's prompt ids (`CaptureRecord::token_observation`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenObservation {
+    /// tokentap's ids for the conversation against the engine's prompt ids.
+    pub render: RenderComparison,
+    /// How the engine's prompt goes on from the session's earlier calls.
+    pub continuation: Continuation,
+    /// Time tokentap took to render and tokenize the conversation, in microseconds.
+    pub render_us: u64,
+}
+
+/// tokentap's rendering of the call against what the engine saw.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum RenderComparison {
+    /// The same ids.
+    Equal { tokens: u32 },
+    /// Different ids, from token `at` on.
+    Differs {
+        at: u32,
+        ours_len: u32,
+        engine_len: u32,
+        /// The first differing stretch, classified.
+        span: DriftSpan,
+    },
+    /// Nothing to compare: no engine prompt ids, or the template refused or failed.
+    Unavailable { reason: String },
+}
+
+/// How a call's prompt continues the session (compared by token ids, never by text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Continuation {
+    /// The session's first call on this proxy (or the first since its state was evicted).
+    First,
+    /// The prompt is an earlier call's prompt + the ids it sampled + `appended` new tokens:
+    /// append-only, one trace.
+    Extends { record_id: String, appended: u32 },
+    /// The prompt repeats an earlier call's prompt exactly (a retry).
+    Repeats { record_id: String },
+    /// The prompt keeps an earlier call's prompt but not the ids it sampled: the conversation
+    /// was re-rendered there. Each span says where and why.
+    Diverges {
+        record_id: String,
+        spans: Vec<DriftSpan>,
+    },
+    /// The prompt shares less than the prompt of every kept call of the session (a compaction,
+    /// edited history, a new system prompt, a subagent): `common` tokens with the closest.
+    NewPrefix {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        closest_record_id: Option<String>,
+        common: u32,
+    },
+    /// Nothing to compare: the engine gave no prompt ids.
+    Unavailable { reason: String },
+}
+
+/// One stretch where two token sequences part: a span of the earlier ids (sampled, or
+/// tokentap's rendering) and what stands in its place in the engine's prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DriftSpan {
+    /// Index in the engine's prompt where the span starts.
+    pub at: u32,
+    /// Tokens of the earlier sequence in the span.
+    pub before_len: u32,
+    /// Tokens of the engine's prompt in their place.
+    pub prompt_len: u32,
+    pub cause: DriftCause,
+    /// The span's text on each side (special tokens included), each cut to 200 characters.
+    pub before_text: String,
+    pub prompt_text: String,
+}
+
+/// Why ids differ where the text was meant to be the same.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftCause {
+    /// The template left out reasoning the model sampled (Qwen3, GLM, MiniMax, …).
+    ReasoningDropped,
+    /// Only special tokens or whitespace differ: a turn's end or separator written
+    /// differently (a stop token the engine kept or dropped, an added newline).
+    BoundaryToken,
+    /// The same text, tokenized differently (`"\n","\n"` against `"\n\n"`).
+    MergeDifference,
+    /// Different text: the harness changed what came back (re-serialized tool-call JSON,
+    /// trimmed whitespace), or the template writes it differently.
+    ContentChanged,
+}
+
+impl DriftCause {
+    pub const ALL: [DriftCause; 4] = [
+        DriftCause::ReasoningDropped,
+        DriftCause::BoundaryToken,
+        DriftCause::MergeDifference,
+        DriftCause::ContentChanged,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriftCause::ReasoningDropped => "reasoning_dropped",
+            DriftCause::BoundaryToken => "boundary_token",
+            DriftCause::MergeDifference => "merge_difference",
+            DriftCause::ContentChanged => "content_changed",
+        }
+    }
+}
+
+impl Continuation {
+    /// The label of the kind (`first`, `extends`, …), for metrics and summaries.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Continuation::First => "first",
+            Continuation::Extends { .. } => "extends",
+            Continuation::Repeats { .. } => "repeats",
+            Continuation::Diverges { .. } => "diverges",
+            Continuation::NewPrefix { .. } => "new_prefix",
+            Continuation::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+impl RenderComparison {
+    /// `equal`, `differs` or `unavailable`.
+    pub fn result(&self) -> &'static str {
+        match self {
+            RenderComparison::Equal { .. } => "equal",
+            RenderComparison::Differs { .. } => "differs",
+            RenderComparison::Unavailable { .. } => "unavailable",
+        }
+    }
+}
