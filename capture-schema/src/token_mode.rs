@@ -3,6 +3,9 @@
 //! engine's prompt ids and with the session's earlier calls. Calls still go to the engine as
 //! text; this measures how much of the data re-rendering changes before anything is switched.
 
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
 use schemars::JsonSchema;
 use serde::{Deserialize, Serialize};
 
@@ -137,5 +140,66 @@ impl RenderComparison {
             RenderComparison::Differs { .. } => "differs",
             RenderComparison::Unavailable { .. } => "unavailable",
         }
+    }
+}
+
+/// `--token-mode observe`'s findings over many calls: a session's (`sessions.jsonl`'s
+/// `stats.token_mode`) or a spool's (`tokentap records summary`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenModeTally {
+    /// Calls with an observation.
+    pub observed: u32,
+    /// By [`RenderComparison::result`].
+    pub render: BTreeMap<String, u32>,
+    /// By [`Continuation::kind`].
+    pub continuations: BTreeMap<String, u32>,
+    /// Drift spans of `diverges` calls, by cause.
+    pub drift_spans: BTreeMap<DriftCause, u32>,
+}
+
+impl TokenModeTally {
+    pub fn add(&mut self, o: &TokenObservation) {
+        self.observed += 1;
+        *self.render.entry(o.render.result().into()).or_default() += 1;
+        *self
+            .continuations
+            .entry(o.continuation.kind().into())
+            .or_default() += 1;
+        if let Continuation::Diverges { spans, .. } = &o.continuation {
+            for s in spans {
+                *self.drift_spans.entry(s.cause).or_default() += 1;
+            }
+        }
+    }
+
+    /// One line: `observed 12  ids equal to the engine's 12  extends 8  diverges 3
+    /// (reasoning_dropped 3)  new_prefix 0  first 1`.
+    pub fn line(&self) -> String {
+        let get = |m: &BTreeMap<String, u32>, k: &str| m.get(k).copied().unwrap_or(0);
+        let mut out = format!(
+            "observed {}  ids equal to the engine's {}  differ {}  unavailable {}  |  first {}  extends {}  repeats {}  diverges {}",
+            self.observed,
+            get(&self.render, "equal"),
+            get(&self.render, "differs"),
+            get(&self.render, "unavailable"),
+            get(&self.continuations, "first"),
+            get(&self.continuations, "extends"),
+            get(&self.continuations, "repeats"),
+            get(&self.continuations, "diverges"),
+        );
+        if !self.drift_spans.is_empty() {
+            let causes: Vec<String> = self
+                .drift_spans
+                .iter()
+                .map(|(c, n)| format!("{} {n}", c.as_str()))
+                .collect();
+            let _ = write!(out, " ({})", causes.join(", "));
+        }
+        let _ = write!(
+            out,
+            "  new_prefix {}",
+            get(&self.continuations, "new_prefix")
+        );
+        out
     }
 }

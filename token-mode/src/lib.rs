@@ -11,5 +11,5 @@ pub mod drift;
 mod model;
 mod observer;
 
-pub use model::{TokenMode, TokenModel};
+pub use model::{EngineDialect, TokenMode, TokenModel};
 pub use observer::{CallView, Observer, ObserverLimits};

@@ -112,6 +112,11 @@ impl Observer {
         &self.model
     }
 
+    /// Sessions with tips kept.
+    pub fn sessions(&self) -> usize {
+        self.lock().sessions.len()
+    }
+
     /// Token ids held in all sessions' tips.
     pub fn held_tokens(&self) -> usize {
         self.lock().held

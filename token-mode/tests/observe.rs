@@ -9,7 +9,7 @@ use std::path::PathBuf;
 
 use serde_json::json;
 use tokentap_schema::{ChatRequest, Continuation, DriftCause, RenderComparison};
-use tokentap_token_mode::{CallView, Observer, ObserverLimits, TokenModel};
+use tokentap_token_mode::{CallView, EngineDialect, Observer, ObserverLimits, TokenModel};
 
 fn model() -> TokenModel {
     let path = std::env::var_os("TOKENTAP_MODEL_TINY_TOOLS")
@@ -23,7 +23,8 @@ fn model() -> TokenModel {
         "{} is missing: run scripts/setup and source ~/.cache/tokentap/env.sh",
         path.display()
     );
-    TokenModel::open(&path).expect("the tool model's tokenizer and template")
+    TokenModel::open(&path, EngineDialect::Transformers)
+        .expect("the tool model's tokenizer and template")
 }
 
 fn request(messages: serde_json::Value) -> ChatRequest {
@@ -427,4 +428,53 @@ fn what_the_observer_holds_is_bounded() {
     observe(&o, "a", &a);
     observe(&o, "b", &a);
     assert_eq!(o.held_tokens(), per_call);
+}
+
+#[test]
+fn text_parts_reach_a_string_template_joined_as_the_engines_join_them() {
+    // Harnesses send content as parts (Codex, Claude Code, Pi over Responses and Messages);
+    // Qwen3's template takes strings only, so llama.cpp and vLLM join the text parts with
+    // "\n" before rendering. Without that the template fails (`+` on a list).
+    let m = model();
+    let parts = request(json!([{"role": "user", "content": [
+        {"type": "text", "text": "first part"},
+        {"type": "text", "text": "second part"}]}]));
+    let joined = request(json!([user("first part\nsecond part")]));
+    assert_eq!(
+        m.prompt_ids(&parts).unwrap(),
+        m.prompt_ids(&joined).unwrap()
+    );
+    assert!(m
+        .prompt_text(&parts)
+        .unwrap()
+        .contains("first part\nsecond part"));
+}
+
+#[test]
+fn llama_cpp_hands_developer_messages_and_tools_to_the_template_its_own_way() {
+    // What llama-server rendered for Codex and Pi (seen in the harness tests): `developer` as
+    // `system`, tools without `strict` and with `parameters: {}` when absent.
+    let path = std::env::var_os("TOKENTAP_MODEL_TINY_TOOLS")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var("HOME").unwrap())
+                .join(".cache/tokentap/models/tiny-qwen3-tools.gguf")
+        });
+    let llama = TokenModel::open(&path, EngineDialect::LlamaCpp).unwrap();
+    let hf = model();
+    let as_sent: ChatRequest = serde_json::from_value(json!({"model": "m",
+        "messages": [{"role": "developer", "content": text("Be brief."), "content_was_string": true}, user("hi")],
+        "tools": [{"name": "bash", "strict": false}]})).unwrap();
+    let as_llama: ChatRequest = serde_json::from_value(json!({"model": "m",
+        "messages": [{"role": "system", "content": text("Be brief."), "content_was_string": true}, user("hi")],
+        "tools": [{"name": "bash", "description": "", "parameters": {}}]})).unwrap();
+    assert_eq!(
+        llama.prompt_text(&as_sent).unwrap(),
+        hf.prompt_text(&as_llama).unwrap()
+    );
+    // transformers passes them as given: Qwen3's template skips a developer message.
+    assert_ne!(
+        hf.prompt_text(&as_sent).unwrap(),
+        hf.prompt_text(&as_llama).unwrap()
+    );
 }

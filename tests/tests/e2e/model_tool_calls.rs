@@ -13,6 +13,7 @@
 use std::time::Instant;
 
 use serde_json::{json, Value};
+use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::checks::{assert_complete_token_data, assert_records_match_engine};
 use tokentap_e2e::harness::{
     run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
@@ -22,6 +23,7 @@ use tokentap_e2e::sse::{parse_chat_stream, typed_events};
 use tokentap_e2e::tee::{Exchange, TeeProxy};
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
 use tokentap_e2e::{CaptureRecord, SessionSource};
+use tokentap_schema::{Continuation, RenderComparison};
 
 const PROMPT: &str = "Where am I? Use the shell.";
 /// The tool model's whole answer once a tool result is in the conversation.
@@ -34,6 +36,9 @@ struct ToolLoop {
     arg: &'static str,
     wire: Wire,
     session: SessionSource,
+    /// `--token-mode observe` without `--tokenizer`: the model file llama.cpp's `/props`
+    /// names.
+    tokenizer_from_engine: bool,
 }
 
 /// A tool call as a harness received it on its stream: (name, arguments as one string).
@@ -132,7 +137,16 @@ async fn model_tool_loop(
     let llama = LlamaServer::shared_tool_model().await;
     let tok = llama.tokenizer();
     let engine = TeeProxy::start(&llama.url).await;
-    let tokentap = Tokentap::start(TokentapConfig::new(engine.url.clone(), "llamacpp")).await;
+    // Observe mode on every run: tokentap renders and tokenizes each call with the model's
+    // own template and tokenizer (the GGUF), beside the engine.
+    let mut config =
+        TokentapConfig::new(engine.url.clone(), "llamacpp").arg("--token-mode=observe");
+    if !t.tokenizer_from_engine {
+        config = config
+            .arg("--tokenizer")
+            .arg(Artefacts::require_tool_model().display().to_string());
+    }
+    let tokentap = Tokentap::start(config).await;
     let harness_side = TeeProxy::start(&tokentap.url).await;
     let dirs = HarnessDirs::new();
 
@@ -264,6 +278,39 @@ async fn model_tool_loop(
         p2.starts_with(&[&p1[..], &ids[..]].concat()),
         "{what}: the follow-up's prompt ids do not extend the call's prompt and completion ids"
     );
+
+    // Observe mode: tokentap's own rendering and tokenizing of every call gave llama-server's
+    // prompt ids, and it saw the follow-up extend the call (no drift: the template writes the
+    // call back as sampled, and there is no reasoning to drop).
+    for r in &records {
+        let o = r
+            .token_observation
+            .as_ref()
+            .unwrap_or_else(|| panic!("{what}: seq {} has no token observation", r.seq));
+        assert_eq!(
+            o.render,
+            RenderComparison::Equal {
+                tokens: r.prompt_token_ids.as_ref().unwrap().len() as u32
+            },
+            "{what}: seq {}: tokentap's ids are not llama-server's",
+            r.seq
+        );
+    }
+    assert_eq!(
+        follow.token_observation.as_ref().unwrap().continuation,
+        Continuation::Extends {
+            record_id: call.record_id.clone(),
+            appended: (p2.len() - p1.len() - ids.len()) as u32,
+        },
+        "{what}"
+    );
+    assert_eq!(
+        tokentap
+            .metric("tokentap_token_mode_render_total{result=\"equal\"}")
+            .await,
+        Some(records.len() as f64),
+        "{what}"
+    );
     (tokentap, records)
 }
 
@@ -273,13 +320,18 @@ fn shell(tool: &'static str, wire: Wire) -> ToolLoop {
         arg: "command",
         wire,
         session: SessionSource::ApiKey,
+        tokenizer_from_engine: false,
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_runs_the_models_own_bash_call_over_chat_completions() {
     let wire = Wire::ChatCompletions;
-    let (_, records) = model_tool_loop("pi -p", shell("bash", wire), async |d, s| {
+    let tool_loop = ToolLoop {
+        tokenizer_from_engine: true,
+        ..shell("bash", wire)
+    };
+    let (_, records) = model_tool_loop("pi -p", tool_loop, async |d, s| {
         run_pi(d, s, wire, "sk-e2e-pi-model-tools", "m", PROMPT).await
     })
     .await;
@@ -369,6 +421,7 @@ async fn heavy_codex_runs_the_models_own_exec_command_call() {
         arg: "cmd",
         wire: Wire::Responses,
         session: SessionSource::HarnessHeader,
+        tokenizer_from_engine: false,
     };
     model_tool_loop("codex exec", t, async |d, s| {
         run_codex(d, s, "sk-e2e-codex-model-tools", "m", PROMPT).await
@@ -383,6 +436,7 @@ async fn heavy_claude_code_runs_the_models_own_bash_call() {
         arg: "command",
         wire: Wire::Messages,
         session: SessionSource::HarnessHeader,
+        tokenizer_from_engine: false,
     };
     model_tool_loop("claude -p", t, async |d, s| {
         run_claude(d, s, "sk-ant-e2e-claude-model-tools", "m", PROMPT, true).await
