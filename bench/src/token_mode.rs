@@ -18,7 +18,8 @@ use tokentap_token_mode::{CallView, EngineDialect, Observer, ObserverLimits, Tok
 #[derive(Args)]
 pub struct TokenModeBenchArgs {
     /// The model's tokenizer and template (a GGUF, a tokenizer.json or an HF directory)
-    /// [default: $TOKENTAP_MODEL_TINY_TOOLS, the tiny model with Qwen3's tokenizer and template].
+    /// [default: $TOKENTAP_MODEL_TINY_TOOLS, else the cache's tiny-qwen3-tools.gguf: Qwen3's
+    /// tokenizer and template].
     #[arg(long)]
     tokenizer: Option<PathBuf>,
     /// Size of the whole conversation, in bytes of message text.
@@ -87,8 +88,15 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         .tokenizer
         .clone()
         .or_else(|| std::env::var_os("TOKENTAP_MODEL_TINY_TOOLS").map(PathBuf::from))
+        .or_else(|| {
+            let home = std::env::var_os("HOME")?;
+            Some(PathBuf::from(home).join(".cache/tokentap/models/tiny-qwen3-tools.gguf"))
+        })
+        .filter(|p| p.exists())
         .ok_or_else(|| {
-            anyhow::anyhow!("give --tokenizer PATH (or set TOKENTAP_MODEL_TINY_TOOLS)")
+            anyhow::anyhow!(
+                "give --tokenizer PATH (or run scripts/setup, which makes the tiny tool model)"
+            )
         })?;
     let model = TokenModel::open(&path, EngineDialect::LlamaCpp).map_err(anyhow::Error::msg)?;
     let body: Value =
