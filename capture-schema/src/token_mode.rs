@@ -203,3 +203,84 @@ impl TokenModeTally {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(cause: DriftCause) -> DriftSpan {
+        DriftSpan {
+            at: 10,
+            before_len: 3,
+            prompt_len: 0,
+            cause,
+            before_text: "<think>x</think>".into(),
+            prompt_text: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_tally_counts_results_kinds_and_spans_and_says_so_in_one_line() {
+        let mut t = TokenModeTally::default();
+        let equal = RenderComparison::Equal { tokens: 5 };
+        for continuation in [
+            Continuation::First,
+            Continuation::Extends {
+                record_id: "a".into(),
+                appended: 4,
+            },
+            Continuation::Diverges {
+                record_id: "b".into(),
+                spans: vec![
+                    span(DriftCause::ReasoningDropped),
+                    span(DriftCause::ReasoningDropped),
+                    span(DriftCause::BoundaryToken),
+                ],
+            },
+        ] {
+            t.add(&TokenObservation {
+                render: equal.clone(),
+                continuation,
+                render_us: 1,
+            });
+        }
+        t.add(&TokenObservation {
+            render: RenderComparison::Unavailable { reason: "x".into() },
+            continuation: Continuation::NewPrefix {
+                closest_record_id: None,
+                common: 0,
+            },
+            render_us: 1,
+        });
+        assert_eq!(t.observed, 4);
+        assert_eq!(t.drift_spans[&DriftCause::ReasoningDropped], 2);
+        assert_eq!(
+            t.line(),
+            "observed 4  ids equal to the engine's 3  differ 0  unavailable 1  |  first 1  extends 1  repeats 0  diverges 1 (reasoning_dropped 2, boundary_token 1)  new_prefix 1"
+        );
+        // As sessions.jsonl writes it: causes as snake_case keys, and back.
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["drift_spans"]["reasoning_dropped"], 2);
+        assert_eq!(serde_json::from_value::<TokenModeTally>(json).unwrap(), t);
+    }
+
+    #[test]
+    fn observations_serialize_with_their_tags() {
+        let o = TokenObservation {
+            render: RenderComparison::Equal { tokens: 7 },
+            continuation: Continuation::Diverges {
+                record_id: "r1".into(),
+                spans: vec![span(DriftCause::MergeDifference)],
+            },
+            render_us: 12,
+        };
+        let v = serde_json::to_value(&o).unwrap();
+        assert_eq!(
+            v["render"],
+            serde_json::json!({"result": "equal", "tokens": 7})
+        );
+        assert_eq!(v["continuation"]["kind"], "diverges");
+        assert_eq!(v["continuation"]["spans"][0]["cause"], "merge_difference");
+        assert_eq!(serde_json::from_value::<TokenObservation>(v).unwrap(), o);
+    }
+}

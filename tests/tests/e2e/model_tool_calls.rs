@@ -21,7 +21,7 @@ use tokentap_e2e::harness::{
 use tokentap_e2e::llama::{LlamaServer, QWEN3_END_OF_TURN, QWEN3_TOOL_CALL};
 use tokentap_e2e::sse::{parse_chat_stream, typed_events};
 use tokentap_e2e::tee::{Exchange, TeeProxy};
-use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::tokentap::{tokentap_cli, Tokentap, TokentapConfig};
 use tokentap_e2e::{CaptureRecord, SessionSource};
 use tokentap_schema::{Continuation, RenderComparison};
 
@@ -311,6 +311,35 @@ async fn model_tool_loop(
         Some(records.len() as f64),
         "{what}"
     );
+    // The same findings in `records summary` and, per session, in sessions.jsonl.
+    let spool = tokentap.spool.to_str().unwrap();
+    let summary = tokentap_cli(&["records", "summary", "--spool", spool]).await;
+    assert!(summary.success, "{}", summary.stderr);
+    let n = records.len();
+    assert!(
+        summary.stdout.contains(&format!(
+            "token mode: observed {n}  ids equal to the engine's {n}  differ 0  unavailable 0"
+        )),
+        "{what}: {}",
+        summary.stdout
+    );
+    let out = tempfile::tempdir().unwrap();
+    let cli = tokentap_cli(&[
+        "reconstruct",
+        "--spool",
+        spool,
+        "--out",
+        out.path().to_str().unwrap(),
+    ])
+    .await;
+    assert!(cli.success, "{}", cli.stderr);
+    let sessions = std::fs::read_to_string(out.path().join("sessions.jsonl")).unwrap();
+    let observed: u64 = sessions
+        .lines()
+        .map(|l| serde_json::from_str::<Value>(l).unwrap())
+        .map(|s| s["stats"]["token_mode"]["observed"].as_u64().unwrap_or(0))
+        .sum();
+    assert_eq!(observed as usize, n, "{what}: {sessions}");
     (tokentap, records)
 }
 
