@@ -5,7 +5,9 @@
 //! first byte picks role and shape).
 //! Invariants: no panic; rendering is deterministic (the same text, or the same error, twice);
 //! the fast encoder gives the `tokenizers` pipeline's ids on the rendering and on the raw input
-//! text, and those ids decode back to the text.
+//! text, and those ids decode back to the text. And `--token-mode observe`'s observer (Qwen3's
+//! template on the first vocabulary) never panics on the conversation with arbitrary engine
+//! prompt ids and sampled ids (from the input's bytes) over two calls of one session.
 #![no_main]
 
 use std::sync::OnceLock;
@@ -14,6 +16,7 @@ use libfuzzer_sys::fuzz_target;
 use tokentap_chat_template::gguf::GgufVocabulary;
 use tokentap_chat_template::{ChatTemplate, RenderOptions, Tokenizer};
 use tokentap_schema::{ChatMessage, ChatRequest, Role, ToolCall};
+use tokentap_token_mode::{CallView, EngineDialect, Observer, ObserverLimits, TokenModel};
 
 const TEMPLATES: [&str; 8] = [
     include_str!("../../chat-template/tests/golden/templates/Qwen-Qwen3-0.6B.jinja"),
@@ -61,68 +64,107 @@ fn byte_chars() -> Vec<char> {
 fn tokenizers() -> &'static Vec<Tokenizer> {
     static T: OnceLock<Vec<Tokenizer>> = OnceLock::new();
     T.get_or_init(|| {
-        let chars = byte_chars();
-        let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
-        let mut types = vec![1i64; tokens.len()];
-        let mut merges = Vec::new();
-        let g = |s: &str| -> String { s.bytes().map(|b| chars[b as usize]).collect() };
-        for (a, b) in [
-            (" ", "t"),
-            ("h", "e"),
-            (" t", "he"),
-            ("i", "n"),
-            ("e", "r"),
-            (" ", "a"),
-            ("o", "n"),
-            ("\n", "\n"),
-            (" ", " "),
-            ("  ", "  "),
-            ("{", "\""),
-            ("\"", ":"),
-            ("in", "g"),
-            (" ", "s"),
-            ("r", "e"),
-            ("<", "/"),
-            ("1", "2"),
-        ] {
-            let (ga, gb) = (g(a), g(b));
-            merges.push(format!("{ga} {gb}"));
-            let joined = format!("{ga}{gb}");
-            if !tokens.contains(&joined) {
-                tokens.push(joined);
-                types.push(1);
-            }
-        }
-        // A multi-byte character as one token: é is C3 A9.
-        merges.push(format!("{} {}", chars[0xC3], chars[0xA9]));
-        tokens.push(format!("{}{}", chars[0xC3], chars[0xA9]));
-        types.push(1);
-        for special in [
-            "<|im_start|>",
-            "<|im_end|>",
-            "<|eot_id|>",
-            "<think>",
-            "</think>",
-            "<|start|>",
-            "<|end|>",
-        ] {
-            tokens.push(special.into());
-            types.push(3);
-        }
         PRES.iter()
             .map(|pre| {
                 let v = GgufVocabulary {
                     model: Some("gpt2".into()),
                     pre: Some((*pre).into()),
-                    tokens: tokens.clone(),
-                    merges: merges.clone(),
-                    token_types: types.clone(),
-                    ..Default::default()
+                    ..vocabulary()
                 };
                 Tokenizer::from_gguf_vocabulary(&v).unwrap()
             })
             .collect()
     })
+}
+
+/// The vocabulary of [`tokenizers`]: tokens, merges and token types.
+fn vocabulary() -> GgufVocabulary {
+    let chars = byte_chars();
+    let mut tokens: Vec<String> = chars.iter().map(|c| c.to_string()).collect();
+    let mut types = vec![1i64; tokens.len()];
+    let mut merges = Vec::new();
+    let g = |s: &str| -> String { s.bytes().map(|b| chars[b as usize]).collect() };
+    for (a, b) in [
+        (" ", "t"),
+        ("h", "e"),
+        (" t", "he"),
+        ("i", "n"),
+        ("e", "r"),
+        (" ", "a"),
+        ("o", "n"),
+        ("\n", "\n"),
+        (" ", " "),
+        ("  ", "  "),
+        ("{", "\""),
+        ("\"", ":"),
+        ("in", "g"),
+        (" ", "s"),
+        ("r", "e"),
+        ("<", "/"),
+        ("1", "2"),
+    ] {
+        let (ga, gb) = (g(a), g(b));
+        merges.push(format!("{ga} {gb}"));
+        let joined = format!("{ga}{gb}");
+        if !tokens.contains(&joined) {
+            tokens.push(joined);
+            types.push(1);
+        }
+    }
+    // A multi-byte character as one token: é is C3 A9.
+    merges.push(format!("{} {}", chars[0xC3], chars[0xA9]));
+    tokens.push(format!("{}{}", chars[0xC3], chars[0xA9]));
+    types.push(1);
+    for special in [
+        "<|im_start|>",
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<think>",
+        "</think>",
+        "<|start|>",
+        "<|end|>",
+    ] {
+        tokens.push(special.into());
+        types.push(3);
+    }
+    GgufVocabulary {
+        tokens,
+        merges,
+        token_types: types,
+        ..Default::default()
+    }
+}
+
+/// An observer on the first pre-tokenizer's vocabulary with Qwen3's template, its state kept
+/// small so every run exercises eviction too.
+fn observer() -> &'static Observer {
+    static O: OnceLock<Observer> = OnceLock::new();
+    O.get_or_init(|| {
+        let v = GgufVocabulary {
+            model: Some("gpt2".into()),
+            pre: Some(PRES[0].into()),
+            chat_templates: vec![("default".into(), TEMPLATES[0].into())],
+            ..vocabulary()
+        };
+        let tok = Tokenizer::from_gguf_vocabulary(&v).unwrap();
+        let model = TokenModel::new(tok, "fuzz".into(), EngineDialect::LlamaCpp).unwrap();
+        Observer::new(
+            model,
+            ObserverLimits {
+                sessions: 4,
+                tips_per_session: 3,
+                held_tokens: 1 << 16,
+            },
+        )
+    })
+}
+
+/// Ids from bytes, within the vocabulary (and a few beyond it).
+fn ids(bytes: &[u8]) -> Vec<u32> {
+    bytes
+        .chunks(2)
+        .map(|c| u32::from(c[0]) * 3 + u32::from(*c.get(1).unwrap_or(&0)) % 3)
+        .collect()
 }
 
 /// A conversation from bytes: 0x00 separates messages; a message's first byte picks its
@@ -209,5 +251,34 @@ fuzz_target!(|data: &[u8]| {
     if let Ok(text) = first {
         check_tokens(tok, &text);
     }
+    // Two calls of one session: the engine's prompt the template's own ids (so the tips
+    // line up) with the input's ids spliced in, sampled ids from the input.
+    let o = observer();
+    let own = o.model().prompt_ids(&request).unwrap_or_default();
+    let (a, b) = rest.split_at(rest.len() / 2);
+    let mut prompt = own.clone();
+    prompt.truncate(own.len() * usize::from(head & 3) / 3);
+    prompt.extend(ids(a));
+    let sampled = ids(b);
+    let session = format!("s{}", head >> 6);
+    o.observe(CallView {
+        session_id: &session,
+        record_id: "first",
+        request: &request,
+        engine_prompt: Some(&prompt),
+        completion: Some(&sampled),
+        reasoning: Some(&String::from_utf8_lossy(b)),
+    });
+    let mut next = prompt.clone();
+    next.extend(sampled.iter().rev().take(b.len() % 7));
+    next.extend(ids(a).iter().rev());
+    o.observe(CallView {
+        session_id: &session,
+        record_id: "second",
+        request: &request,
+        engine_prompt: Some(&next),
+        completion: None,
+        reasoning: None,
+    });
     check_tokens(tok, &String::from_utf8_lossy(rest));
 });
