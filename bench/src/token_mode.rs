@@ -8,6 +8,7 @@
 use std::path::PathBuf;
 use std::time::Instant;
 
+use crate::translate::time;
 use clap::Args;
 use serde_json::Value;
 use tokentap_proxy::wire::chat_completions::ChatCompletions;
@@ -31,23 +32,6 @@ pub struct TokenModeBenchArgs {
     /// Timed iterations per figure (after as many again of warm-up).
     #[arg(long, default_value_t = 200)]
     iterations: usize,
-}
-
-/// Times `f` `iterations` times after a warm-up; p50 and p99 in µs.
-fn time(iterations: usize, mut f: impl FnMut()) -> (f64, f64) {
-    for _ in 0..iterations {
-        f();
-    }
-    let mut us: Vec<f64> = (0..iterations)
-        .map(|_| {
-            let t = Instant::now();
-            f();
-            t.elapsed().as_secs_f64() * 1e6
-        })
-        .collect();
-    us.sort_by(|a, b| a.total_cmp(b));
-    let at = |q: f64| us[((us.len() - 1) as f64 * q).round() as usize];
-    (at(0.5), at(0.99))
 }
 
 /// Text of about `bytes` bytes that reads like a tool's output (paths, code, numbers).

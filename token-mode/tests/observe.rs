@@ -99,6 +99,17 @@ fn first_call(m: &TokenModel) -> Call {
     }
 }
 
+/// A call of `request` that the model answered `Done.`.
+fn answered_done(m: &TokenModel, request: ChatRequest, id: &'static str) -> Call {
+    Call {
+        prompt: m.prompt_ids(&request).unwrap(),
+        completion: m.tokenizer().encode("Done.<|im_end|>").unwrap(),
+        reasoning: None,
+        request,
+        id,
+    }
+}
+
 /// The next call, the harness sending the turn back with or without its reasoning.
 fn second_call(m: &TokenModel, with_reasoning: bool) -> Call {
     let request = request(json!([
@@ -194,13 +205,7 @@ fn a_new_user_turn_drops_past_reasoning_even_when_sent_back() {
         {"role": "assistant", "content": text("Done."), "content_was_string": true},
         user("And now?"),
     ]));
-    let c = Call {
-        prompt: m.prompt_ids(&request).unwrap(),
-        completion: m.tokenizer().encode("Done.<|im_end|>").unwrap(),
-        reasoning: None,
-        request,
-        id: "r3",
-    };
+    let c = answered_done(&m, request, "r3");
     let o = Observer::new(m, ObserverLimits::default());
     observe(&o, "s", &a);
     assert!(matches!(
@@ -355,16 +360,7 @@ fn interleaved_conversations_in_one_session_each_continue_their_own() {
     let m = model();
     let a = first_call(&m);
     let b = second_call(&m, true);
-    let sub = {
-        let request = request(json!([user("A subagent's own task")]));
-        Call {
-            prompt: m.prompt_ids(&request).unwrap(),
-            completion: m.tokenizer().encode("Done.<|im_end|>").unwrap(),
-            reasoning: None,
-            request,
-            id: "sub1",
-        }
-    };
+    let sub = answered_done(&m, request(json!([user("A subagent's own task")])), "sub1");
     let o = Observer::new(m, ObserverLimits::default());
     observe(&o, "s", &a);
     assert!(matches!(
