@@ -23,23 +23,20 @@ const TEXT_CHARS: usize = 200;
 /// Spans kept per comparison (a long conversation re-rendered at every turn has one each).
 pub const MAX_SPANS: usize = 64;
 
-/// The spans where `before[from..]` is not found in `prompt[from..]`, until `before` is used
-/// up: what the prompt holds instead of each part of `before` it lacks. Tokens the prompt
-/// adds after the whole of `before` (the new turn) are not drift. `reasoning_at(i)` is the
-/// reasoning the model sampled in the turn holding `before[i]`, if any (from that call's
+/// The spans where `old` is not found in `prompt`, until `old` is used up: what the prompt
+/// holds instead of each part of `old` it lacks (span positions index `prompt`). Tokens the
+/// prompt adds after the whole of `old` (the new turn) are not drift. `reasoning_at(i)` is
+/// the reasoning the model sampled in the turn holding `old[i]`, if any (from that call's
 /// parsed answer). At most [`MAX_SPANS`] spans.
 pub fn spans<'r>(
     model: &TokenModel,
-    before: &[u32],
+    old: &[u32],
     prompt: &[u32],
-    from: usize,
     reasoning_at: impl Fn(usize) -> Option<&'r str>,
 ) -> Vec<DriftSpan> {
-    let old = &before[from.min(before.len())..];
     // The prompt's part that stands in for `old`: what it kept of it, plus what replaced the
     // rest. Replacements longer than this show as a span cut short, not as a slow diff.
-    let window = (old.len() * 2 + 64).min(prompt.len().saturating_sub(from));
-    let new = &prompt[from.min(prompt.len())..from.min(prompt.len()) + window];
+    let new = &prompt[..(old.len() * 2 + 64).min(prompt.len())];
     let ops = capture_diff_deadline(
         Algorithm::Myers,
         old,
@@ -59,14 +56,8 @@ pub fn spans<'r>(
                 ne = ns + standing_in(model, &old[os..oe], &new[ns..ne]);
             }
             if spans.len() < MAX_SPANS {
-                let reasoning = reasoning_at(from + os);
-                spans.push(span(
-                    model,
-                    &old[os..oe],
-                    &new[ns..ne],
-                    from + ns,
-                    reasoning,
-                ));
+                let reasoning = reasoning_at(os);
+                spans.push(span(model, &old[os..oe], &new[ns..ne], ns, reasoning));
             }
         }
     };
@@ -132,16 +123,9 @@ pub fn first_span(model: &TokenModel, ours: &[u32], engine: &[u32], at: usize) -
 /// stop token or separator keeps the turn's closing tokens and not the next turn's text. When
 /// even the first differs, as many ids as `old` has.
 fn standing_in(model: &TokenModel, old: &[u32], new: &[u32]) -> usize {
-    let plain = |ids: &[u32]| -> String {
-        model
-            .text_without_special(ids)
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect()
-    };
-    let target = plain(old);
+    let target = plain_text(model, old);
     let mut k = 0;
-    while k < new.len().min(256) && target.starts_with(&plain(&new[..k + 1])) {
+    while k < new.len().min(256) && target.starts_with(&plain_text(model, &new[..k + 1])) {
         k += 1;
     }
     if k == 0 {
@@ -190,17 +174,20 @@ fn classify(
             return DriftCause::ReasoningDropped;
         }
     }
-    let plain = |ids: &[u32]| {
-        model
-            .text_without_special(ids)
-            .chars()
-            .filter(|c| !c.is_whitespace())
-            .collect::<String>()
-    };
-    if plain(before) == plain(prompt) {
+    if plain_text(model, before) == plain_text(model, prompt) {
         return DriftCause::BoundaryToken;
     }
     DriftCause::ContentChanged
+}
+
+/// The text of `ids` without special tokens and whitespace: what is left when only turn
+/// boundaries and separators differ.
+fn plain_text(model: &TokenModel, ids: &[u32]) -> String {
+    model
+        .text_without_special(ids)
+        .chars()
+        .filter(|c| !c.is_whitespace())
+        .collect()
 }
 
 fn cut(text: &str) -> String {

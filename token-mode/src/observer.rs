@@ -18,6 +18,11 @@ use crate::TokenModel;
 /// The sampled stretches a tip remembers (each a few numbers and its reasoning).
 const MAX_SAMPLED: usize = 256;
 
+/// The sampled stretch that holds position `at`, if any.
+fn holding(sampled: &[Sampled], at: usize) -> Option<&Sampled> {
+    sampled.iter().find(|s| s.start <= at && at < s.end)
+}
+
 /// What [`Observer::continuation`] needs of the closest tip, copied out of the lock.
 struct Closest {
     common: usize,
@@ -180,11 +185,7 @@ impl Observer {
                         prompt_len: t.prompt_len,
                         // Where the prompt parts from the tip inside sampled ids (the template
                         // re-rendered them), the rest of the tip, for the diff.
-                        rest: t
-                            .sampled
-                            .iter()
-                            .any(|s| s.start <= common && common < s.end)
-                            .then(|| t.ids[common..].to_vec()),
+                        rest: holding(&t.sampled, common).map(|_| t.ids[common..].to_vec()),
                         sampled: t.sampled.clone(),
                     })
             })
@@ -218,24 +219,16 @@ impl Observer {
                 kept(&c),
             )
         } else if let Some(rest) = &c.rest {
-            let reasoning_at = |i: usize| {
-                let at = c.common + i;
-                c.sampled
-                    .iter()
-                    .find(|s| s.start <= at && at < s.end)
-                    .and_then(|s| s.reasoning.as_deref())
-            };
-            let spans = spans(&self.model, rest, &prompt[c.common..], 0, reasoning_at)
+            let reasoning_at =
+                |i: usize| holding(&c.sampled, c.common + i).and_then(|s| s.reasoning.as_deref());
+            let spans = spans(&self.model, rest, &prompt[c.common..], reasoning_at)
                 .into_iter()
                 .map(|mut s| {
                     s.at += c.common as u32;
                     s
                 })
                 .collect();
-            let parted_in = c
-                .sampled
-                .iter()
-                .find(|s| s.start <= c.common && c.common < s.end)
+            let parted_in = holding(&c.sampled, c.common)
                 .map_or_else(|| c.record_id.clone(), |s| s.record_id.clone());
             (
                 Continuation::Diverges {
