@@ -2,6 +2,9 @@
 """Write a tiny, fast, deterministic llama GGUF that keeps SmolLM2's real tokenizer.
 
 usage: make_tiny_model.py REAL_SMOLLM2.gguf OUT.gguf
+       make_tiny_model.py --tools QWEN2_VOCAB.gguf QWEN3_TEMPLATE.jinja OUT.gguf
+
+The second form writes the tool-calling model instead: see tool_model()'s docstring.
 
 The model is 2 layers, 64 wide, 4 heads, ffn 128, random small weights from a
 fixed seed (so the file is byte-for-byte reproducible). Every `tokenizer.*`
@@ -123,7 +126,217 @@ def main(src: str, dst: str) -> None:
     print(f"wrote {dst}: vocab {n_vocab}, {len(WORDS)} word tokens, eos id {index[EOS_PIECE]}")
 
 
+# ---------------------------------------------------------------------------
+# The tool-calling model (`--tools`).
+
+# Qwen2.5/Qwen3's added tokens, which the Qwen2 vocab-only GGUF of llama.cpp still lists as
+# `[PADn]`: (text, token type). Types as llama.cpp's converter writes them for Qwen3: `<|...|>`
+# are CONTROL (3), the rest USER_DEFINED (4, parsed and rendered as text, like in Qwen3 GGUFs).
+QWEN3_ADDED = {
+    151646: "<|object_ref_start|>", 151647: "<|object_ref_end|>", 151648: "<|box_start|>",
+    151649: "<|box_end|>", 151650: "<|quad_start|>", 151651: "<|quad_end|>",
+    151652: "<|vision_start|>", 151653: "<|vision_end|>", 151654: "<|vision_pad|>",
+    151655: "<|image_pad|>", 151656: "<|video_pad|>", 151657: "<tool_call>",
+    151658: "</tool_call>", 151659: "<|fim_prefix|>", 151660: "<|fim_middle|>",
+    151661: "<|fim_suffix|>", 151662: "<|fim_pad|>", 151663: "<|repo_name|>",
+    151664: "<|file_sep|>", 151665: "<tool_response>", 151666: "</tool_response>",
+    151667: "<think>", 151668: "</think>",
+}
+
+T_D, T_HEADS, T_FF = 32, 2, 32   # width, heads (one per flag), feed-forward (all zero)
+T_HEAD_DIM = T_D // T_HEADS
+T_CTX = 40960                     # Qwen3's
+T_ROPE_BASE = 1e30                # the last RoPE pair of a head turns by pos * 1e-26: never
+T_CONST = 4.0                     # the constant component of every embedding
+T_SCORE = 30.0                    # attention score of a marker token (e^30 >> any context length)
+T_SCALE = 2.0                     # every logit below is multiplied by this
+T_GATE = 60.0                     # how far the wrong branch's tokens are pushed down
+T_UNLISTED = -30.0                # every token not named below
+R = 20.0                          # rank of a tool-call token
+
+# Tool branch. Before `<tool_call>\n` nothing constrains sampling; after it llama-server's lazy
+# grammar (built from the offered tools) allows only a well-formed call to one of them, and the
+# highest-ranked allowed token wins. The ranks spell, for whichever shell tool is offered,
+#   <tool_call>\n{"name": "bash", "arguments": {"command": "pwd"}}\n</tool_call><|im_end|>
+# (`exec_command`/`cmd` for Codex, `run_shell_command` for Qwen Code, `Bash` for Claude Code),
+# byte for byte what Qwen3's template writes when the call comes back in the history. Each rank
+# was chosen against the other ranked tokens the grammar allows at the same place (e.g. after
+# `pwd` a string may go on with ` {"` or ` "`, so `"}}\n` outranks both), and the pieces are
+# the ones Qwen's tokenizer cuts that text into, so the call's sampled ids reappear unchanged
+# in the next request's prompt ids.
+TOOL_RANKS = {
+    '{"': R, 'Ġ{"': R + 10, 'name': R, '":': R, 'Ġ"': R, '",': R, 'arguments': R,
+    'command': R, 'cmd': R, '"}}Ċ': R + 25, '</tool_call>': R,
+    # first pieces of the shell tools' names (the grammar allows only offered names)
+    'bash': R, 'exec': R, '_command': R, 'run': R, '_shell': R, 'B': R, 'ash': R,
+}
+# (current tokens, next token, logit added)
+TOOL_BIGRAMS = [
+    (["Ċ", "ĊĊ"], "<tool_call>", 60.0),   # the generation prompt ends in "\n" (or "\n\n" after
+    (["<tool_call>"], "Ċ", 60.0),          # an empty think block): open a call; "\n" triggers
+    (["Ċ"], '{"', 20.0),                   # `{"name"` right after the trigger, as the template
+    (['":'], 'Ġ"', 35.0),                  # a string value, not `"}}\n` closing an empty one
+    (['Ġ"'], "pwd", 55.0),                 # the one string the model writes itself
+    (["</tool_call>"], "<|im_end|>", 30.0),
+]
+# Answer branch (a tool result is in the conversation, or no tools are offered): no grammar.
+ANSWER = ["Done", "."]
+ANSWER_BIGRAMS = [
+    (["Ċ", "ĊĊ"], "Done", 30.0),
+    (["Done"], ".", 30.0),
+    (["."], "<|im_end|>", 30.0),
+    (["*"], "<|im_end|>", 20.0),           # after any token not named here: stop
+]
+EOT_BASE = 5.0                             # `<|im_end|>` above the other end-of-generation tokens
+
+
+def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
+    """A 1-layer, 32-wide llama GGUF with hand-set weights (nothing random) that has Qwen3's
+    tokenizer (Qwen2's vocab and merges from llama.cpp's vocab-only GGUF, plus Qwen3's added
+    tokens) and Qwen3's real chat template, and runs an agent harness through one tool loop:
+
+      * no tool result in the conversation and tools offered: it calls the harness's shell
+        tool with `pwd`, Hermes style, `<tool_call>\\n{"name": ..., "arguments": ...}</tool_call>`;
+      * once a tool result is in the conversation (or when no tools are offered): it answers
+        `Done.` and ends the turn (`<|im_end|>`).
+
+    How. Every embedding is T_CONST on dimension 0 plus a one-hot: its own dimension for the
+    few tokens the output depends on, a shared "other" dimension for the rest (so all have the
+    same norm). Two attention heads detect whether a token occurs anywhere before: head A looks
+    for `<tool_call>` (Qwen3's template writes it into the system prompt exactly when tools are
+    offered), head B for `<tool_response>` (the template's wrapping of every tool result). The
+    query is the constant dimension, the key the marker's dimension, both on the head's last
+    RoPE pair with a huge RoPE base (no rotation), so a marker scores T_SCORE and every other
+    token 0; the value is the marker dimension, so the head outputs ~1 if the marker occurs and
+    exactly 0 if not. The output head then makes the next token a function of (current token,
+    A, B): the tool branch's tokens get +T_GATE*(A-B-1), the answer's +T_GATE*(B-A). The
+    feed-forward block is zero.
+
+    Sampling is effectively deterministic at any temperature up to 2 without top-k/top-p/min-p
+    (the chosen token leads every other allowed one by at least 10 logits times T_SCALE); the
+    tool call's JSON comes from llama-server's grammar, so the arguments are valid for the tool
+    the harness offered."""
+    reader = gguf.GGUFReader(vocab_path)
+    tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
+    types = list(reader.fields["tokenizer.ggml.token_type"].contents())
+    merges = reader.fields["tokenizer.ggml.merges"].contents()
+    for i, text in QWEN3_ADDED.items():
+        if tokens[i] != f"[PAD{i}]":
+            raise SystemExit(f"{vocab_path}: token {i} is {tokens[i]!r}, expected a pad")
+        tokens[i] = text
+        types[i] = 3 if text.startswith("<|") else 4
+    index = {t: i for i, t in enumerate(tokens)}
+    n_vocab = len(tokens)
+
+    w = gguf.GGUFWriter(dst, "llama")
+    w.add_name("tiny-qwen3-tools (hand-set weights, Qwen3 tokenizer and template; tokentap test model)")
+    w.add_context_length(T_CTX)
+    w.add_embedding_length(T_D)
+    w.add_block_count(1)
+    w.add_feed_forward_length(T_FF)
+    w.add_head_count(T_HEADS)
+    w.add_head_count_kv(T_HEADS)
+    w.add_rope_dimension_count(T_HEAD_DIM)
+    w.add_rope_freq_base(T_ROPE_BASE)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_file_type(gguf.LlamaFileType.MOSTLY_F16)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(reader.fields["tokenizer.ggml.pre"].contents())
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    # As in Qwen3's GGUFs: no BOS, `<|im_end|>` ends a turn, `<|endoftext|>` pads.
+    w.add_bos_token_id(index["<|endoftext|>"])
+    w.add_eos_token_id(index["<|im_end|>"])
+    w.add_pad_token_id(index["<|endoftext|>"])
+    w.add_add_bos_token(False)
+    with open(template_path, encoding="utf-8") as f:
+        w.add_chat_template(f.read())
+    w.add_vocab_size(n_vocab)
+
+    named = {p for p in TOOL_RANKS} | {p for _, p, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS} | set(ANSWER)
+    missing = sorted(p for p in named if p not in index)
+    if missing:
+        raise SystemExit(f"tokens not in vocab: {missing}")
+
+    # Residual dimensions: constant, "other", the two markers, the two flags, then one per
+    # token some output depends on.
+    CONST, OTHER, KEY_A, KEY_B, FLAG_A, FLAG_B = range(6)
+    dim = {"*": OTHER, "<tool_call>": KEY_A, "<tool_response>": KEY_B}
+    for cur, _, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS:
+        for c in cur:
+            dim.setdefault(c, 6 + len([d for d in dim.values() if d >= 6]))
+    if max(dim.values()) >= T_D:
+        raise SystemExit("too many context tokens for the width")
+    emb = np.zeros((n_vocab, T_D), np.float32)
+    emb[:, CONST] = T_CONST
+    emb[:, OTHER] = 1.0
+    for piece, d in dim.items():
+        if piece != "*":
+            emb[index[piece], OTHER] = 0.0
+            emb[index[piece], d] = 1.0
+    w.add_tensor("token_embd.weight", emb.astype(np.float16))
+
+    # RMSNorm scales an embedding (norm sqrt(T_CONST^2 + 1)) by `norm`.
+    norm = np.sqrt(T_D) / np.sqrt(T_CONST**2 + 1)
+    qk = np.sqrt(T_SCORE * np.sqrt(T_HEAD_DIM) / (T_CONST * norm * norm))
+    wq, wk, wv, wo = (np.zeros((T_D, T_D), np.float32) for _ in range(4))
+    for h, (key, flag) in enumerate([(KEY_A, FLAG_A), (KEY_B, FLAG_B)]):
+        base = h * T_HEAD_DIM
+        slow = base + T_HEAD_DIM - 2   # first dimension of the head's slowest RoPE pair
+        wq[slow, CONST] = qk
+        wk[slow, key] = qk
+        wv[base, key] = 1.0 / norm
+        wo[flag, base] = 1.0
+    p = "blk.0."
+    w.add_tensor(p + "attn_norm.weight", np.ones(T_D, np.float32))
+    w.add_tensor(p + "attn_q.weight", wq)
+    w.add_tensor(p + "attn_k.weight", wk)
+    w.add_tensor(p + "attn_v.weight", wv)
+    w.add_tensor(p + "attn_output.weight", wo)
+    w.add_tensor(p + "ffn_norm.weight", np.ones(T_D, np.float32))
+    w.add_tensor(p + "ffn_gate.weight", np.zeros((T_FF, T_D), np.float32))
+    w.add_tensor(p + "ffn_up.weight", np.zeros((T_FF, T_D), np.float32))
+    w.add_tensor(p + "ffn_down.weight", np.zeros((T_D, T_FF), np.float32))
+    w.add_tensor("output_norm.weight", np.ones(T_D, np.float32))
+
+    # Output rows, in units of the pre-norm residual (x[CONST] = T_CONST, x[dim] = 1 for the
+    # current token's dimension, x[FLAG_*] = 0 or 1); divided by `norm` at the end.
+    out = np.zeros((n_vocab, T_D), np.float32)
+    out[:, CONST] = T_UNLISTED / T_CONST
+    for piece in named:
+        out[index[piece], CONST] = 0.0
+    gated = dict(TOOL_RANKS)
+    for _, piece, _ in TOOL_BIGRAMS:
+        if piece != "<|im_end|>":
+            gated.setdefault(piece, 0.0)
+    for piece, rank in gated.items():       # tool branch: rank + T_GATE*(A - B - 1)
+        t = index[piece]
+        out[t, CONST] += (rank - T_GATE) / T_CONST
+        out[t, FLAG_A] += T_GATE
+        out[t, FLAG_B] -= T_GATE
+    for piece in ANSWER:                    # answer branch: + T_GATE*(B - A)
+        t = index[piece]
+        out[t, FLAG_A] -= T_GATE
+        out[t, FLAG_B] += T_GATE
+    for cur, piece, logit in TOOL_BIGRAMS + ANSWER_BIGRAMS:
+        for c in cur:
+            out[index[piece], dim[c]] += logit
+    out[index["<|im_end|>"], CONST] += EOT_BASE / T_CONST
+    out *= T_SCALE / norm
+    w.add_tensor("output.weight", out.astype(np.float16))
+
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    print(f"wrote {dst}: vocab {n_vocab}, {len(named)} named tokens, context dims {len(dim)}")
+
+
 if __name__ == "__main__":
-    if len(sys.argv) != 3:
+    if len(sys.argv) == 5 and sys.argv[1] == "--tools":
+        tool_model(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif len(sys.argv) == 3:
+        main(sys.argv[1], sys.argv[2])
+    else:
         raise SystemExit(__doc__)
-    main(sys.argv[1], sys.argv[2])

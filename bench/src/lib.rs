@@ -19,6 +19,7 @@ mod reconstruct;
 mod report;
 mod rollout;
 mod soak;
+mod token_mode;
 mod translate;
 mod transparent;
 
@@ -88,6 +89,13 @@ pub enum BenchCmd {
   tokentap bench contender
   tokentap bench contender --stream --litellm ~/venv/bin/litellm --json")]
     Contender(contender::ContenderBenchArgs),
+    /// What `--token-mode observe` costs per call: the model's template rendering a whole
+    /// conversation, encoding it, a whole observation of a call appending a tool result, and
+    /// the ids held per open session (in-process, one thread).
+    #[command(after_help = "Examples:
+  tokentap bench token-mode
+  tokentap bench token-mode --tokenizer ~/models/Qwen3-8B --conversation-bytes 100000")]
+    TokenMode(token_mode::TokenModeBenchArgs),
     /// What the proxy's metrics cost per call (every series a finished call updates) and per
     /// scrape, in-process; set beside `bench proxy`'s CPU per call.
     Metrics(metrics::MetricsBenchArgs),
@@ -150,6 +158,7 @@ pub fn run(cmd: BenchCmd) -> anyhow::Result<()> {
         BenchCmd::Cluster(args) => cluster::run(args),
         BenchCmd::Soak(args) => soak::run(args),
         BenchCmd::Metrics(args) => metrics::run(args),
+        BenchCmd::TokenMode(args) => token_mode::run(args),
         BenchCmd::Contender(args) => contender::run(args),
     }
 }

@@ -116,7 +116,7 @@ fn generation(n: usize) -> Vec<GenerationEvent> {
 }
 
 /// Times `f` `iterations` times (after a warm-up); p50, p99, mean in µs.
-fn time(iterations: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
+pub(crate) fn time(iterations: usize, mut f: impl FnMut()) -> (f64, f64, f64) {
     for _ in 0..iterations {
         f();
     }

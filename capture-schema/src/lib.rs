@@ -9,11 +9,13 @@ pub mod ndjson;
 pub mod raw_json;
 pub mod record;
 pub mod ship;
+pub mod token_mode;
 pub mod trajectory;
 
 pub use chat::*;
 pub use raw_json::RawJson;
 pub use record::*;
+pub use token_mode::*;
 pub use trajectory::*;
 
 /// The JSON Schema (draft 07) of [`CaptureRecord`], for consumers outside Rust.

@@ -99,6 +99,10 @@ pub struct CaptureRecord {
     /// What went wrong, if anything.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<CaptureError>,
+    /// `--token-mode observe`: tokentap's own rendering of the call compared with the
+    /// engine's prompt ids and with the session's earlier calls.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_observation: Option<crate::token_mode::TokenObservation>,
 }
 
 /// Where a call's session id came from, in order of precedence.

@@ -165,6 +165,9 @@ pub struct SessionStats {
     pub calls_with_token_gaps: u32,
     /// True when the session's calls were served by more than one policy version.
     pub spans_policy_versions: bool,
+    /// `--token-mode observe`'s findings on the session's calls; absent when none had any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_mode: Option<crate::token_mode::TokenModeTally>,
 }
 
 /// Independent check of the traces against their records.

@@ -161,6 +161,14 @@ if spool:
     put("spool_segments", "three-segments", bytes([0x02, 60, 200]) + two + b"x\n" + rec[:half])
     put("spool_segments", "empty-lines", bytes([0x00]) + b"\n\n" + rec + b"{}")
 
+# Chat templates: the golden conversations (canonical requests), each with another template,
+# prompt flag and pre-tokenizer in byte 0; and two conversations in the byte-built form.
+convs = json.load(open("chat-template/tests/golden/conversations.json"))["conversations"]
+for i, c in enumerate(convs):
+    put("chat_template", f"golden-{c['name']}", bytes([(i * 37) & 0x3F]) + json.dumps(c["request"], ensure_ascii=False).encode())
+put("chat_template", "bytes-turns", bytes([0x0B]) + b"\x00".join([b"\x00You are terse.", b"\x01Hi \xc3\xa9\xc3\xa9 <|im_end|>", b"\x1a{\"city\": \"Paris\"}", b"\x03ok", b"\x01  spaced\t\ttabs\n\n\n123456"]))
+put("chat_template", "bytes-odd", bytes([0x3F]) + b"\x22\xff\xfe<think>\x00\x2a\x00\x04{{ raise }}")
+
 # Rollout tasks: the shapes the e2e tests and the Python client submit.
 tasks = [
     {"task_id": "chat", "instruction": "chat", "workspace": {"dir": {"path": "/tmp/project"}},

@@ -185,6 +185,8 @@ pub struct CaptureService {
     connections: ConnectionGate,
     /// Sessions only from the path prefix, through this map (a rollout node's capture).
     resolver: Option<Arc<dyn SessionResolver>>,
+    /// `--token-mode observe`: each finished call rendered and tokenized by tokentap too.
+    token_observer: Option<Arc<tokentap_token_mode::Observer>>,
 }
 
 /// What a kept-alive connection carries from one request to the next.
@@ -283,6 +285,7 @@ impl CaptureService {
             gate: None,
             connections,
             resolver: None,
+            token_observer: None,
         }
     }
 
@@ -290,6 +293,13 @@ impl CaptureService {
     /// (see [`session::resolve`]); what else the request names is ignored.
     pub fn with_session_resolver(mut self, resolver: Arc<dyn SessionResolver>) -> Self {
         self.resolver = Some(resolver);
+        self
+    }
+
+    /// `--token-mode observe` with `observer`: every finished call's record gets its
+    /// `token_observation`.
+    pub fn with_token_observer(mut self, observer: Arc<tokentap_token_mode::Observer>) -> Self {
+        self.token_observer = Some(observer);
         self
     }
 
@@ -1062,15 +1072,68 @@ impl CaptureService {
             return;
         }
         let (harness, in_activity) = (call.harness, call.in_activity);
-        let record = call.into_record();
+        let request = self.observed_request(&call);
+        let record = self.observe_tokens(request, call.into_record()).await;
         self.count(&record, harness, in_activity);
         self.sink.send(record, &self.metrics).await;
+    }
+
+    /// The conversation the engine rendered, when tokentap observes token drift.
+    fn observed_request(&self, call: &CallCapture) -> Option<tokentap_schema::ChatRequest> {
+        self.token_observer.as_ref()?;
+        call.backend_request.clone()
+    }
+
+    /// `--token-mode observe`: the call rendered and tokenized by tokentap, compared with the
+    /// engine's prompt ids and the session's earlier calls, on the record. On a blocking
+    /// thread: a long conversation takes milliseconds (docs/benchmarks.md), which must not
+    /// hold up the other calls this worker thread serves.
+    async fn observe_tokens(
+        &self,
+        request: Option<tokentap_schema::ChatRequest>,
+        mut record: CaptureRecord,
+    ) -> CaptureRecord {
+        let (Some(observer), Some(request)) = (self.token_observer.clone(), request) else {
+            return record;
+        };
+        // The record stays here whatever happens to the observation: copies of what it needs
+        // go to the blocking thread (ids: 4 bytes each, microseconds to copy).
+        let session_id = record.session_id.clone();
+        let record_id = record.record_id.clone();
+        let prompt = record.prompt_token_ids.clone();
+        let completion = record.completion_token_ids.clone();
+        let reasoning = record.message.as_ref().and_then(|m| m.reasoning.clone());
+        let observed = tokio::task::spawn_blocking(move || {
+            let observation = observer.observe(tokentap_token_mode::CallView {
+                session_id: &session_id,
+                record_id: &record_id,
+                request: &request,
+                engine_prompt: prompt.as_deref(),
+                completion: completion.as_deref(),
+                reasoning: reasoning.as_deref(),
+            });
+            (observation, observer.held_tokens())
+        })
+        .await;
+        match observed {
+            Ok((observation, held)) => {
+                self.metrics.token_mode_held_tokens.set(held as i64);
+                record.token_observation = Some(observation);
+            }
+            // A panic in the observer (never expected) costs the observation,
+            // not the record.
+            Err(e) => {
+                tracing::error!(error = %e, record = %record.record_id, "token mode observer failed")
+            }
+        }
+        record
     }
 
     /// Durable answers: the call's record, written before the harness gets its answer's end.
     async fn commit(&self, call: &mut CallCapture) {
         let (harness, in_activity) = (call.harness, call.in_activity);
-        let record = call.take_record();
+        let request = self.observed_request(call);
+        let record = self.observe_tokens(request, call.take_record()).await;
         self.count(&record, harness, in_activity);
         // Under fail-closed this waits while the spool fails (the record is retried, never
         // dropped). Not written (fail-open, or the proxy stopping): the writer counted it

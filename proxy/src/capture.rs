@@ -214,6 +214,7 @@ impl CallCapture {
                 message: e.message,
                 backend_status: e.backend_status,
             }),
+            token_observation: None,
         }
     }
 }

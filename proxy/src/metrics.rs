@@ -75,6 +75,14 @@ pub struct Metrics {
     pub ship_records: IntCounter,
     pub ship_last_ack: Gauge,
     pub ship_errors: IntCounter,
+    /// `--token-mode observe`: tokentap's ids against the engine's, by `result`; each call's
+    /// prompt against the session's earlier calls, by `kind`; drift spans by `cause`; the
+    /// time to render and tokenize; the token ids the observer holds.
+    pub token_mode_render: IntCounterVec,
+    pub token_mode_continuations: IntCounterVec,
+    pub token_mode_drift_spans: IntCounterVec,
+    pub token_mode_render_seconds: HistogramVec,
+    pub token_mode_held_tokens: IntGauge,
 }
 
 impl Metrics {
@@ -278,8 +286,52 @@ impl Metrics {
                 "tokentap_ship_errors_total",
                 "Shipments that failed (worker unreachable, refused, or an unreadable ack); retried",
             ),
+            token_mode_render: counter_vec(
+                "tokentap_token_mode_render_total",
+                "--token-mode observe: calls whose conversation tokentap rendered and tokenized itself, by result against the engine's prompt ids (equal, differs, unavailable)",
+                &["result"],
+            ),
+            token_mode_continuations: counter_vec(
+                "tokentap_token_mode_continuations_total",
+                "--token-mode observe: how each call's prompt continues its session (first, extends, repeats, diverges: re-rendered where the model sampled, new_prefix: history changed, unavailable)",
+                &["kind"],
+            ),
+            token_mode_drift_spans: counter_vec(
+                "tokentap_token_mode_drift_spans_total",
+                "--token-mode observe: spans where a prompt parts from the ids the model sampled earlier in its session, by cause (reasoning_dropped, boundary_token, merge_difference, content_changed)",
+                &["cause"],
+            ),
+            token_mode_render_seconds: histogram(
+                "tokentap_token_mode_render_seconds",
+                "--token-mode observe: time to render and tokenize a call's conversation",
+                &[],
+            ),
+            token_mode_held_tokens: gauge(
+                "tokentap_token_mode_held_tokens",
+                "--token-mode observe: token ids held for the sessions' last calls (4 bytes each)",
+            ),
             registry,
         }
+    }
+
+    /// A call's `--token-mode observe` findings.
+    pub fn record_token_observation(&self, o: &tokentap_schema::TokenObservation) {
+        self.token_mode_render
+            .with_label_values(&[o.render.result()])
+            .inc();
+        self.token_mode_continuations
+            .with_label_values(&[o.continuation.kind()])
+            .inc();
+        if let tokentap_schema::Continuation::Diverges { spans, .. } = &o.continuation {
+            for s in spans {
+                self.token_mode_drift_spans
+                    .with_label_values(&[s.cause.as_str()])
+                    .inc();
+            }
+        }
+        self.token_mode_render_seconds
+            .with_label_values::<&str>(&[])
+            .observe(o.render_us as f64 / 1e6);
     }
 
     /// A finished call, from its record. `harness`: as the admission gate knows it (else from
@@ -303,6 +355,9 @@ impl Metrics {
         self.calls
             .with_label_values(&[api, &record.response_status.to_string()])
             .inc();
+        if let Some(o) = &record.token_observation {
+            self.record_token_observation(o);
+        }
         if let Some(u) = record.usage {
             self.prompt_tokens
                 .with_label_values(&[engine, model, harness, policy])

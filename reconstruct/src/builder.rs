@@ -362,6 +362,12 @@ impl SessionBuilder {
             return;
         }
         self.stats.calls += 1;
+        if let Some(o) = &r.token_observation {
+            self.stats
+                .token_mode
+                .get_or_insert_with(Default::default)
+                .add(o);
+        }
         if let Some(v) = &r.backend.policy_version {
             self.policy_versions.insert(v.clone());
         }

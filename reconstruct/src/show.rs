@@ -185,10 +185,22 @@ pub fn spool_summary(
         out,
         "prompt tokens {prompt}  completion tokens {completion}"
     );
+    let mut tally = tokentap_schema::TokenModeTally::default();
+    for o in records.iter().filter_map(|r| r.token_observation.as_ref()) {
+        tally.add(o);
+    }
+    if tally.observed > 0 {
+        let _ = writeln!(out, "token mode: {}", tally.line());
+    }
     for r in records {
         let _ = writeln!(out, "\n{}", one_line(r));
         for gap in &r.token_provenance.gaps {
             let _ = writeln!(out, "    gap in {:?}: {}", gap.field, gap.reason);
+        }
+        if let Some(o) = &r.token_observation {
+            for line in token_drift_lines(o) {
+                let _ = writeln!(out, "    {line}");
+            }
         }
         let (Some(ids), Some(lps)) = (&r.completion_token_ids, &r.logprobs) else {
             continue;
@@ -205,6 +217,48 @@ pub fn spool_summary(
         let _ = writeln!(out, "    first sampled tokens: {}", shown.join(", "));
     }
     out
+}
+
+/// What `--token-mode observe` found about one call, when it is not plain agreement.
+fn token_drift_lines(o: &tokentap_schema::TokenObservation) -> Vec<String> {
+    use tokentap_schema::{Continuation, RenderComparison};
+    let mut lines = Vec::new();
+    let span = |s: &tokentap_schema::DriftSpan| {
+        format!(
+            "{} at token {} ({} tokens -> {}): {:?} -> {:?}",
+            s.cause.as_str(),
+            s.at,
+            s.before_len,
+            s.prompt_len,
+            s.before_text,
+            s.prompt_text
+        )
+    };
+    match &o.render {
+        RenderComparison::Differs { span: s, .. } => lines.push(format!(
+            "tokentap's ids differ from the engine's: {}",
+            span(s)
+        )),
+        RenderComparison::Unavailable { reason } => {
+            lines.push(format!("tokentap's ids: unavailable: {reason}"))
+        }
+        RenderComparison::Equal { .. } => {}
+    }
+    match &o.continuation {
+        Continuation::Diverges { record_id, spans } => {
+            lines.push(format!("re-rendered where {record_id} sampled:"));
+            lines.extend(spans.iter().map(|s| format!("  {}", span(s))));
+        }
+        Continuation::NewPrefix {
+            closest_record_id,
+            common,
+        } => lines.push(format!(
+            "new prefix: {common} tokens in common with {}",
+            closest_record_id.as_deref().unwrap_or("no earlier call")
+        )),
+        _ => {}
+    }
+    lines
 }
 
 #[cfg(test)]

@@ -40,6 +40,7 @@ pub fn record(session: &str, record_id: &str, n: u64) -> CaptureRecord {
         timings: Timings::default(),
         response_status: 200,
         error: None,
+        token_observation: None,
     }
 }
 

@@ -2,7 +2,8 @@
 # Smoke test of what scripts/setup installed (run by `scripts/setup --verify`).
 # Talks only to 127.0.0.1. Starts llama-server on the tiny model, checks token
 # ids in logprobs (plain and streamed), that /apply-template + /tokenize
-# reproduce usage.prompt_tokens, then runs Pi and Qwen Code against it.
+# reproduce usage.prompt_tokens, then runs Pi and Qwen Code against it; then the tiny
+# tool-calling model: a tool call when tools are offered, `Done.` once a result is there.
 # The server and every temp dir are removed on exit.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -13,8 +14,10 @@ PORT="${TOKENTAP_VERIFY_PORT:-18999}"
 URL="http://127.0.0.1:$PORT"
 TMP="$(mktemp -d)"
 SERVER_PID=""
+TOOLS_PID=""
 cleanup() {
   if [ -n "$SERVER_PID" ]; then kill "$SERVER_PID" 2>/dev/null || true; wait "$SERVER_PID" 2>/dev/null || true; fi
+  if [ -n "$TOOLS_PID" ]; then kill "$TOOLS_PID" 2>/dev/null || true; wait "$TOOLS_PID" 2>/dev/null || true; fi
   rm -rf "$TMP"
 }
 trap cleanup EXIT
@@ -100,10 +103,28 @@ check_qwen() {
     "(cd '$TMP' && run_timed qwen env HOME='$home' OPENAI_BASE_URL='$URL/v1' OPENAI_API_KEY=k OPENAI_MODEL=tiny qwen --auth-type openai 'say hi')"
 }
 
+check_tool_model() {
+  local model="${TOKENTAP_MODEL_TINY_TOOLS:-$CACHE/models/tiny-qwen3-tools.gguf}" url="http://127.0.0.1:$((PORT + 1))" i r
+  [ -f "$model" ] || { say "FAIL tool model missing: $model (setup's models step)"; fail=1; return; }
+  "$TOKENTAP_LLAMA_SERVER" -m "$model" --host 127.0.0.1 --port "$((PORT + 1))" \
+    -c 40960 -np 1 -a tiny-tools --jinja >"$TMP/tools-server.log" 2>&1 &
+  TOOLS_PID=$!
+  for i in $(seq 1 100); do curl -fs "$url/health" >/dev/null 2>&1 && break; sleep 0.2; done
+  local tools='[{"type":"function","function":{"name":"bash","parameters":{"type":"object","properties":{"command":{"type":"string"}},"required":["command"]}}}]'
+  local user='{"role":"user","content":"Where am I?"}'
+  r="$(curl -fsS "$url/v1/chat/completions" -d "{\"messages\":[$user],\"tools\":$tools,\"temperature\":1}")"
+  check "tool model calls bash with pwd" \
+    "jq -e '.choices[0].finish_reason == \"tool_calls\" and .choices[0].message.tool_calls[0].function.name == \"bash\" and (.choices[0].message.tool_calls[0].function.arguments | fromjson) == {\"command\":\"pwd\"}' <<<'$r' >/dev/null"
+  r="$(curl -fsS "$url/v1/chat/completions" -d "{\"messages\":[$user,{\"role\":\"assistant\",\"tool_calls\":[{\"id\":\"c\",\"type\":\"function\",\"function\":{\"name\":\"bash\",\"arguments\":\"{\\\"command\\\": \\\"pwd\\\"}\"}}]},{\"role\":\"tool\",\"tool_call_id\":\"c\",\"content\":\"/tmp\"}],\"tools\":$tools,\"temperature\":1}")"
+  check "tool model answers Done. after the result" \
+    "jq -e '.choices[0].finish_reason == \"stop\" and .choices[0].message.content == \"Done.\"' <<<'$r' >/dev/null"
+}
+
 start_server
 check_chat
 check_stream
 check_prompt_ids
 check_pi
 check_qwen
+check_tool_model
 [ "$fail" = 0 ] && say "verify: all checks passed" || die "verify: some checks failed"

@@ -148,6 +148,16 @@ pub struct CaptureArgs {
     /// 64 KiB; …) [default: all; serve and generate: parallel_tool_calls, reasoning_effort].
     #[arg(long = "engine-option", value_name = "NAME", value_parser = engine_option_names())]
     engine_options: Vec<String>,
+    /// `observe`: calls go to the engine as before, and tokentap also renders and tokenizes
+    /// each conversation with the model's own template and tokenizer, recording on each
+    /// record whether its ids equal the engine's and where the session's prompt stops
+    /// extending what the model sampled (tokentap_token_mode_* metrics; `records summary`).
+    #[arg(long, default_value = "off", value_name = "off|observe")]
+    token_mode: tokentap_token_mode::TokenMode,
+    /// The model's tokenizer and chat template for --token-mode: a Hugging Face model
+    /// directory, a tokenizer.json or a GGUF file [default: the file llama.cpp's /props names].
+    #[arg(long, value_name = "PATH")]
+    tokenizer: Option<PathBuf>,
     #[command(flatten)]
     pub limits: LimitArgs,
 }
@@ -353,9 +363,52 @@ impl CaptureArgs {
             // The harness is the operator's own here; `serve` narrows the default.
             engine_options: args.engine_option_policy(EngineOptionPolicy::all())?,
         };
-        Ok((
-            CaptureService::new(config, backend, sink, metrics),
-            spool_thread,
-        ))
+        let mut service = CaptureService::new(config, backend.clone(), sink, metrics);
+        if let Some(observer) = self.token_observer(backend.as_ref())? {
+            service = service.with_token_observer(observer);
+        }
+        Ok((service, spool_thread))
     }
+
+    /// `--token-mode observe`: the model from `--tokenizer`, else from the file the engine
+    /// names.
+    fn token_observer(
+        &self,
+        backend: &dyn backend::Backend,
+    ) -> anyhow::Result<Option<Arc<tokentap_token_mode::Observer>>> {
+        if self.token_mode == tokentap_token_mode::TokenMode::Off {
+            return Ok(None);
+        }
+        let path = match &self.tokenizer {
+            Some(p) => p.clone(),
+            None => block_on_engine(backend.model_file())
+                .flatten()
+                .map(PathBuf::from)
+                .filter(|p| p.is_file())
+                .context(
+                    "--token-mode observe needs the model's tokenizer: give --tokenizer PATH (a Hugging Face model directory, a tokenizer.json or a GGUF); the engine named no model file readable here",
+                )?,
+        };
+        let dialect = match self.backend_kind {
+            KindArg::Llamacpp => tokentap_token_mode::EngineDialect::LlamaCpp,
+            KindArg::Vllm | KindArg::Sglang => tokentap_token_mode::EngineDialect::Transformers,
+        };
+        let model = tokentap_token_mode::TokenModel::open(&path, dialect)
+            .map_err(|e| anyhow::anyhow!("--token-mode observe: {e}"))?;
+        tracing::info!(tokenizer = %path.display(), "token mode observe: rendering every call with the model's template");
+        Ok(Some(Arc::new(tokentap_token_mode::Observer::new(
+            model,
+            Default::default(),
+        ))))
+    }
+}
+
+/// Runs one start-up question to the engine, bounded by 5 s; `None` if it took longer.
+fn block_on_engine<T>(f: impl std::future::Future<Output = T>) -> Option<T> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .ok()?;
+    rt.block_on(async { tokio::time::timeout(Duration::from_secs(5), f).await })
+        .ok()
 }

@@ -161,6 +161,18 @@ impl Artefacts {
         }
     }
 
+    /// The tiny tool-calling model (`make_tiny_model.py --tools`: Qwen3's tokenizer and chat
+    /// template; it calls the offered shell tool, then answers `Done.` once a tool result is in
+    /// the conversation): `$TOKENTAP_MODEL_TINY_TOOLS`, else `models/tiny-qwen3-tools.gguf` in
+    /// the cache. Fails the test if missing.
+    pub fn require_tool_model() -> PathBuf {
+        let model = std::env::var_os("TOKENTAP_MODEL_TINY_TOOLS")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache_dir().join("models/tiny-qwen3-tools.gguf"));
+        require_file(&model, "the tiny tool-calling test model");
+        model
+    }
+
     /// Like [`Self::require_llama`], plus the named harness executable (`pi`, `qwen`, ...).
     pub fn require_harness(exe: &str) -> (Artefacts, PathBuf) {
         let a = Artefacts::require_llama();

@@ -1,6 +1,7 @@
-//! The real inference engine: llama.cpp's `llama-server` on the tiny SmolLM2-tokenizer model,
-//! and its tokenizer/template helpers (`/apply-template`, `/tokenize`, `/detokenize`).
+//! The real inference engine: llama.cpp's `llama-server` on the tiny SmolLM2-tokenizer model
+//! (or the tiny tool-calling Qwen3-tokenizer model), and its tokenizer/template helpers (`/apply-template`, `/tokenize`, `/detokenize`).
 
+use std::path::Path;
 use std::process::Command;
 use std::time::Duration;
 
@@ -12,6 +13,11 @@ use crate::procs::{free_port, http_client, spawn_guarded, wait_healthy, ChildGua
 
 /// SmolLM2's end-of-turn token `<|im_end|>`.
 pub const END_OF_TURN: u32 = 2;
+
+/// The tiny tool-calling model's (Qwen3's) end-of-turn token `<|im_end|>`.
+pub const QWEN3_END_OF_TURN: u32 = 151645;
+/// Qwen3's `<tool_call>` token, which opens every call the tool model makes.
+pub const QWEN3_TOOL_CALL: u32 = 151657;
 
 /// A running llama-server, killed on drop.
 pub struct LlamaServer {
@@ -30,7 +36,13 @@ impl LlamaServer {
 
     /// The same, with extra llama-server arguments.
     pub async fn start_with(ctx: u32, extra: &[&str]) -> LlamaServer {
+        LlamaServer::start_model(None, ctx, extra).await
+    }
+
+    /// [`Self::start_with`] on `model` (`None`: the tiny SmolLM2-tokenizer model).
+    pub async fn start_model(model: Option<&Path>, ctx: u32, extra: &[&str]) -> LlamaServer {
         let a = Artefacts::require_llama();
+        let model = model.unwrap_or(&a.model_tiny);
         let dir = tempfile::tempdir().expect("temp dir");
         let mut last_err = String::new();
         for _attempt in 0..3 {
@@ -38,7 +50,7 @@ impl LlamaServer {
             let log = dir.path().join(format!("llama-server-{port}.log"));
             let mut cmd = Command::new(&a.llama_server);
             cmd.arg("-m")
-                .arg(&a.model_tiny)
+                .arg(model)
                 .args(["--host", "127.0.0.1", "--port"])
                 .arg(port.to_string())
                 .args(["-c", &ctx.to_string(), "-np", "1", "-a", "tiny", "--jinja"])
@@ -86,6 +98,18 @@ impl LlamaServer {
         );
         SHARED
             .get_or_init(|| LlamaServer::start_with(32768, &["--chat-template-file", TEMPLATE]))
+            .await
+    }
+
+    /// A llama-server (context 40960, Qwen3's) on the tiny tool-calling model
+    /// ([`Artefacts::require_tool_model`]), shared by the tests in this process.
+    pub async fn shared_tool_model() -> &'static LlamaServer {
+        static SHARED: OnceCell<LlamaServer> = OnceCell::const_new();
+        SHARED
+            .get_or_init(|| async {
+                let model = Artefacts::require_tool_model();
+                LlamaServer::start_model(Some(&model), 40960, &[]).await
+            })
             .await
     }
 

@@ -39,7 +39,7 @@ impl NatsServer {
             roles: false,
             child: None,
         };
-        n.restart().await;
+        n.first_start().await;
         n
     }
 
@@ -55,7 +55,7 @@ impl NatsServer {
             roles: true,
             child: None,
         };
-        n.restart().await;
+        n.first_start().await;
         n
     }
 
@@ -103,6 +103,29 @@ impl NatsServer {
 
     /// Starts it again after [`NatsServer::stop`]: same port, same store.
     pub async fn restart(&mut self) {
+        if let Err(e) = self.launch().await {
+            panic!("nats-server did not start: {e}");
+        }
+    }
+
+    /// The first start: on a port another process took between [`free_port`] and the
+    /// server's bind, new ports and another try (a restart keeps its ports, so it cannot).
+    async fn first_start(&mut self) {
+        for _ in 0..3 {
+            match self.launch().await {
+                Ok(()) => return,
+                Err(e) if e.contains("address already in use") => {
+                    eprintln!("nats-server: a port was taken, trying others:\n{e}");
+                    self.port = free_port();
+                    self.monitor_port = free_port();
+                }
+                Err(e) => panic!("nats-server did not start: {e}"),
+            }
+        }
+        panic!("nats-server did not start: three pairs of ports were taken");
+    }
+
+    async fn launch(&mut self) -> Result<(), String> {
         std::fs::create_dir_all(&self.dir).expect("nats store dir");
         let mut cmd = Command::new("nats-server");
         if self.roles {
@@ -152,8 +175,9 @@ impl NatsServer {
             Duration::from_secs(30),
         )
         .await
-        .unwrap_or_else(|e| panic!("nats-server did not start: {e}\n{}", child.log_tail(20)));
+        .map_err(|e| format!("{e}\n{}", child.log_tail(20)))?;
         self.child = Some(child);
+        Ok(())
     }
 
     /// SIGTERM (a clean shutdown: the store is consistent), waited for.

@@ -199,11 +199,48 @@ impl Drop for ChildGuard {
     }
 }
 
-/// A port that was free a moment ago on 127.0.0.1 (for child processes that must bind it
-/// themselves; callers retry on a bind race).
+/// A port that was free a moment ago on 127.0.0.1, for child processes that must bind it
+/// themselves.
+///
+/// Why not `bind(0)`: that hands out a port from the kernel's ephemeral range, the same range
+/// every outgoing connection and every other test's `bind(0)` draws from, so between our
+/// release and the child's bind another process could take it (CI saw nats-server's monitor
+/// port taken that way). Ports here come from below that range, walked from a start that
+/// differs per process, each handed out at most once per process and checked bindable.
 pub fn free_port() -> u16 {
-    let l = TcpListener::bind("127.0.0.1:0").expect("binding an ephemeral port");
-    l.local_addr().expect("local addr").port()
+    static NEXT: Mutex<Option<u32>> = Mutex::new(None);
+    let (low, high) = port_pool();
+    let span = high - low;
+    let mut next = NEXT.lock().unwrap_or_else(|e| e.into_inner());
+    let mut at = *next.get_or_insert_with(|| {
+        let nanos = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+        (std::process::id().wrapping_mul(7919) ^ nanos) % span
+    });
+    for _ in 0..span {
+        let port = (low + at) as u16;
+        at = (at + 1) % span;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            *next = Some(at);
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1 in {low}..{high}");
+}
+
+/// `[10000, start of the ephemeral range)`: ports no `bind(0)` or outgoing connection takes.
+fn port_pool() -> (u32, u32) {
+    let ephemeral_low = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32768);
+    if ephemeral_low > 12000 {
+        (10000, ephemeral_low)
+    } else {
+        // An unusual range starting low: use the ports above it instead.
+        (61000, 65535)
+    }
 }
 
 /// A port on 127.0.0.1 on which nothing listens (bound once, then released).

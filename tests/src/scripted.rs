@@ -183,7 +183,7 @@ pub enum Tokens {
 pub const FAKE_CHAT_START: u32 = 1;
 
 /// The text of a message's content: a string, or its text parts joined.
-fn content_text(content: &Value) -> String {
+pub fn content_text(content: &Value) -> String {
     match content {
         Value::String(s) => s.clone(),
         Value::Array(parts) => parts
@@ -540,15 +540,7 @@ async fn chat(State(shared): State<Arc<Shared>>, body: Bytes) -> Response {
                 .body(Body::from_stream(s))
                 .expect("response");
         }
-        let body = json!({
-            "id": id, "object": "chat.completion", "created": 1, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                "logprobs": {"content": logprob_entries(&all)},
-                "token_ids": all.iter().map(|(i, _)| *i).collect::<Vec<_>>()}],
-            "usage": usage,
-            "prompt_token_ids": prompt_ids,
-        });
-        return axum::Json(body).into_response();
+        return whole_answer(&id, &model, message, finish, &all, &usage, &prompt_ids);
     }
 
     let chunker = Chunker {
@@ -704,6 +696,28 @@ fn split_runs<T: Clone>(items: &[T], n: usize) -> Vec<Vec<T>> {
     runs
 }
 
+/// A whole (not streamed) Chat Completions answer as vLLM writes it: the sampled pieces' ids
+/// and logprobs, and the prompt's ids.
+fn whole_answer(
+    id: &str,
+    model: &str,
+    message: Value,
+    finish: &str,
+    all: &[(u32, String)],
+    usage: &Value,
+    prompt_ids: &[u32],
+) -> Response {
+    let body = json!({
+        "id": id, "object": "chat.completion", "created": 1, "model": model,
+        "choices": [{"index": 0, "message": message, "finish_reason": finish,
+            "logprobs": {"content": logprob_entries(all)},
+            "token_ids": all.iter().map(|(i, _)| *i).collect::<Vec<_>>()}],
+        "usage": usage,
+        "prompt_token_ids": prompt_ids,
+    });
+    axum::Json(body).into_response()
+}
+
 /// The answer to a [`Reply::Turn`], whole or streamed.
 #[allow(clippy::too_many_arguments)]
 async fn turn_answer(
@@ -759,15 +773,7 @@ async fn turn_answer(
                 .map(|(cid, name, args, _)| json!({"id": cid, "type": "function", "function": {"name": name, "arguments": args}}))
                 .collect::<Vec<_>>());
         }
-        let body = json!({
-            "id": id, "object": "chat.completion", "created": 1, "model": model,
-            "choices": [{"index": 0, "message": message, "finish_reason": finish,
-                "logprobs": {"content": logprob_entries(&all)},
-                "token_ids": all.iter().map(|(i, _)| *i).collect::<Vec<_>>()}],
-            "usage": usage,
-            "prompt_token_ids": prompt_ids,
-        });
-        return axum::Json(body).into_response();
+        return whole_answer(id, model, message, &finish, &all, &usage, &prompt_ids);
     }
 
     let chunker = Chunker {

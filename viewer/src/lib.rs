@@ -12,7 +12,6 @@
 pub mod api;
 pub mod assets;
 pub mod calls;
-pub mod gguf;
 pub mod token_text;
 pub mod traces;
 

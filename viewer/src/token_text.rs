@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use anyhow::Context;
 use futures::StreamExt;
+use tokentap_chat_template::gguf::GgufVocabulary;
 
 /// Most distinct ids asked of an engine for one page (the rest show as ids).
 const MAX_REMOTE_IDS: usize = 20_000;
@@ -36,7 +37,10 @@ impl TokenText {
     pub fn from_file(path: &Path) -> anyhow::Result<TokenText> {
         let gguf = path.extension().is_some_and(|e| e == "gguf");
         let tokenizer = if gguf {
-            let json = crate::gguf::tokenizer_json_from_gguf(path)
+            // Decoding only, so any pre-tokenizer type will do (tokentap-chat-template owns the
+            // GGUF reader; its encoding tokenizer refuses a `pre` it does not know).
+            let json = GgufVocabulary::read(path)
+                .and_then(|v| v.decoding_tokenizer_json())
                 .with_context(|| format!("--tokenizer {}", path.display()))?;
             serde_json::from_value(json).map_err(anyhow::Error::msg)
         } else {

@@ -77,6 +77,13 @@ pub trait Backend: Send + Sync {
 
     /// The engine's `GET /v1/models` answer, as JSON.
     async fn models(&self) -> Result<serde_json::Value, BackendError>;
+
+    /// The path of the model file the engine serves, when it says (llama.cpp's `/props`
+    /// `model_path`): its tokenizer and chat template, for `--token-mode` without
+    /// `--tokenizer` when engine and tokentap share a file system.
+    async fn model_file(&self) -> Option<String> {
+        None
+    }
 }
 
 /// What a template probe's failure says: an engine that answered with an error rejected it.

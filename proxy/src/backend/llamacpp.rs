@@ -186,6 +186,11 @@ impl Backend for LlamaCppBackend {
     async fn models(&self) -> Result<Value, BackendError> {
         self.client.get_json("/v1/models").await
     }
+
+    async fn model_file(&self) -> Option<String> {
+        let props = self.client.get_json("/props").await.ok()?;
+        props.get("model_path")?.as_str().map(str::to_owned)
+    }
 }
 
 /// Keeps template ids only when they match the engine's own count for this call.

@@ -61,6 +61,7 @@ pub fn record(i: u64, payload: usize) -> CaptureRecord {
         },
         response_status: 200,
         error: None,
+        token_observation: None,
     }
 }
 

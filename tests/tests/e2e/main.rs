@@ -23,6 +23,7 @@ mod harnesses;
 mod limits;
 mod listener_tokens;
 mod metrics;
+mod model_tool_calls;
 mod node_agent;
 mod observability;
 mod reconstruction;

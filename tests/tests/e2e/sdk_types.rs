@@ -19,15 +19,7 @@ fn last_user_text(req: &Value) -> String {
     else {
         return String::new();
     };
-    match &m["content"] {
-        Value::String(s) => s.clone(),
-        Value::Array(parts) => parts
-            .iter()
-            .filter_map(|p| p["text"].as_str())
-            .collect::<Vec<_>>()
-            .join(""),
-        _ => String::new(),
-    }
+    tokentap_e2e::scripted::content_text(&m["content"])
 }
 
 fn turn(reasoning: &str, text: &str, calls: &[(&str, Value)], finish: Option<&str>) -> Reply {

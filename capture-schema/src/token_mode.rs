@@ -1,0 +1,286 @@
+//! `--token-mode observe`: tokentap renders and tokenizes each call's conversation itself with
+//! the model's own chat template and tokenizer, and records how that compares with the
+//! engine's prompt ids and with the session's earlier calls. Calls still go to the engine as
+//! text; this measures how much of the data re-rendering changes before anything is switched.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+use schemars::JsonSchema;
+use serde::{Deserialize, Serialize};
+
+/// What tokentap found out about one call's prompt ids (`CaptureRecord::token_observation`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenObservation {
+    /// tokentap's ids for the conversation against the engine's prompt ids.
+    pub render: RenderComparison,
+    /// How the engine's prompt goes on from the session's earlier calls.
+    pub continuation: Continuation,
+    /// Time tokentap took to render and tokenize the conversation, in microseconds.
+    pub render_us: u64,
+}
+
+/// tokentap's rendering of the call against what the engine saw.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "result", rename_all = "snake_case")]
+pub enum RenderComparison {
+    /// The same ids.
+    Equal { tokens: u32 },
+    /// Different ids, from token `at` on.
+    Differs {
+        at: u32,
+        ours_len: u32,
+        engine_len: u32,
+        /// The first differing stretch, classified.
+        span: DriftSpan,
+    },
+    /// Nothing to compare: no engine prompt ids, or the template refused or failed.
+    Unavailable { reason: String },
+}
+
+/// How a call's prompt continues the session (compared by token ids, never by text).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum Continuation {
+    /// The session's first call on this proxy (or the first since its state was evicted).
+    First,
+    /// The prompt is an earlier call's prompt + the ids it sampled + `appended` new tokens:
+    /// append-only, one trace.
+    Extends { record_id: String, appended: u32 },
+    /// The prompt repeats an earlier call's prompt exactly (a retry).
+    Repeats { record_id: String },
+    /// The prompt keeps an earlier call's prompt but not the ids it sampled: the conversation
+    /// was re-rendered there. Each span says where and why.
+    Diverges {
+        record_id: String,
+        spans: Vec<DriftSpan>,
+    },
+    /// The prompt shares less than the prompt of every kept call of the session (a compaction,
+    /// edited history, a new system prompt, a subagent): `common` tokens with the closest.
+    NewPrefix {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        closest_record_id: Option<String>,
+        common: u32,
+    },
+    /// Nothing to compare: the engine gave no prompt ids.
+    Unavailable { reason: String },
+}
+
+/// One stretch where two token sequences part: a span of the earlier ids (sampled, or
+/// tokentap's rendering) and what stands in its place in the engine's prompt.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct DriftSpan {
+    /// Index in the engine's prompt where the span starts.
+    pub at: u32,
+    /// Tokens of the earlier sequence in the span.
+    pub before_len: u32,
+    /// Tokens of the engine's prompt in their place.
+    pub prompt_len: u32,
+    pub cause: DriftCause,
+    /// The span's text on each side (special tokens included), each cut to 200 characters.
+    pub before_text: String,
+    pub prompt_text: String,
+}
+
+/// Why ids differ where the text was meant to be the same.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum DriftCause {
+    /// The template left out reasoning the model sampled (Qwen3, GLM, MiniMax, …).
+    ReasoningDropped,
+    /// Only special tokens or whitespace differ: a turn's end or separator written
+    /// differently (a stop token the engine kept or dropped, an added newline).
+    BoundaryToken,
+    /// The same text, tokenized differently (`"\n","\n"` against `"\n\n"`).
+    MergeDifference,
+    /// Different text: the harness changed what came back (re-serialized tool-call JSON,
+    /// trimmed whitespace), or the template writes it differently.
+    ContentChanged,
+}
+
+impl DriftCause {
+    pub const ALL: [DriftCause; 4] = [
+        DriftCause::ReasoningDropped,
+        DriftCause::BoundaryToken,
+        DriftCause::MergeDifference,
+        DriftCause::ContentChanged,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriftCause::ReasoningDropped => "reasoning_dropped",
+            DriftCause::BoundaryToken => "boundary_token",
+            DriftCause::MergeDifference => "merge_difference",
+            DriftCause::ContentChanged => "content_changed",
+        }
+    }
+}
+
+impl Continuation {
+    /// The label of the kind (`first`, `extends`, …), for metrics and summaries.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Continuation::First => "first",
+            Continuation::Extends { .. } => "extends",
+            Continuation::Repeats { .. } => "repeats",
+            Continuation::Diverges { .. } => "diverges",
+            Continuation::NewPrefix { .. } => "new_prefix",
+            Continuation::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+impl RenderComparison {
+    /// `equal`, `differs` or `unavailable`.
+    pub fn result(&self) -> &'static str {
+        match self {
+            RenderComparison::Equal { .. } => "equal",
+            RenderComparison::Differs { .. } => "differs",
+            RenderComparison::Unavailable { .. } => "unavailable",
+        }
+    }
+}
+
+/// `--token-mode observe`'s findings over many calls: a session's (`sessions.jsonl`'s
+/// `stats.token_mode`) or a spool's (`tokentap records summary`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenModeTally {
+    /// Calls with an observation.
+    pub observed: u32,
+    /// By [`RenderComparison::result`].
+    pub render: BTreeMap<String, u32>,
+    /// By [`Continuation::kind`].
+    pub continuations: BTreeMap<String, u32>,
+    /// Drift spans of `diverges` calls, by cause.
+    pub drift_spans: BTreeMap<DriftCause, u32>,
+}
+
+impl TokenModeTally {
+    pub fn add(&mut self, o: &TokenObservation) {
+        self.observed += 1;
+        *self.render.entry(o.render.result().into()).or_default() += 1;
+        *self
+            .continuations
+            .entry(o.continuation.kind().into())
+            .or_default() += 1;
+        if let Continuation::Diverges { spans, .. } = &o.continuation {
+            for s in spans {
+                *self.drift_spans.entry(s.cause).or_default() += 1;
+            }
+        }
+    }
+
+    /// One line: `observed 12  ids equal to the engine's 12  extends 8  diverges 3
+    /// (reasoning_dropped 3)  new_prefix 0  first 1`.
+    pub fn line(&self) -> String {
+        let get = |m: &BTreeMap<String, u32>, k: &str| m.get(k).copied().unwrap_or(0);
+        let mut out = format!(
+            "observed {}  ids equal to the engine's {}  differ {}  unavailable {}  |  first {}  extends {}  repeats {}  diverges {}",
+            self.observed,
+            get(&self.render, "equal"),
+            get(&self.render, "differs"),
+            get(&self.render, "unavailable"),
+            get(&self.continuations, "first"),
+            get(&self.continuations, "extends"),
+            get(&self.continuations, "repeats"),
+            get(&self.continuations, "diverges"),
+        );
+        if !self.drift_spans.is_empty() {
+            let causes: Vec<String> = self
+                .drift_spans
+                .iter()
+                .map(|(c, n)| format!("{} {n}", c.as_str()))
+                .collect();
+            let _ = write!(out, " ({})", causes.join(", "));
+        }
+        let _ = write!(
+            out,
+            "  new_prefix {}",
+            get(&self.continuations, "new_prefix")
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn span(cause: DriftCause) -> DriftSpan {
+        DriftSpan {
+            at: 10,
+            before_len: 3,
+            prompt_len: 0,
+            cause,
+            before_text: "<think>x</think>".into(),
+            prompt_text: String::new(),
+        }
+    }
+
+    #[test]
+    fn a_tally_counts_results_kinds_and_spans_and_says_so_in_one_line() {
+        let mut t = TokenModeTally::default();
+        let equal = RenderComparison::Equal { tokens: 5 };
+        for continuation in [
+            Continuation::First,
+            Continuation::Extends {
+                record_id: "a".into(),
+                appended: 4,
+            },
+            Continuation::Diverges {
+                record_id: "b".into(),
+                spans: vec![
+                    span(DriftCause::ReasoningDropped),
+                    span(DriftCause::ReasoningDropped),
+                    span(DriftCause::BoundaryToken),
+                ],
+            },
+        ] {
+            t.add(&TokenObservation {
+                render: equal.clone(),
+                continuation,
+                render_us: 1,
+            });
+        }
+        t.add(&TokenObservation {
+            render: RenderComparison::Unavailable { reason: "x".into() },
+            continuation: Continuation::NewPrefix {
+                closest_record_id: None,
+                common: 0,
+            },
+            render_us: 1,
+        });
+        assert_eq!(t.observed, 4);
+        assert_eq!(t.drift_spans[&DriftCause::ReasoningDropped], 2);
+        assert_eq!(
+            t.line(),
+            "observed 4  ids equal to the engine's 3  differ 0  unavailable 1  |  first 1  extends 1  repeats 0  diverges 1 (reasoning_dropped 2, boundary_token 1)  new_prefix 1"
+        );
+        // As sessions.jsonl writes it: causes as snake_case keys, and back.
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["drift_spans"]["reasoning_dropped"], 2);
+        assert_eq!(serde_json::from_value::<TokenModeTally>(json).unwrap(), t);
+    }
+
+    #[test]
+    fn observations_serialize_with_their_tags() {
+        let o = TokenObservation {
+            render: RenderComparison::Equal { tokens: 7 },
+            continuation: Continuation::Diverges {
+                record_id: "r1".into(),
+                spans: vec![span(DriftCause::MergeDifference)],
+            },
+            render_us: 12,
+        };
+        let v = serde_json::to_value(&o).unwrap();
+        assert_eq!(
+            v["render"],
+            serde_json::json!({"result": "equal", "tokens": 7})
+        );
+        assert_eq!(v["continuation"]["kind"], "diverges");
+        assert_eq!(v["continuation"]["spans"][0]["cause"], "merge_difference");
+        assert_eq!(serde_json::from_value::<TokenObservation>(v).unwrap(), o);
+    }
+}

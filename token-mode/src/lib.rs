@@ -1,0 +1,15 @@
+//! tokentap's own prompt ids for each call, from the model's chat template and tokenizer
+//! (`tokentap-chat-template`), and what they show about the engine's.
+//!
+//! - [`TokenModel`]: `--tokenizer PATH` loaded once; [`TokenModel::prompt_ids`] per call.
+//! - [`drift`]: where two id sequences part, and why (reasoning dropped, a boundary token, a
+//!   merge difference, changed content), classified per span from the decoded text.
+//! - [`Observer`]: `--token-mode observe`, per call: tokentap's ids against the engine's, and
+//!   the engine's prompt against the session's earlier prompts + sampled ids (bounded state).
+
+pub mod drift;
+mod model;
+mod observer;
+
+pub use model::{EngineDialect, TokenMode, TokenModel};
+pub use observer::{CallView, Observer, ObserverLimits};
