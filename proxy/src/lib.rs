@@ -8,6 +8,8 @@ pub mod backend;
 pub mod canonical;
 pub mod capped_body;
 pub mod capture;
+#[cfg(feature = "clap")]
+pub mod cli;
 pub mod engine_options;
 pub mod gate;
 pub mod harness;

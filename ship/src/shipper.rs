@@ -503,22 +503,6 @@ fn unix_ms() -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The CA certificates of a `--ca-file` (PEM, one or more), to trust besides the built-in
-/// roots; none without one.
-pub fn load_ca_file(path: Option<&Path>) -> anyhow::Result<Vec<reqwest::Certificate>> {
-    let Some(path) = path else {
-        return Ok(Vec::new());
-    };
-    let pem =
-        std::fs::read(path).with_context(|| format!("reading --ca-file {}", path.display()))?;
-    let certs = reqwest::Certificate::from_pem_bundle(&pem)
-        .with_context(|| format!("--ca-file {}: not PEM certificates", path.display()))?;
-    if certs.is_empty() {
-        anyhow::bail!("--ca-file {}: no certificate in it", path.display());
-    }
-    Ok(certs)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

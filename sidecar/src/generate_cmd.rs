@@ -58,7 +58,7 @@ pub fn run(mut args: GenerateArgs) -> anyhow::Result<()> {
     if args.node.data.is_none() {
         args.node.data = Some(args.out.join("node"));
     }
-    if args.node.capture.spool == Path::new(crate::proxy_cmd::DEFAULT_SPOOL) {
+    if args.node.capture.spool == Path::new(tokentap_proxy::cli::DEFAULT_SPOOL) {
         args.node.capture.spool = args.out.join("spool");
     }
     let specs = read_tasks(

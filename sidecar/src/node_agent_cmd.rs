@@ -22,8 +22,8 @@ use tokentap_proxy::tls::ca;
 use tokentap_proxy::transparent::TransparentListener;
 
 use crate::downstream::DownstreamArgs;
-use crate::proxy_cmd::CaptureArgs;
-use crate::run_cmd::InterceptArgs;
+use tokentap_proxy::cli::CaptureArgs;
+use tokentap_proxy::cli::InterceptArgs;
 
 #[derive(Args)]
 #[command(after_help = "Examples:

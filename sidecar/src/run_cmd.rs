@@ -16,12 +16,10 @@ use tokentap_ebpf::{
     conntrack_original_destination, NftRedirect, Redirect, RedirectConfig, RedirectError,
 };
 use tokentap_proxy::tls::{ca, CertificateAuthority};
-use tokentap_proxy::transparent::{
-    InterceptList, OriginalDestination, TransparentListener, DEFAULT_INTERCEPT,
-};
+use tokentap_proxy::transparent::{OriginalDestination, TransparentListener};
 
 use crate::downstream::DownstreamArgs;
-use crate::proxy_cmd::CaptureArgs;
+use tokentap_proxy::cli::{CaptureArgs, InterceptArgs};
 use tokentap_ship::downstream::Downstream;
 
 /// What `run` and `sidecar` share.
@@ -108,59 +106,6 @@ struct Capture {
     spool_thread: Option<std::thread::JoinHandle<()>>,
     downstream: Option<Downstream>,
     ca: Arc<CertificateAuthority>,
-}
-
-/// What is intercepted, and with which CA (`run`, `sidecar` and the rollout node).
-#[derive(Args, Clone)]
-pub struct InterceptArgs {
-    /// Also intercept this host (repeatable; `*.example.com` for subdomains). Defaults:
-    /// api.openai.com, api.anthropic.com, chatgpt.com, generativelanguage.googleapis.com,
-    /// dashscope.aliyuncs.com.
-    #[arg(long = "intercept", value_name = "HOST")]
-    intercept: Vec<String>,
-    /// Intercept only the `--intercept` hosts, not the defaults.
-    #[arg(long)]
-    no_default_intercept: bool,
-    /// Destination port whose TCP connects are redirected (repeatable; default 443).
-    #[arg(long = "redirect-port", value_name = "PORT")]
-    redirect_ports: Vec<u16>,
-    /// Directory of the local CA (created on first use).
-    #[arg(long, env = "TOKENTAP_CA_DIR")]
-    ca_dir: Option<PathBuf>,
-}
-
-impl InterceptArgs {
-    /// The CA in `--ca-dir`, else in `default_dir`, created on first use.
-    pub fn ca(&self, default_dir: PathBuf) -> anyhow::Result<Arc<CertificateAuthority>> {
-        let dir = self.ca_dir.clone().unwrap_or(default_dir);
-        let (ca, created) = CertificateAuthority::load_or_create(&dir)?;
-        if created {
-            tracing::info!(cert = %ca.cert_path().display(), "created the local interception CA");
-        }
-        Ok(Arc::new(ca))
-    }
-
-    pub fn intercept_list(&self) -> InterceptList {
-        let defaults: &[&str] = if self.no_default_intercept {
-            &[]
-        } else {
-            DEFAULT_INTERCEPT
-        };
-        InterceptList::new(
-            defaults
-                .iter()
-                .map(|s| s.to_string())
-                .chain(self.intercept.iter().cloned()),
-        )
-    }
-
-    pub fn ports(&self) -> Vec<u16> {
-        if self.redirect_ports.is_empty() {
-            vec![443]
-        } else {
-            self.redirect_ports.clone()
-        }
-    }
 }
 
 impl TransparentArgs {

@@ -16,9 +16,9 @@ use tokentap_rollout::sandbox::SandboxConfig;
 use tokentap_rollout::store::Store;
 use tokentap_rollout::transparent::TransparentConfig;
 
-use crate::proxy_cmd::CaptureArgs;
-use crate::run_cmd::InterceptArgs;
 use crate::signals::shutdown_signal;
+use tokentap_proxy::cli::CaptureArgs;
+use tokentap_proxy::cli::InterceptArgs;
 
 /// A rollout node's pipeline and capture.
 #[derive(Args)]
@@ -141,7 +141,7 @@ impl NodeArgs {
         let data = self.data_dir();
         tokentap_spool::owner_only::create_dir_all(&data)?;
         // A node keeps everything under its data directory, never in the working directory.
-        if self.capture.spool == Path::new(crate::proxy_cmd::DEFAULT_SPOOL) {
+        if self.capture.spool == Path::new(tokentap_proxy::cli::DEFAULT_SPOOL) {
             self.capture.spool = data.join("spool");
         }
         let index = Arc::new(SessionIndex::of_spool(&self.capture.spool));

@@ -7,9 +7,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use clap::Args;
-use tokentap_ship::shipper::{
-    load_ca_file, ship, BatchLimits, ShipStop, ShipTarget, DEAD_LETTER_FILE,
-};
+use tokentap_proxy::cli::load_ca_file;
+use tokentap_ship::shipper::{ship, BatchLimits, ShipStop, ShipTarget, DEAD_LETTER_FILE};
 use tokentap_spool::downstream::DownstreamMetrics;
 
 use crate::signals::signal_sets;

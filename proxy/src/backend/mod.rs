@@ -119,17 +119,21 @@ pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
     })
 }
 
-/// Asks the engine which model it serves (within 5 s, on a runtime of its own: call it
-/// outside one); the model when there is exactly one, else the harness's name goes through.
-pub fn served_model(backend: &dyn Backend) -> Option<String> {
+/// Runs one start-up question to the engine, bounded by 5 s, on a runtime of its own (call
+/// it outside one); `None` if it took longer.
+pub fn block_on_engine<T>(f: impl std::future::Future<Output = T>) -> Option<T> {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .ok()?;
-    let models = rt.block_on(async {
-        tokio::time::timeout(std::time::Duration::from_secs(5), backend.models()).await
-    });
-    match models {
+    rt.block_on(async { tokio::time::timeout(std::time::Duration::from_secs(5), f).await })
+        .ok()
+}
+
+/// Asks the engine which model it serves (within 5 s, on a runtime of its own: call it
+/// outside one); the model when there is exactly one, else the harness's name goes through.
+pub fn served_model(backend: &dyn Backend) -> Option<String> {
+    match block_on_engine(backend.models()).ok_or(()) {
         Ok(Ok(v)) => {
             let ids: Vec<String> = v
                 .get("data")
