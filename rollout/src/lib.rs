@@ -23,6 +23,8 @@
 pub mod accept;
 pub mod api;
 pub mod capture;
+#[cfg(feature = "clap")]
+pub mod cli;
 pub mod clock;
 pub mod cluster;
 pub mod deliver;

@@ -14,7 +14,7 @@ use clap::Args;
 use tokentap_rollout::generate::{accepted, all_samples, read_tasks, write_dataset, TaskOverrides};
 use tokentap_rollout::pipeline::now_ms;
 
-use crate::serve_cmd::NodeArgs;
+use tokentap_rollout::cli::NodeArgs;
 
 #[derive(Args)]
 #[command(

@@ -210,7 +210,7 @@ pub fn run(args: RunArgs) -> anyhow::Result<ExitCode> {
         .session
         .clone()
         .unwrap_or_else(|| format!("run-{}", uuid::Uuid::now_v7().simple()));
-    remove_stale_interception();
+    tokentap_ebpf::remove_stale_interception();
     let cgroup = Cgroup::create_for_this_process(&session).context("creating the run's cgroup")?;
     let capture = args.transparent.start(&cgroup, Some(session.clone()))?;
     let scratch = tempfile::tempdir()?;
@@ -265,20 +265,11 @@ fn exit_code(status: std::process::ExitStatus) -> ExitCode {
     }
 }
 
-/// Takes down the cgroups and nftables redirects a killed tokentap left behind (their
-/// processes are gone; their rules would redirect to a dead port).
-pub fn remove_stale_interception() {
-    if let Err(e) = tokentap_cgroup::run_cgroup::remove_stale() {
-        tracing::debug!(error = %e, "no stale cgroups looked for");
-    }
-    tokentap_ebpf::remove_stale_tables();
-}
-
 pub fn sidecar(args: SidecarArgs) -> anyhow::Result<ExitCode> {
     tokentap_ebpf::preflight(args.transparent.redirect == RedirectMode::Ebpf)?;
     let cgroup = Cgroup::existing(&args.cgroup)?;
     cgroup.ensure_outside()?;
-    remove_stale_interception();
+    tokentap_ebpf::remove_stale_interception();
     let capture = args.transparent.start(&cgroup, args.session.clone())?;
     capture.runtime.block_on(crate::signals::shutdown_signal());
     tracing::info!("stopping transparent capture");

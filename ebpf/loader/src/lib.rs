@@ -280,6 +280,20 @@ pub fn socket_addr(s: SockAddr) -> SocketAddr {
     }
 }
 
+/// Takes down the cgroups and nftables redirects a killed tokentap left behind (their
+/// processes are gone; their rules would redirect to a dead port). Returns how many it took
+/// down; without cgroups or `nft` to look at there is nothing to take down.
+pub fn remove_stale_interception() -> usize {
+    let cgroups = match tokentap_cgroup::run_cgroup::remove_stale() {
+        Ok(removed) => removed.len(),
+        Err(e) => {
+            tracing::debug!(error = %e, "no stale cgroups looked for");
+            0
+        }
+    };
+    cgroups + remove_stale_tables().len()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -299,5 +313,13 @@ mod tests {
         // Network order in memory: 127.0.0.1's first byte is 127.
         let k = sock_addr("127.0.0.1:1".parse().unwrap());
         assert_eq!(k.addr[0].to_ne_bytes(), [127, 0, 0, 1]);
+    }
+
+    #[test]
+    fn stale_interception_once_taken_down_is_gone() {
+        // Only what dead processes left is touched (what every `tokentap run` does at start),
+        // with or without the privileges to look: right after, there is nothing left.
+        remove_stale_interception();
+        assert_eq!(remove_stale_interception(), 0);
     }
 }
