@@ -395,10 +395,18 @@ mod tests {
         Cmd::try_parse_from(["tokentap"].iter().chain(args))
     }
 
-    /// An engine URL nothing listens at (the port was bound, then let go).
-    fn closed_engine() -> String {
+    /// `extra` after a vLLM engine nothing listens at (the port was bound, then let go), its
+    /// model given so that none is asked for.
+    fn at_closed_engine(extra: &[&str]) -> Cmd {
         let closed = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", closed.local_addr().unwrap())
+        let engine = format!("http://{}", closed.local_addr().unwrap());
+        let base = [
+            "--backend",
+            &engine,
+            "--backend-kind=vllm",
+            "--backend-model=m",
+        ];
+        parse(&[&base[..], extra].concat()).unwrap()
     }
 
     #[test]
@@ -490,16 +498,7 @@ mod tests {
     fn build_opens_the_spool_unless_capture_is_off() {
         let dir = tempfile::tempdir().unwrap();
         let spool = dir.path().join("spool");
-        let engine = closed_engine();
-        let base = [
-            "--backend",
-            &engine,
-            "--backend-kind",
-            "vllm",
-            "--backend-model",
-            "m",
-        ];
-        let on = parse(&[&base[..], &["--spool", spool.to_str().unwrap()]].concat()).unwrap();
+        let on = at_closed_engine(&["--spool", spool.to_str().unwrap()]);
         let (service, thread) = on.capture.build(Some("s".into())).unwrap();
         assert!(spool.is_dir() && thread.is_some());
         // The writer drains and ends once the service (its sink's sender) is gone.
@@ -507,45 +506,21 @@ mod tests {
         thread.unwrap().join().unwrap();
 
         let elsewhere = dir.path().join("never");
-        let off = parse(
-            &[
-                &base[..],
-                &["--no-capture", "--spool", elsewhere.to_str().unwrap()],
-            ]
-            .concat(),
-        )
-        .unwrap();
+        let off = at_closed_engine(&["--no-capture", "--spool", elsewhere.to_str().unwrap()]);
         let (_service, thread) = off.capture.build(None).unwrap();
         assert!(thread.is_none() && !elsewhere.exists());
     }
 
     #[test]
     fn token_mode_observe_without_a_tokenizer_says_how_to_give_one() {
-        let engine = closed_engine();
-        let base = [
-            "--backend",
-            &engine,
-            "--backend-kind",
-            "vllm",
-            "--backend-model",
-            "m",
-        ];
-        let cmd =
-            parse(&[&base[..], &["--no-capture", "--token-mode", "observe"]].concat()).unwrap();
+        let cmd = at_closed_engine(&["--no-capture", "--token-mode", "observe"]);
         let e = cmd.capture.build(None).err().unwrap().to_string();
         assert!(e.contains("--tokenizer PATH"), "{e}");
-        let missing = parse(
-            &[
-                &base[..],
-                &[
-                    "--no-capture",
-                    "--token-mode=observe",
-                    "--tokenizer=/no/such/model",
-                ],
-            ]
-            .concat(),
-        )
-        .unwrap();
+        let missing = at_closed_engine(&[
+            "--no-capture",
+            "--token-mode=observe",
+            "--tokenizer=/no/such/model",
+        ]);
         let e = missing.capture.build(None).err().unwrap().to_string();
         assert!(
             e.starts_with("--token-mode observe: ") && e.contains("/no/such/model"),
