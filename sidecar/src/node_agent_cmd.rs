@@ -18,12 +18,11 @@ use tokentap_node_agent::agent::Agent;
 use tokentap_node_agent::sources::{self, Source, SourceOptions};
 use tokentap_node_agent::status::{status_router, AgentMetrics, StatusState};
 use tokentap_node_agent::WorkloadEvent;
+use tokentap_proxy::cli::{CaptureArgs, InterceptArgs};
 use tokentap_proxy::tls::ca;
 use tokentap_proxy::transparent::TransparentListener;
 
 use crate::downstream::DownstreamArgs;
-use tokentap_proxy::cli::CaptureArgs;
-use tokentap_proxy::cli::InterceptArgs;
 
 #[derive(Args)]
 #[command(after_help = "Examples:

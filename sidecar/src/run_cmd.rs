@@ -15,11 +15,11 @@ use tokentap_cgroup::{cgroup2_mount, join_on_spawn_std, procs_file, Cgroup};
 use tokentap_ebpf::{
     conntrack_original_destination, NftRedirect, Redirect, RedirectConfig, RedirectError,
 };
+use tokentap_proxy::cli::{CaptureArgs, InterceptArgs};
 use tokentap_proxy::tls::{ca, CertificateAuthority};
 use tokentap_proxy::transparent::{OriginalDestination, TransparentListener};
 
 use crate::downstream::DownstreamArgs;
-use tokentap_proxy::cli::{CaptureArgs, InterceptArgs};
 use tokentap_ship::downstream::Downstream;
 
 /// What `run` and `sidecar` share.
