@@ -147,6 +147,11 @@ impl CaptureArgs {
         EngineOptionPolicy::from_flag_values(&self.engine_options).map_err(anyhow::Error::msg)
     }
 
+    /// `--tokenizer`: the model's tokenizer and template, when given.
+    pub fn tokenizer(&self) -> Option<&std::path::Path> {
+        self.tokenizer.as_deref()
+    }
+
     /// The engine's /detokenize, for the viewer's token text, when the engine has one
     /// (llama.cpp, vLLM): base URL, model, API key.
     pub fn detokenizer(&self) -> Option<(String, Option<String>, Option<String>)> {

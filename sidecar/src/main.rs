@@ -183,3 +183,16 @@ fn main() -> anyhow::Result<std::process::ExitCode> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use clap::CommandFactory;
+
+    /// clap's own consistency checks over every command (unique argument names, valid
+    /// `requires`/`conflicts_with`, …), which release builds skip: `serve` once had two
+    /// `--tokenizer`s (the viewer's and token mode's) and panicked on start in debug builds.
+    #[test]
+    fn every_command_line_is_consistent() {
+        super::Cli::command().debug_assert();
+    }
+}

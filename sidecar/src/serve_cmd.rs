@@ -32,10 +32,11 @@ pub struct ServeArgs {
     token: Option<String>,
     #[command(flatten)]
     tls: tokentap_control_plane::TlsListenArgs,
-    /// The viewer at /view/ (behind --token) shows token text from the engine's /detokenize
-    /// (llama.cpp, vLLM) unless one of these says otherwise.
+    /// The viewer at /view/ (behind --token) shows token text from --tokenizer when given
+    /// (the model token mode uses), else from the engine's /detokenize (llama.cpp, vLLM)
+    /// unless these say otherwise.
     #[command(flatten)]
-    view_text: crate::view_cmd::TokenTextArgs,
+    view_text: crate::view_cmd::DetokenizeArgs,
     /// Share the work with the other nodes on this bus (NATS JetStream): samples from one
     /// queue, state, results, events, callbacks and pause/resume shared, any node's API
     /// answering for all; the node's records are published to the bus too.
@@ -73,7 +74,10 @@ pub fn run(mut args: ServeArgs) -> anyhow::Result<()> {
     )?;
     let token_text = args
         .view_text
-        .token_text(args.node.capture.detokenizer())
+        .token_text(
+            args.node.capture.tokenizer(),
+            args.node.capture.detokenizer(),
+        )
         .context("the viewer's token text")?;
     // Every sample's connections count against one limit: the soft default (often 1024) is
     // the first thing a flood would reach.

@@ -2,7 +2,7 @@
 //! how token ids become text (shared with `tokentap serve`, whose nodes serve it at /view/).
 
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 use anyhow::Context;
 use axum::Router;
@@ -19,9 +19,19 @@ pub const PREFIX: &str = "/view";
 #[derive(Args, Clone)]
 #[command(next_help_heading = "Token text in the viewer")]
 pub struct TokenTextArgs {
-    /// A tokenizer.json, or a GGUF model file (its vocabulary and merges are used).
+    /// A tokenizer.json, a Hugging Face model directory, or a GGUF model file (its vocabulary
+    /// and merges are used).
     #[arg(long, value_name = "FILE")]
     pub tokenizer: Option<PathBuf>,
+    #[command(flatten)]
+    pub engine: DetokenizeArgs,
+}
+
+/// The viewer's token text from an engine. `serve` has only these: its `--tokenizer` is the
+/// capture's (token mode), which the viewer uses too.
+#[derive(Args, Clone)]
+#[command(next_help_heading = "Token text in the viewer")]
+pub struct DetokenizeArgs {
     /// Base URL of an engine whose /detokenize names each token (llama.cpp, vLLM).
     #[arg(long, value_name = "URL", conflicts_with = "tokenizer")]
     pub detokenize: Option<String>,
@@ -30,13 +40,15 @@ pub struct TokenTextArgs {
     pub detokenize_model: Option<String>,
 }
 
-impl TokenTextArgs {
-    /// The chosen source, else `engine` (a node's own engine), else ids only.
+impl DetokenizeArgs {
+    /// `file` when given, else the chosen engine, else `engine` (a node's own engine), else
+    /// ids only.
     pub fn token_text(
         &self,
+        file: Option<&Path>,
         engine: Option<(String, Option<String>, Option<String>)>,
     ) -> anyhow::Result<TokenText> {
-        if let Some(file) = &self.tokenizer {
+        if let Some(file) = file {
             return TokenText::from_file(file);
         }
         if let Some(url) = &self.detokenize {
@@ -108,7 +120,11 @@ pub fn run(args: ViewArgs) -> anyhow::Result<()> {
     let sources = ViewSources {
         spool: args.spool.clone(),
         traces: args.traces.clone().map(TraceFiles::Below),
-        text: args.text.token_text(None).context("token text")?,
+        text: args
+            .text
+            .engine
+            .token_text(args.text.tokenizer.as_deref(), None)
+            .context("token text")?,
     };
     let app = routes(sources, Some(&token))
         .route(

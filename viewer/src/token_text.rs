@@ -35,6 +35,14 @@ pub enum TokenText {
 impl TokenText {
     /// A `tokenizer.json`, or a `.gguf` model whose vocabulary is rebuilt as one.
     pub fn from_file(path: &Path) -> anyhow::Result<TokenText> {
+        // A Hugging Face model directory (what --tokenizer also takes for token mode).
+        let in_dir;
+        let path = if path.is_dir() {
+            in_dir = path.join("tokenizer.json");
+            in_dir.as_path()
+        } else {
+            path
+        };
         let gguf = path.extension().is_some_and(|e| e == "gguf");
         let tokenizer = if gguf {
             // Decoding only, so any pre-tokenizer type will do (tokentap-chat-template owns the
