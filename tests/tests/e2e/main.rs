@@ -25,6 +25,7 @@ mod listener_tokens;
 mod metrics;
 mod model_tool_calls;
 mod node_agent;
+mod observe_reasoning;
 mod observability;
 mod reconstruction;
 mod records_cli;
