@@ -33,7 +33,7 @@ pub fn spans<'r>(
     old: &[u32],
     prompt: &[u32],
     reasoning_at: impl Fn(usize) -> Option<&'r str>,
-) -> Vec<DriftSpan> {
+) -> Drift {
     // The prompt's part that stands in for `old`: what it kept of it, plus what replaced the
     // rest. Replacements longer than this show as a span cut short, not as a slow diff.
     let new = &prompt[..(old.len() * 2 + 64).min(prompt.len())];
@@ -47,6 +47,7 @@ pub fn spans<'r>(
     );
     // Consecutive non-equal ops that touch `old` become one span.
     let mut spans = Vec::new();
+    let alignment = Alignment { ops: ops.clone() };
     let mut open: Option<(usize, usize, usize, usize)> = None; // old start, old end, new start, new end
     let close = |open: &mut Option<(usize, usize, usize, usize)>, spans: &mut Vec<DriftSpan>| {
         if let Some((os, oe, ns, mut ne)) = open.take() {
@@ -76,7 +77,42 @@ pub fn spans<'r>(
         }
     }
     close(&mut open, &mut spans);
-    spans
+    Drift { spans, alignment }
+}
+
+/// What [`spans`] finds: the spans, and where each part of `old` went in the prompt.
+pub struct Drift {
+    pub spans: Vec<DriftSpan>,
+    pub alignment: Alignment,
+}
+
+/// The diff behind a [`Drift`], to carry positions in `old` over to the prompt.
+pub struct Alignment {
+    ops: Vec<DiffOp>,
+}
+
+impl Alignment {
+    /// The prompt position that stands where position `i` of `old` (a boundary between
+    /// tokens, `0..=old.len()`) stood: exact inside what the prompt kept; the start of the
+    /// replacement inside what it replaced or dropped.
+    pub fn position(&self, i: usize) -> usize {
+        let mut last = 0;
+        for op in &self.ops {
+            let (o, n) = (op.old_range(), op.new_range());
+            match op {
+                DiffOp::Equal { .. } if o.start <= i && i <= o.end => {
+                    return n.start + (i - o.start)
+                }
+                // What the prompt added stands for no position of `old` (at its end: the new
+                // turn).
+                DiffOp::Insert { .. } => continue,
+                _ if o.start <= i && i < o.end => return n.start,
+                _ if o.end <= i => last = n.end,
+                _ => {}
+            }
+        }
+        last
+    }
 }
 
 /// The first stretch where `ours` and `engine` part (both from `at`, their common prefix).

@@ -221,11 +221,36 @@ impl Observer {
         } else if let Some(rest) = &c.rest {
             let reasoning_at =
                 |i: usize| holding(&c.sampled, c.common + i).and_then(|s| s.reasoning.as_deref());
-            let spans = spans(&self.model, rest, &prompt[c.common..], reasoning_at)
+            let drift = spans(&self.model, rest, &prompt[c.common..], reasoning_at);
+            let spans = drift
+                .spans
                 .into_iter()
                 .map(|mut s| {
                     s.at += c.common as u32;
                     s
+                })
+                .collect();
+            // The turns the prompt re-rendered stay the turns their calls sampled, where the
+            // diff puts them: a later call that drops their reasoning still parts from them.
+            let at = |i: usize| c.common + drift.alignment.position(i - c.common);
+            let carried = c
+                .sampled
+                .iter()
+                .filter_map(|s| {
+                    if s.end <= c.common {
+                        return Some(s.clone());
+                    }
+                    let start = if s.start < c.common {
+                        s.start
+                    } else {
+                        at(s.start)
+                    };
+                    let end = at(s.end);
+                    (start < end).then(|| Sampled {
+                        start,
+                        end,
+                        ..s.clone()
+                    })
                 })
                 .collect();
             let parted_in = holding(&c.sampled, c.common)
@@ -236,7 +261,7 @@ impl Observer {
                     spans,
                 },
                 Some(c.record_id.clone()),
-                kept(&c),
+                carried,
             )
         } else {
             (

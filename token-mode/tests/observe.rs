@@ -228,6 +228,52 @@ fn a_new_user_turn_drops_past_reasoning_even_when_sent_back() {
 }
 
 #[test]
+fn a_turn_the_template_rewrote_still_parts_as_sampled_reasoning_when_later_dropped() {
+    // The model sampled its reasoning without the newlines Qwen3's template writes around it:
+    // sent back, the turn is re-rendered (two boundary spans, no reasoning lost); after a
+    // second user message the template drops it, and that is still the reasoning r1 sampled.
+    let m = model();
+    let tight = m
+        .tokenizer()
+        .encode(&format!("<think>{REASONING}</think>\n\n{SAMPLED_CALL}"))
+        .unwrap();
+    let a = Call {
+        completion: tight,
+        ..first_call(&m)
+    };
+    let b = second_call(&m, true);
+    let request = request(json!([
+        user("Where am I?"),
+        assistant_call(Some(REASONING)),
+        tool_result("/work"),
+        {"role": "assistant", "content": text("Done."), "content_was_string": true},
+        user("And now?"),
+    ]));
+    let c = answered_done(&m, request, "r3");
+    let o = Observer::new(m, ObserverLimits::default());
+    observe(&o, "s", &a);
+    let Continuation::Diverges { record_id, spans } = observe(&o, "s", &b).continuation else {
+        panic!("expected diverges")
+    };
+    assert_eq!(record_id, "r1");
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    for s in &spans {
+        assert_eq!(s.cause, DriftCause::BoundaryToken, "{spans:#?}");
+        assert_eq!(s.before_text.trim(), s.prompt_text.trim(), "{spans:#?}");
+    }
+    match observe(&o, "s", &c).continuation {
+        Continuation::Diverges { record_id, spans } => {
+            assert_eq!(record_id, "r1");
+            assert_eq!(spans.len(), 1, "{spans:#?}");
+            assert_eq!(spans[0].cause, DriftCause::ReasoningDropped, "{spans:#?}");
+            assert_eq!(spans[0].at as usize, a.prompt.len());
+            assert!(spans[0].before_text.contains(REASONING), "{spans:#?}");
+        }
+        other => panic!("expected diverges, got {other:?}"),
+    }
+}
+
+#[test]
 fn the_same_text_in_other_ids_is_a_merge_difference_and_a_different_stop_a_boundary() {
     let m = model();
     let t = m.tokenizer();

@@ -3,29 +3,30 @@
 //! reasoning model (`scripts/make_tiny_model.py --think`: Qwen3's tokenizer and chat template;
 //! every reply opens with `<think>Check</think>\n\n`, then a call to the harness's shell tool,
 //! three calls in all before it answers `Done.`), llama-server parsing the block into reasoning
-//! (`--reasoning-format deepseek`).
+//! (`--reasoning-format deepseek`). The harness runs twice in the same directories: the tool
+//! loop, then a continuation of that session with a second user message (`pi -c`, `qwen
+//! --continue`, `codex exec resume --last`, `claude --continue`).
 //!
 //! Checked for every harness:
 //! * every record's `token_observation.render` is `Equal`: tokentap's own rendering and
 //!   tokenizing of the conversation gives llama-server's prompt ids, reasoning or not;
 //! * every reply's sampled ids open with the `<think>` block, and the model made at least three
 //!   calls before `Done.`;
-//! * `reasoning_dropped` spans: per call after the first, the engine's own ids say whether the
-//!   previous call's reasoning is still in the prompt (the prompt holds as many `<think>` tokens
-//!   as the previous prompt and sample together) or was dropped (one fewer); tokentap reports
-//!   exactly one `reasoning_dropped` span for each call whose predecessor's reasoning is gone.
-//!   What each harness does is asserted too:
-//!   - Qwen3's template keeps the reasoning of assistant turns after the last user message
-//!     (the whole tool loop here) when the request carries it, but writes it back as
-//!     `<think>\nCheck\n</think>\n\n`, not as sampled, so a harness that sends the reasoning
-//!     back gets `diverges` with a non-reasoning span (`content_changed` / `merge_difference`),
-//!     never `extends`;
-//!   - a harness that does not send it back gets `diverges` with one `reasoning_dropped` span.
+//! * in the tool loop all four harnesses send the reasoning back, and Qwen3's template keeps it
+//!   for assistant turns after the last user message, but writes it as
+//!   `<think>\nCheck\n</think>\n\n`, not as sampled: each later call `diverges` from the one
+//!   before by exactly the two `\n`s the template added around the last reply's reasoning
+//!   (`boundary_token`), never by a `reasoning_dropped` span;
+//! * the continuation's second user message makes the template drop the reasoning of every
+//!   earlier assistant turn: its first call `diverges` with one `reasoning_dropped` span per
+//!   turn that had reasoning, that count taken from the engine's own ids (the `<think>` tokens
+//!   of the previous prompt and sample, against none in the new prompt).
 
-use serde_json::Value;
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::checks::{assert_complete_token_data, assert_records_match_engine};
-use tokentap_e2e::harness::{run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire};
+use tokentap_e2e::harness::{
+    continue_session, run_claude, run_codex, run_pi, run_qwen, HarnessDirs, HarnessRun, Wire,
+};
 use tokentap_e2e::llama::{LlamaServer, QWEN3_END_THINK, QWEN3_THINK, QWEN3_TOOL_CALL};
 use tokentap_e2e::tee::TeeProxy;
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
@@ -36,26 +37,21 @@ const PROMPT: &str = "Where am I? Use the shell.";
 const FINAL_TEXT: &str = "Done.";
 /// The calls the think model makes before answering.
 const CALLS: usize = 3;
+/// The continuation's user message.
+const AGAIN: &str = "And now?";
+/// `Check`, the reasoning's one token.
+const CHECK: u32 = 3973;
 
 fn count(ids: &[u32], id: u32) -> usize {
     ids.iter().filter(|&&i| i == id).count()
 }
 
-/// What a session's records say about reasoning, from the engine's ids and tokentap's findings.
-struct Findings {
-    records: Vec<CaptureRecord>,
-    /// Calls after the first whose predecessor's `<think>` block the prompt no longer holds.
-    dropped_by_ids: usize,
-    /// Calls after the first whose prompt still holds it.
-    kept_by_ids: usize,
-    /// `reasoning_dropped` spans over the session.
-    dropped_spans: usize,
-}
-
+/// Runs `harness` (first through `run`, then [`continue_session`]) and checks what the
+/// module's doc says.
 async fn observe_reasoning(
-    what: &str,
-    run: impl AsyncFnOnce(&HarnessDirs, &str) -> HarnessRun,
-) -> Findings {
+    harness: &str,
+    run: impl AsyncFnOnce(&HarnessDirs, &str, &str) -> HarnessRun,
+) {
     let llama = LlamaServer::shared_think_model().await;
     let tok = llama.tokenizer();
     let engine = TeeProxy::start(&llama.url).await;
@@ -65,30 +61,52 @@ async fn observe_reasoning(
         .arg(Artefacts::require_think_model().display().to_string());
     let tokentap = Tokentap::start(config).await;
     let dirs = HarnessDirs::new();
-    let out = run(&dirs, &tokentap.url).await;
-    out.assert_success(what);
+
+    // One key for both runs: Pi's and Qwen Code's sessions are told apart by it.
+    let api_key = format!("sk-ant-e2e-{harness}-think");
+    let first = run(&dirs, &tokentap.url, &api_key).await;
+    first.assert_success(harness);
     assert!(
-        out.stdout.contains(FINAL_TEXT),
-        "{what} does not print the model's final answer {FINAL_TEXT:?}:\n{}",
-        out.stdout
+        first.stdout.contains(FINAL_TEXT),
+        "{harness} does not print the model's final answer {FINAL_TEXT:?}:\n{}",
+        first.stdout
+    );
+    // The loop's records are written (observed) before the continuation's first call.
+    let in_loop = engine.chat_exchanges().len();
+    tokentap.wait_records(in_loop).await;
+    let second = continue_session(harness, &dirs, &tokentap.url, &api_key, "m", AGAIN).await;
+    second.assert_success(&format!("{harness} continued"));
+    assert!(
+        second.stdout.contains(FINAL_TEXT),
+        "{harness} continued does not print {FINAL_TEXT:?}:\n{}",
+        second.stdout
     );
 
     let calls = engine.chat_exchanges();
     let mut records = tokentap.wait_records(calls.len()).await;
-    assert_eq!(records.len(), calls.len(), "{what}: one record per engine call");
+    assert_eq!(
+        records.len(),
+        calls.len(),
+        "{harness}: one record per engine call"
+    );
     records.iter().for_each(assert_complete_token_data);
     assert_records_match_engine(&records, &engine, &tok).await;
     records.sort_by_key(|r| r.seq);
     for r in &records {
-        let o = r.token_observation.as_ref();
         eprintln!(
-            "{what}: seq {} session {} prompt={} sampled={:?} content={:?} continuation={}",
+            "{harness}: seq {} session {} prompt={} <think>s={} content={:?} continuation={}",
             r.seq,
             r.session_id,
             r.prompt_token_ids.as_ref().map_or(0, Vec::len),
-            r.completion_token_ids.as_ref().map(|c| &c[..c.len().min(6)]),
+            count(
+                r.prompt_token_ids.as_deref().unwrap_or_default(),
+                QWEN3_THINK
+            ),
             r.message.as_ref().and_then(|m| m.content.as_deref()),
-            o.map(|o| serde_json::to_string(&o.continuation).unwrap()).unwrap_or_default(),
+            r.token_observation
+                .as_ref()
+                .map(|o| serde_json::to_string(&o.continuation).unwrap())
+                .unwrap_or_default(),
         );
     }
 
@@ -97,124 +115,142 @@ async fn observe_reasoning(
         let o = r
             .token_observation
             .as_ref()
-            .unwrap_or_else(|| panic!("{what}: seq {} has no token observation", r.seq));
+            .unwrap_or_else(|| panic!("{harness}: seq {} has no token observation", r.seq));
         assert_eq!(
             o.render,
             RenderComparison::Equal {
                 tokens: r.prompt_token_ids.as_ref().unwrap().len() as u32
             },
-            "{what}: seq {}: tokentap's ids are not llama-server's",
+            "{harness}: seq {}: tokentap's ids are not llama-server's",
             r.seq
         );
     }
 
-    // The tool loop's calls: each reply opens with the reasoning block, the model called the
-    // shell tool at least three times, then answered.
-    let in_loop: Vec<&CaptureRecord> = records
-        .iter()
-        .filter(|r| {
-            r.request
-                .body
-                .as_ref()
-                .is_some_and(|b| b.to_value()["tools"].as_array().is_some_and(|t| !t.is_empty()))
-        })
-        .collect();
-    let with_call = in_loop
-        .iter()
-        .filter(|r| r.message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()))
-        .count();
-    assert!(with_call >= CALLS, "{what}: {with_call} calls, not {CALLS}");
-    for r in &in_loop {
+    // Every reply opens with the reasoning block; the loop called the shell tool at least
+    // three times, then answered; the continuation answered at once.
+    for r in &records {
         let ids = r.completion_token_ids.as_ref().unwrap();
         assert_eq!(
             ids.get(..3),
-            Some(&[QWEN3_THINK, 3973, QWEN3_END_THINK][..]),
-            "{what}: seq {}: the reply does not open with <think>Check</think>: {ids:?}",
+            Some(&[QWEN3_THINK, CHECK, QWEN3_END_THINK][..]),
+            "{harness}: seq {}: the reply does not open with <think>Check</think>: {ids:?}",
             r.seq
         );
         let m = r.message.as_ref().unwrap();
         if m.tool_calls.is_empty() {
-            assert_eq!(m.content.as_deref(), Some(FINAL_TEXT), "{what}: seq {}", r.seq);
+            assert_eq!(
+                m.content.as_deref(),
+                Some(FINAL_TEXT),
+                "{harness}: seq {}",
+                r.seq
+            );
         } else {
-            assert_eq!(ids.get(4), Some(&QWEN3_TOOL_CALL), "{what}: {ids:?}");
+            assert_eq!(ids.get(4), Some(&QWEN3_TOOL_CALL), "{harness}: {ids:?}");
         }
     }
+    let (looped, continued) = records.split_at(in_loop);
+    let with_call = |rs: &[CaptureRecord]| {
+        rs.iter()
+            .filter(|r| r.message.as_ref().is_some_and(|m| !m.tool_calls.is_empty()))
+            .count()
+    };
+    assert!(
+        with_call(looped) >= CALLS,
+        "{harness}: {} calls, not {CALLS}",
+        with_call(looped)
+    );
+    assert_eq!(
+        with_call(continued),
+        0,
+        "{harness}: the continuation called a tool"
+    );
 
-    // Reasoning kept or dropped, by the engine's ids, against tokentap's spans.
+    // Each call against the one it continues: the reasoning the engine's ids lost, and
+    // tokentap's spans.
     let by_id = |id: &str| records.iter().find(|r| r.record_id == id);
-    let (mut dropped_by_ids, mut kept_by_ids, mut dropped_spans) = (0, 0, 0);
-    for r in &records {
+    let think_in = |r: &CaptureRecord| {
+        count(r.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK)
+            + count(r.completion_token_ids.as_ref().unwrap(), QWEN3_THINK)
+    };
+    for (i, r) in records.iter().enumerate() {
         let o = r.token_observation.as_ref().unwrap();
-        let (earlier, spans) = match &o.continuation {
-            Continuation::Extends { record_id, .. } => (by_id(record_id), vec![]),
-            Continuation::Diverges { record_id, spans } => (by_id(record_id), spans.clone()),
-            _ => (None, vec![]),
-        };
-        let n = spans
-            .iter()
-            .filter(|s| s.cause == DriftCause::ReasoningDropped)
-            .count();
-        dropped_spans += n;
-        let Some(e) = earlier else { continue };
-        let before = count(e.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK)
-            + count(e.completion_token_ids.as_ref().unwrap(), QWEN3_THINK);
-        let now = count(r.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK);
-        if count(e.completion_token_ids.as_ref().unwrap(), QWEN3_THINK) == 0 {
+        if i == 0 {
+            assert_eq!(o.continuation, Continuation::First, "{harness}");
             continue;
         }
-        if now < before {
-            dropped_by_ids += 1;
-            assert_eq!(n, before - now, "{what}: seq {}: {:?}", r.seq, o.continuation);
-        } else {
-            kept_by_ids += 1;
-            assert_eq!(n, 0, "{what}: seq {}: {:?}", r.seq, o.continuation);
+        let Continuation::Diverges { record_id, spans } = &o.continuation else {
+            panic!(
+                "{harness}: seq {}: {:?}, not diverges",
+                r.seq, o.continuation
+            )
+        };
+        let earlier = by_id(record_id).unwrap();
+        assert_eq!(
+            earlier.record_id,
+            records[i - 1].record_id,
+            "{harness}: seq {} continues an older call, not the one before",
+            r.seq
+        );
+        let now = count(r.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK);
+        let dropped = spans
+            .iter()
+            .filter(|s| s.cause == DriftCause::ReasoningDropped);
+        if i < in_loop {
+            // The loop: the reasoning is all still there, re-written with newlines.
+            assert_eq!(
+                now,
+                think_in(earlier),
+                "{harness}: seq {}: reasoning lost",
+                r.seq
+            );
+            assert_eq!(dropped.count(), 0, "{harness}: seq {}: {spans:?}", r.seq);
+            assert_eq!(spans.len(), 2, "{harness}: seq {}: {spans:?}", r.seq);
+            for s in spans {
+                assert_eq!(
+                    (s.cause, s.before_text.as_str(), s.prompt_text.as_str()),
+                    (DriftCause::BoundaryToken, "", "\n"),
+                    "{harness}: seq {}: {spans:?}",
+                    r.seq
+                );
+            }
+        } else if i == in_loop {
+            // The second user message: every turn that had reasoning lost it, one span each.
+            let had = think_in(earlier);
+            assert_eq!(had, in_loop, "{harness}: every loop reply had reasoning");
+            assert_eq!(now, 0, "{harness}: seq {}: reasoning kept", r.seq);
+            assert_eq!(dropped.count(), had, "{harness}: seq {}: {spans:?}", r.seq);
         }
-    }
-    eprintln!("{what}: dropped {dropped_by_ids} kept {kept_by_ids} spans {dropped_spans}");
-    assert_eq!(dropped_spans, dropped_by_ids, "{what}");
-    let _: Option<Value> = None;
-    Findings {
-        records,
-        dropped_by_ids,
-        kept_by_ids,
-        dropped_spans,
     }
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_pi_observe_reasoning_over_chat_completions() {
-    let wire = Wire::ChatCompletions;
-    let f = observe_reasoning("pi -p", async |d, s| {
-        run_pi(d, s, wire, "sk-e2e-pi-think", "m", PROMPT).await
+    observe_reasoning("pi", async |d, s, k| {
+        run_pi(d, s, Wire::ChatCompletions, k, "m", PROMPT).await
     })
     .await;
-    eprintln!("pi: {} records", f.records.len());
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_qwen_code_observe_reasoning_over_chat_completions() {
-    let wire = Wire::ChatCompletions;
-    let f = observe_reasoning("qwen", async |d, s| {
-        run_qwen(d, s, wire, "sk-e2e-qwen-think", "m", PROMPT, true).await
+    observe_reasoning("qwen", async |d, s, k| {
+        run_qwen(d, s, Wire::ChatCompletions, k, "m", PROMPT, true).await
     })
     .await;
-    eprintln!("qwen: {} records", f.records.len());
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_codex_observe_reasoning() {
-    let f = observe_reasoning("codex exec", async |d, s| {
-        run_codex(d, s, "sk-e2e-codex-think", "m", PROMPT).await
+    observe_reasoning("codex", async |d, s, k| {
+        run_codex(d, s, k, "m", PROMPT).await
     })
     .await;
-    eprintln!("codex: {} records", f.records.len());
 }
 
 #[tokio::test(flavor = "multi_thread")]
 async fn heavy_claude_code_observe_reasoning() {
-    let f = observe_reasoning("claude -p", async |d, s| {
-        run_claude(d, s, "sk-ant-e2e-claude-think", "m", PROMPT, true).await
+    observe_reasoning("claude", async |d, s, k| {
+        run_claude(d, s, k, "m", PROMPT, true).await
     })
     .await;
-    eprintln!("claude: {} records", f.records.len());
 }
