@@ -20,7 +20,10 @@
 //! * the continuation's second user message makes the template drop the reasoning of every
 //!   earlier assistant turn: its first call `diverges` with one `reasoning_dropped` span per
 //!   turn that had reasoning, that count taken from the engine's own ids (the `<think>` tokens
-//!   of the previous prompt and sample, against none in the new prompt).
+//!   of the previous prompt and sample, against none in the new prompt);
+//! * no span says the content changed, except where a harness did change it: Qwen Code,
+//!   resumed, drops the `<system-reminder>` with the date it had put in the first user
+//!   message (one `content_changed` span, before the reasoning spans).
 
 use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::checks::{assert_complete_token_data, assert_records_match_engine};
@@ -167,7 +170,6 @@ async fn observe_reasoning(
 
     // Each call against the one it continues: the reasoning the engine's ids lost, and
     // tokentap's spans.
-    let by_id = |id: &str| records.iter().find(|r| r.record_id == id);
     let think_in = |r: &CaptureRecord| {
         count(r.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK)
             + count(r.completion_token_ids.as_ref().unwrap(), QWEN3_THINK)
@@ -184,13 +186,38 @@ async fn observe_reasoning(
                 r.seq, o.continuation
             )
         };
-        let earlier = by_id(record_id).unwrap();
-        assert_eq!(
-            earlier.record_id,
-            records[i - 1].record_id,
-            "{harness}: seq {} continues an older call, not the one before",
-            r.seq
-        );
+        let earlier = &records[i - 1];
+        // Where it parts: in the reply before (the loop); in the first reply for the
+        // continuation, which drops every turn's reasoning, the first one's first; but Qwen
+        // Code, resumed, also drops the date reminder it had added to the first user message:
+        // a harness edit before any sampled id, so the prompt parts from the call before
+        // there.
+        let harness_edits = harness == "qwen" && i == in_loop;
+        let parted_in = if i < in_loop || harness_edits {
+            earlier
+        } else {
+            &records[0]
+        };
+        assert_eq!(record_id, &parted_in.record_id, "{harness}: seq {}", r.seq);
+        let edits: Vec<_> = spans
+            .iter()
+            .filter(|s| s.cause == DriftCause::ContentChanged)
+            .collect();
+        if harness_edits {
+            assert_eq!(edits.len(), 1, "{harness}: {spans:?}");
+            assert!(
+                edits[0].before_text.contains("The current date is"),
+                "{edits:?}"
+            );
+            assert_eq!(edits[0].prompt_len, 0, "{edits:?}");
+        } else {
+            assert_eq!(
+                edits,
+                Vec::<&tokentap_schema::DriftSpan>::new(),
+                "{harness}: seq {}",
+                r.seq
+            );
+        }
         let now = count(r.prompt_token_ids.as_ref().unwrap(), QWEN3_THINK);
         let dropped = spans
             .iter()
@@ -204,14 +231,10 @@ async fn observe_reasoning(
                 r.seq
             );
             assert_eq!(dropped.count(), 0, "{harness}: seq {}: {spans:?}", r.seq);
-            assert_eq!(spans.len(), 2, "{harness}: seq {}: {spans:?}", r.seq);
+            assert!(!spans.is_empty(), "{harness}: seq {}", r.seq);
             for s in spans {
-                assert_eq!(
-                    (s.cause, s.before_text.as_str(), s.prompt_text.as_str()),
-                    (DriftCause::BoundaryToken, "", "\n"),
-                    "{harness}: seq {}: {spans:?}",
-                    r.seq
-                );
+                assert_eq!(s.cause, DriftCause::BoundaryToken, "{harness}: {spans:?}");
+                assert_eq!(s.before_text.trim(), s.prompt_text.trim(), "{spans:?}");
             }
         } else if i == in_loop {
             // The second user message: every turn that had reasoning lost it, one span each.
