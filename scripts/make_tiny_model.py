@@ -3,8 +3,10 @@
 
 usage: make_tiny_model.py REAL_SMOLLM2.gguf OUT.gguf
        make_tiny_model.py --tools QWEN2_VOCAB.gguf QWEN3_TEMPLATE.jinja OUT.gguf
+       make_tiny_model.py --think QWEN2_VOCAB.gguf QWEN3_TEMPLATE.jinja OUT.gguf
 
-The second form writes the tool-calling model instead: see tool_model()'s docstring.
+The second form writes the tool-calling model instead: see tool_model()'s docstring; the third
+its reasoning variant (`--think`), see the THINK_* constants and tool_model()'s docstring.
 
 The model is 2 layers, 64 wide, 4 heads, ffn 128, random small weights from a
 fixed seed (so the file is byte-for-byte reproducible). Every `tokenizer.*`
@@ -190,7 +192,25 @@ ANSWER_BIGRAMS = [
 EOT_BASE = 5.0                             # `<|im_end|>` above the other end-of-generation tokens
 
 
-def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
+# Think variant (`--think`): a reasoning block opens every reply, and the tool branch lasts for
+# THINK_CALLS calls. Head B measures C = n(<tool_response>) / (n(<tool_call>) + n(<tool_response>))
+# over the context: Qwen3's template writes `<tool_call>` twice into the system prompt when tools
+# are offered, and once per call in the history, so after k complete call/result rounds
+# C = k / (2 + 2k) (0, 1/4, 1/3, 3/8, ...; lower still once the reply has opened its own call).
+# The feed-forward block turns C > THINK_THETA into a 0/1 flag (a difference of two SiLUs).
+THINK_CALLS = 3
+THINK_THETA = (2 / 6 + 3 / 8) / 2   # between k = 2 (1/3) and k = 3 (3/8)
+THINK_STEEP = 8.0                   # the step's SiLU input at |C - THINK_THETA| = 1/48
+THINK_STEP = 3.0                    # the SiLU inputs of the step's two units differ by this
+THINK_BIGRAMS = [                   # both branches: `<think>Check</think>\n\n` first
+    (["Ċ"], "<think>", 90.0),
+    (["<think>"], "Check", 60.0),
+    (["Check"], "</think>", 60.0),
+    (["</think>"], "ĊĊ", 60.0),
+]
+
+
+def tool_model(vocab_path: str, template_path: str, dst: str, think: bool = False) -> None:
     """A 1-layer, 32-wide llama GGUF with hand-set weights (nothing random) that has Qwen3's
     tokenizer (Qwen2's vocab and merges from llama.cpp's vocab-only GGUF, plus Qwen3's added
     tokens) and Qwen3's real chat template, and runs an agent harness through one tool loop:
@@ -215,7 +235,13 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
     Sampling is effectively deterministic at any temperature up to 2 without top-k/top-p/min-p
     (the chosen token leads every other allowed one by at least 10 logits times T_SCALE); the
     tool call's JSON comes from llama-server's grammar, so the arguments are valid for the tool
-    the harness offered."""
+    the harness offered.
+
+    With `think` (`--think`, tiny-qwen3-think.gguf) every reply opens with the reasoning block
+    `<think>Check</think>\n\n` (llama-server's `--reasoning-format` hands `Check` back as
+    reasoning), and the tool branch lasts for THINK_CALLS calls, not one: head B attends to both
+    markers and reads the `<tool_response>` share C of them, and the feed-forward block turns
+    `C > THINK_THETA` (3 results present) into the flag that switches to the answer."""
     reader = gguf.GGUFReader(vocab_path)
     tokens = list(reader.fields["tokenizer.ggml.tokens"].contents())
     types = list(reader.fields["tokenizer.ggml.token_type"].contents())
@@ -229,7 +255,10 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
     n_vocab = len(tokens)
 
     w = gguf.GGUFWriter(dst, "llama")
-    w.add_name("tiny-qwen3-tools (hand-set weights, Qwen3 tokenizer and template; tokentap test model)")
+    if think:
+        w.add_name("tiny-qwen3-think (hand-set weights, Qwen3 tokenizer and template; tokentap test model)")
+    else:
+        w.add_name("tiny-qwen3-tools (hand-set weights, Qwen3 tokenizer and template; tokentap test model)")
     w.add_context_length(T_CTX)
     w.add_embedding_length(T_D)
     w.add_block_count(1)
@@ -254,7 +283,8 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
         w.add_chat_template(f.read())
     w.add_vocab_size(n_vocab)
 
-    named = {p for p in TOOL_RANKS} | {p for _, p, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS} | set(ANSWER)
+    free = THINK_BIGRAMS if think else []   # ungated: the same in both branches
+    named = {p for p in TOOL_RANKS} | {p for _, p, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS + free} | set(ANSWER)
     missing = sorted(p for p in named if p not in index)
     if missing:
         raise SystemExit(f"tokens not in vocab: {missing}")
@@ -263,10 +293,11 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
     # token some output depends on.
     CONST, OTHER, KEY_A, KEY_B, FLAG_A, FLAG_B = range(6)
     dim = {"*": OTHER, "<tool_call>": KEY_A, "<tool_response>": KEY_B}
-    for cur, _, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS:
+    for cur, _, _ in TOOL_BIGRAMS + ANSWER_BIGRAMS + free:
         for c in cur:
             dim.setdefault(c, 6 + len([d for d in dim.values() if d >= 6]))
-    if max(dim.values()) >= T_D:
+    STEP = T_D - 1   # think: the feed-forward's "C > THINK_THETA" flag
+    if max(dim.values()) >= (STEP if think else T_D):
         raise SystemExit("too many context tokens for the width")
     emb = np.zeros((n_vocab, T_D), np.float32)
     emb[:, CONST] = T_CONST
@@ -286,6 +317,8 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
         slow = base + T_HEAD_DIM - 2   # first dimension of the head's slowest RoPE pair
         wq[slow, CONST] = qk
         wk[slow, key] = qk
+        if think and h == 1:   # head B: the share of `<tool_response>` among both markers
+            wk[slow, KEY_A] = qk
         wv[base, key] = 1.0 / norm
         wo[flag, base] = 1.0
     p = "blk.0."
@@ -295,9 +328,23 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
     w.add_tensor(p + "attn_v.weight", wv)
     w.add_tensor(p + "attn_output.weight", wo)
     w.add_tensor(p + "ffn_norm.weight", np.ones(T_D, np.float32))
-    w.add_tensor(p + "ffn_gate.weight", np.zeros((T_FF, T_D), np.float32))
-    w.add_tensor(p + "ffn_up.weight", np.zeros((T_FF, T_D), np.float32))
-    w.add_tensor(p + "ffn_down.weight", np.zeros((T_D, T_FF), np.float32))
+    gate, up, down = (np.zeros((T_FF, T_D), np.float32), np.zeros((T_FF, T_D), np.float32),
+                      np.zeros((T_D, T_FF), np.float32))
+    if think:
+        # ffn_norm scales x by n ~= `norm` (the flags move it by a few percent, and the step's
+        # threshold is a ratio of two components, so that does not matter):
+        #   unit 0: silu(a*n*(C - THINK_THETA)) * n,  unit 1: the same, input THINK_STEP lower;
+        # their difference is ~0 below the threshold and ~THINK_STEP*n above it.
+        a = THINK_STEEP * 48 / norm
+        for u, shift in ((0, 0.0), (1, THINK_STEP / norm)):
+            gate[u, FLAG_B] = a
+            gate[u, CONST] = -(a * THINK_THETA + shift) / T_CONST
+            up[u, CONST] = 1.0 / T_CONST
+        down[STEP, 0] = 1.0 / (THINK_STEP * norm)
+        down[STEP, 1] = -1.0 / (THINK_STEP * norm)
+    w.add_tensor(p + "ffn_gate.weight", gate)
+    w.add_tensor(p + "ffn_up.weight", up)
+    w.add_tensor(p + "ffn_down.weight", down)
     w.add_tensor("output_norm.weight", np.ones(T_D, np.float32))
 
     # Output rows, in units of the pre-norm residual (x[CONST] = T_CONST, x[dim] = 1 for the
@@ -310,16 +357,17 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
     for _, piece, _ in TOOL_BIGRAMS:
         if piece != "<|im_end|>":
             gated.setdefault(piece, 0.0)
+    done = STEP if think else FLAG_B        # "answer now": a tool result (think: 3 of them)
     for piece, rank in gated.items():       # tool branch: rank + T_GATE*(A - B - 1)
         t = index[piece]
         out[t, CONST] += (rank - T_GATE) / T_CONST
         out[t, FLAG_A] += T_GATE
-        out[t, FLAG_B] -= T_GATE
+        out[t, done] -= T_GATE
     for piece in ANSWER:                    # answer branch: + T_GATE*(B - A)
         t = index[piece]
         out[t, FLAG_A] -= T_GATE
-        out[t, FLAG_B] += T_GATE
-    for cur, piece, logit in TOOL_BIGRAMS + ANSWER_BIGRAMS:
+        out[t, done] += T_GATE
+    for cur, piece, logit in TOOL_BIGRAMS + ANSWER_BIGRAMS + free:
         for c in cur:
             out[index[piece], dim[c]] += logit
     out[index["<|im_end|>"], CONST] += EOT_BASE / T_CONST
@@ -336,6 +384,8 @@ def tool_model(vocab_path: str, template_path: str, dst: str) -> None:
 if __name__ == "__main__":
     if len(sys.argv) == 5 and sys.argv[1] == "--tools":
         tool_model(sys.argv[2], sys.argv[3], sys.argv[4])
+    elif len(sys.argv) == 5 and sys.argv[1] == "--think":
+        tool_model(sys.argv[2], sys.argv[3], sys.argv[4], think=True)
     elif len(sys.argv) == 3:
         main(sys.argv[1], sys.argv[2])
     else:

@@ -49,14 +49,18 @@ pub enum Continuation {
     Extends { record_id: String, appended: u32 },
     /// The prompt repeats an earlier call's prompt exactly (a retry).
     Repeats { record_id: String },
-    /// The prompt keeps an earlier call's prompt but not the ids it sampled: the conversation
-    /// was re-rendered there. Each span says where and why.
+    /// The prompt goes on with an earlier call's conversation (it keeps most of a turn the
+    /// model sampled there, as sampled or as the template re-rendered it) but not as it was:
+    /// re-rendered, reasoning dropped, or edited by the harness. `record_id` is the call whose
+    /// ids it first parts from (the one that sampled them, when that is where it parts). Each
+    /// span says where and why.
     Diverges {
         record_id: String,
         spans: Vec<DriftSpan>,
     },
-    /// The prompt shares less than the prompt of every kept call of the session (a compaction,
-    /// edited history, a new system prompt, a subagent): `common` tokens with the closest.
+    /// The prompt holds none of the turns the session's kept calls sampled after the prefix
+    /// it shares with them (a compaction, a new system prompt, a subagent's own
+    /// conversation): `common` tokens with the closest.
     NewPrefix {
         #[serde(default, skip_serializing_if = "Option::is_none")]
         closest_record_id: Option<String>,

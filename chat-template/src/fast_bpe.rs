@@ -10,11 +10,12 @@
 //! seen before reaches the `tokenizers` BPE model. `tests/golden_tokenize.rs` checks both
 //! paths give the same ids on every test text.
 
-use std::collections::HashMap;
 use std::sync::RwLock;
 
 use aho_corasick::{AhoCorasick, MatchKind};
 use regex::Regex;
+use regex_automata::{meta, Anchored, Input};
+use rustc_hash::FxHashMap;
 use tokenizers::Model;
 
 /// Pieces kept in the cache before it starts over (a piece is a word or a run of symbols;
@@ -25,6 +26,9 @@ const CACHE_LIMIT: usize = 200_000;
 /// between them become pieces.
 struct Splitter {
     regex: Regex,
+    /// The same regex for a search anchored where the last match ended: these patterns match
+    /// nearly everywhere, and an anchored search needs no pass backwards to find the start.
+    anchored: meta::Regex,
     /// The regex had `\s+(?!\S)` (which the `regex` crate cannot run) rewritten as `\s+`;
     /// `Some(newline_alternative)` says how to recognise a match of that alternative (see
     /// [`Splitter::split`]).
@@ -46,6 +50,8 @@ impl Splitter {
         };
         Ok(Splitter {
             regex: Regex::new(&pattern)?,
+            anchored: meta::Regex::new(&pattern)
+                .map_err(|e| regex::Error::Syntax(e.to_string()))?,
             lookahead,
         })
     }
@@ -62,12 +68,17 @@ impl Splitter {
         let mut pos = 0;
         let mut gap_start = 0;
         while pos < piece.len() {
-            let Some(m) = self.regex.find_at(piece, pos) else {
-                break;
+            // Leftmost-first: a match starting at `pos`, when there is one, is the match.
+            let here = Input::new(piece).range(pos..).anchored(Anchored::Yes);
+            let (start, mut end) = match self.anchored.search(&here) {
+                Some(m) => (m.start(), m.end()),
+                None => match self.regex.find_at(piece, pos) {
+                    Some(m) => (m.start(), m.end()),
+                    None => break,
+                },
             };
-            let mut end = m.end();
             if let Some(newline_alternative) = self.lookahead {
-                let text = m.as_str();
+                let text = &piece[start..end];
                 let from_whitespace_alternative = text.chars().all(char::is_whitespace)
                     && !(newline_alternative && text.ends_with(['\r', '\n']));
                 let followed_by_non_space = piece[end..]
@@ -81,10 +92,10 @@ impl Splitter {
                     }
                 }
             }
-            if m.start() > gap_start {
-                out.push(&piece[gap_start..m.start()]);
+            if start > gap_start {
+                out.push(&piece[gap_start..start]);
             }
-            out.push(&piece[m.start()..end]);
+            out.push(&piece[start..end]);
             pos = end;
             gap_start = end;
         }
@@ -117,7 +128,7 @@ pub(crate) struct FastBpe {
     specials: Option<(AhoCorasick, Vec<u32>)>,
     splitters: Vec<Splitter>,
     byte_chars: [char; 256],
-    cache: RwLock<HashMap<Box<str>, Box<[u32]>>>,
+    cache: RwLock<FxHashMap<Box<str>, Box<[u32]>>>,
 }
 
 impl FastBpe {
@@ -141,7 +152,7 @@ impl FastBpe {
             specials,
             splitters,
             byte_chars: byte_chars(),
-            cache: RwLock::new(HashMap::new()),
+            cache: RwLock::new(FxHashMap::default()),
         })
     }
 

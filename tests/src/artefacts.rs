@@ -173,6 +173,19 @@ impl Artefacts {
         model
     }
 
+    /// The tiny tool-calling model's reasoning variant (`make_tiny_model.py --think`): every
+    /// reply opens with `<think>Check</think>\n\n`; with tools offered it calls the shell tool
+    /// (`pwd`) until three tool results are in the conversation, then answers `Done.`:
+    /// `$TOKENTAP_MODEL_TINY_THINK`, else `models/tiny-qwen3-think.gguf` in the cache. Fails the
+    /// test if missing.
+    pub fn require_think_model() -> PathBuf {
+        let model = std::env::var_os("TOKENTAP_MODEL_TINY_THINK")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| cache_dir().join("models/tiny-qwen3-think.gguf"));
+        require_file(&model, "the tiny reasoning test model");
+        model
+    }
+
     /// Like [`Self::require_llama`], plus the named harness executable (`pi`, `qwen`, ...).
     pub fn require_harness(exe: &str) -> (Artefacts, PathBuf) {
         let a = Artefacts::require_llama();

@@ -227,3 +227,68 @@ pub async fn run_claude(
     let cmd = preset::claude(&preset_env(&a, dirs, server, api_key, model), tools, prompt);
     run(cmd, dirs, "claude").await
 }
+
+/// A second run of a harness in the same `dirs`, continuing its most recent session with a
+/// new user message (`prompt`): `pi -c`, `qwen --continue`, `codex exec resume --last`,
+/// `claude --continue`. The conversation so far goes back to the model with `prompt` after it.
+pub async fn continue_session(
+    harness: &str,
+    dirs: &HarnessDirs,
+    server: &str,
+    api_key: &str,
+    model: &str,
+    prompt: &str,
+) -> HarnessRun {
+    let (a, _) = Artefacts::require_harness(harness);
+    let env = preset_env(&a, dirs, server, api_key, model);
+    let (cmd, flags): (Command, &[&str]) = match harness {
+        "pi" => (
+            preset::pi(&env, Wire::ChatCompletions, prompt).unwrap(),
+            &["-c"],
+        ),
+        "qwen" => {
+            let options = QwenOptions {
+                wire: Wire::ChatCompletions,
+                yolo: true,
+                memory: false,
+            };
+            (
+                preset::qwen(&env, options, prompt).unwrap(),
+                &["--continue"],
+            )
+        }
+        "codex" => (
+            preset::codex(&env, CodexProvider::Custom, prompt).unwrap(),
+            &["resume", "--last"],
+        ),
+        "claude" => (preset::claude(&env, &["Bash"], prompt), &["--continue"]),
+        other => panic!("no continuation for harness {other:?}"),
+    };
+    let what = format!("{harness}-continued");
+    run(with_flags_before(cmd, prompt, flags), dirs, &what).await
+}
+
+/// `cmd` with `flags` inserted just before its argument `before`. Every preset starts from
+/// [`HarnessEnv::command`], which clears the environment, so the copy does too.
+fn with_flags_before(cmd: Command, before: &str, flags: &[&str]) -> Command {
+    let mut out = Command::new(cmd.get_program());
+    out.env_clear().stdin(std::process::Stdio::null());
+    for (k, v) in cmd.get_envs() {
+        if let Some(v) = v {
+            out.env(k, v);
+        }
+    }
+    if let Some(dir) = cmd.get_current_dir() {
+        out.current_dir(dir);
+    }
+    let mut placed = false;
+    for arg in cmd.get_args() {
+        if !placed && arg == before {
+            out.args(flags);
+            placed = true;
+        }
+        out.arg(arg);
+    }
+    assert!(placed, "{before:?} is not an argument of {cmd:?}");
+    out
+}

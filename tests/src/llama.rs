@@ -18,6 +18,9 @@ pub const END_OF_TURN: u32 = 2;
 pub const QWEN3_END_OF_TURN: u32 = 151645;
 /// Qwen3's `<tool_call>` token, which opens every call the tool model makes.
 pub const QWEN3_TOOL_CALL: u32 = 151657;
+/// Qwen3's `<think>` and `</think>` (added tokens).
+pub const QWEN3_THINK: u32 = 151667;
+pub const QWEN3_END_THINK: u32 = 151668;
 
 /// A running llama-server, killed on drop.
 pub struct LlamaServer {
@@ -109,6 +112,21 @@ impl LlamaServer {
             .get_or_init(|| async {
                 let model = Artefacts::require_tool_model();
                 LlamaServer::start_model(Some(&model), 40960, &[]).await
+            })
+            .await
+    }
+
+    /// A llama-server (context 40960) on the tiny reasoning model
+    /// ([`Artefacts::require_think_model`]) with `--reasoning-format deepseek`, so the
+    /// `<think>` block comes back as reasoning (`reasoning_content`, thinking blocks), shared
+    /// by the tests in this process.
+    pub async fn shared_think_model() -> &'static LlamaServer {
+        static SHARED: OnceCell<LlamaServer> = OnceCell::const_new();
+        SHARED
+            .get_or_init(|| async {
+                let model = Artefacts::require_think_model();
+                LlamaServer::start_model(Some(&model), 40960, &["--reasoning-format", "deepseek"])
+                    .await
             })
             .await
     }

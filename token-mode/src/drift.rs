@@ -20,20 +20,22 @@ pub fn common_prefix(a: &[u32], b: &[u32]) -> usize {
 const DIFF_DEADLINE: Duration = Duration::from_millis(20);
 /// A span's text is cut to this many characters in the record.
 const TEXT_CHARS: usize = 200;
+/// Equal tokens between two changes that still make them one span.
+const JOIN_GAP: usize = 2;
 /// Spans kept per comparison (a long conversation re-rendered at every turn has one each).
 pub const MAX_SPANS: usize = 64;
 
 /// The spans where `old` is not found in `prompt`, until `old` is used up: what the prompt
 /// holds instead of each part of `old` it lacks (span positions index `prompt`). Tokens the
-/// prompt adds after the whole of `old` (the new turn) are not drift. `reasoning_at(i)` is
-/// the reasoning the model sampled in the turn holding `old[i]`, if any (from that call's
+/// prompt adds after the whole of `old` (the new turn) are not drift. `reasoning_in(r)` is
+/// the reasoning the model sampled in a turn overlapping `old[r]`, if any (from that call's
 /// parsed answer). At most [`MAX_SPANS`] spans.
 pub fn spans<'r>(
     model: &TokenModel,
     old: &[u32],
     prompt: &[u32],
-    reasoning_at: impl Fn(usize) -> Option<&'r str>,
-) -> Vec<DriftSpan> {
+    reasoning_in: impl Fn(std::ops::Range<usize>) -> Option<&'r str>,
+) -> Drift {
     // The prompt's part that stands in for `old`: what it kept of it, plus what replaced the
     // rest. Replacements longer than this show as a span cut short, not as a slow diff.
     let new = &prompt[..(old.len() * 2 + 64).min(prompt.len())];
@@ -45,9 +47,13 @@ pub fn spans<'r>(
         0..new.len(),
         Some(Instant::now() + DIFF_DEADLINE),
     );
-    // Consecutive non-equal ops that touch `old` become one span.
+    // Consecutive non-equal ops that touch `old` become one span, and so do two separated by
+    // no more than JOIN_GAP equal tokens: a dropped `<think>\nx\n</think>\n\n` after a
+    // newline may be diffed as two deletions around the newline, but it is one drift.
     let mut spans = Vec::new();
+    let alignment = Alignment { ops: ops.clone() };
     let mut open: Option<(usize, usize, usize, usize)> = None; // old start, old end, new start, new end
+    let mut gap = false; // `open` is followed by a short equal run, not yet part of it
     let close = |open: &mut Option<(usize, usize, usize, usize)>, spans: &mut Vec<DriftSpan>| {
         if let Some((os, oe, ns, mut ne)) = open.take() {
             if oe == old.len() {
@@ -56,7 +62,7 @@ pub fn spans<'r>(
                 ne = ns + standing_in(model, &old[os..oe], &new[ns..ne]);
             }
             if spans.len() < MAX_SPANS {
-                let reasoning = reasoning_at(os);
+                let reasoning = reasoning_in(os..oe);
                 spans.push(span(model, &old[os..oe], &new[ns..ne], ns, reasoning));
             }
         }
@@ -64,10 +70,15 @@ pub fn spans<'r>(
     for op in ops {
         let (o, n) = (op.old_range(), op.new_range());
         match op {
-            DiffOp::Equal { .. } => close(&mut open, &mut spans),
+            DiffOp::Equal { len, .. } if len <= JOIN_GAP && open.is_some() && !gap => gap = true,
+            DiffOp::Equal { .. } => {
+                gap = false;
+                close(&mut open, &mut spans)
+            }
             // Tokens inserted after all of `old` are the new turn.
             DiffOp::Insert { old_index, .. } if old_index >= old.len() => break,
             _ => {
+                gap = false;
                 open = Some(match open {
                     Some((os, _, ns, _)) => (os, o.end, ns, n.end),
                     None => (o.start, o.end, n.start, n.end),
@@ -76,7 +87,54 @@ pub fn spans<'r>(
         }
     }
     close(&mut open, &mut spans);
-    spans
+    Drift { spans, alignment }
+}
+
+/// What [`spans`] finds: the spans, and where each part of `old` went in the prompt.
+pub struct Drift {
+    pub spans: Vec<DriftSpan>,
+    pub alignment: Alignment,
+}
+
+/// The diff behind a [`Drift`], to carry positions in `old` over to the prompt.
+pub struct Alignment {
+    ops: Vec<DiffOp>,
+}
+
+impl Alignment {
+    /// How many tokens of `old[r]` the prompt kept as they were.
+    pub fn kept(&self, r: std::ops::Range<usize>) -> usize {
+        self.ops
+            .iter()
+            .filter(|op| matches!(op, DiffOp::Equal { .. }))
+            .map(|op| {
+                let o = op.old_range();
+                o.end.min(r.end).saturating_sub(o.start.max(r.start))
+            })
+            .sum()
+    }
+
+    /// The prompt position that stands where position `i` of `old` (a boundary between
+    /// tokens, `0..=old.len()`) stood: exact inside what the prompt kept; the start of the
+    /// replacement inside what it replaced or dropped.
+    pub fn position(&self, i: usize) -> usize {
+        let mut last = 0;
+        for op in &self.ops {
+            let (o, n) = (op.old_range(), op.new_range());
+            match op {
+                DiffOp::Equal { .. } if o.start <= i && i <= o.end => {
+                    return n.start + (i - o.start)
+                }
+                // What the prompt added stands for no position of `old` (at its end: the new
+                // turn).
+                DiffOp::Insert { .. } => continue,
+                _ if o.start <= i && i < o.end => return n.start,
+                _ if o.end <= i => last = n.end,
+                _ => {}
+            }
+        }
+        last
+    }
 }
 
 /// The first stretch where `ours` and `engine` part (both from `at`, their common prefix).

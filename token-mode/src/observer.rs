@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use std::time::Instant;
 
 use lru::LruCache;
-use tokentap_schema::{ChatRequest, Continuation, RenderComparison, TokenObservation};
+use tokentap_schema::{ChatRequest, Continuation, DriftSpan, RenderComparison, TokenObservation};
 
 use crate::drift::{common_prefix, first_span, spans};
 use crate::TokenModel;
@@ -22,6 +22,10 @@ const MAX_SAMPLED: usize = 256;
 fn holding(sampled: &[Sampled], at: usize) -> Option<&Sampled> {
     sampled.iter().find(|s| s.start <= at && at < s.end)
 }
+
+/// Tokens of an earlier turn a prompt must keep, as sampled or as re-rendered, to go on
+/// with that conversation rather than start a new one from a shared prefix.
+const MIN_KEPT: usize = 4;
 
 /// What [`Observer::continuation`] needs of the closest tip, copied out of the lock.
 struct Closest {
@@ -183,9 +187,13 @@ impl Observer {
                         record_id: t.record_id.clone(),
                         len: t.ids.len(),
                         prompt_len: t.prompt_len,
-                        // Where the prompt parts from the tip inside sampled ids (the template
-                        // re-rendered them), the rest of the tip, for the diff.
-                        rest: holding(&t.sampled, common).map(|_| t.ids[common..].to_vec()),
+                        // Where sampled ids follow the parting point, the rest of the tip,
+                        // for the diff that says whether the prompt still holds them.
+                        rest: t
+                            .sampled
+                            .iter()
+                            .any(|s| s.end > common)
+                            .then(|| t.ids[common..].to_vec()),
                         sampled: t.sampled.clone(),
                     })
             })
@@ -218,38 +226,101 @@ impl Observer {
                 Some(c.record_id.clone()),
                 kept(&c),
             )
-        } else if let Some(rest) = &c.rest {
-            let reasoning_at =
-                |i: usize| holding(&c.sampled, c.common + i).and_then(|s| s.reasoning.as_deref());
-            let spans = spans(&self.model, rest, &prompt[c.common..], reasoning_at)
-                .into_iter()
-                .map(|mut s| {
-                    s.at += c.common as u32;
-                    s
-                })
-                .collect();
-            let parted_in = holding(&c.sampled, c.common)
-                .map_or_else(|| c.record_id.clone(), |s| s.record_id.clone());
-            (
-                Continuation::Diverges {
-                    record_id: parted_in,
-                    spans,
-                },
-                Some(c.record_id.clone()),
-                kept(&c),
-            )
         } else {
-            (
-                Continuation::NewPrefix {
-                    closest_record_id: Some(c.record_id.clone()),
-                    common: c.common as u32,
-                },
-                None,
-                kept(&c),
-            )
+            let parted = c
+                .rest
+                .as_ref()
+                .and_then(|rest| self.parted(&c, rest, prompt));
+            match parted {
+                Some((spans, carried)) => {
+                    let parted_in = holding(&c.sampled, c.common)
+                        .map_or_else(|| c.record_id.clone(), |s| s.record_id.clone());
+                    (
+                        Continuation::Diverges {
+                            record_id: parted_in,
+                            spans,
+                        },
+                        Some(c.record_id.clone()),
+                        carried,
+                    )
+                }
+                None => (
+                    Continuation::NewPrefix {
+                        closest_record_id: Some(c.record_id.clone()),
+                        common: c.common as u32,
+                    },
+                    None,
+                    kept(&c),
+                ),
+            }
         };
         self.remember(call, prompt, replaces, sampled);
         continuation
+    }
+
+    /// Where the prompt parts from the tip `c` (its `rest` after the common prefix), when it
+    /// still holds some of the ids the tip's calls sampled after that point (the template
+    /// re-rendered them, or the harness edited something before them): the spans, and the
+    /// sampled stretches carried over to the prompt. `None` when it holds none of them: a new
+    /// prefix, not this conversation going on.
+    fn parted(
+        &self,
+        c: &Closest,
+        rest: &[u32],
+        prompt: &[u32],
+    ) -> Option<(Vec<DriftSpan>, Vec<Sampled>)> {
+        let reasoning_in = |r: std::ops::Range<usize>| {
+            let r = c.common + r.start..c.common + r.end;
+            c.sampled
+                .iter()
+                .find(|s| s.start < r.end && r.start < s.end)
+                .and_then(|s| s.reasoning.as_deref())
+        };
+        let drift = spans(&self.model, rest, &prompt[c.common..], reasoning_in);
+        let local = |s: &Sampled| s.start.saturating_sub(c.common)..s.end - c.common;
+        let inside = holding(&c.sampled, c.common).is_some();
+        // Most of a turn, not the few tokens a diff of two other conversations also matches
+        // (`<|im_end|>`, newlines).
+        let kept_some = c.sampled.iter().filter(|s| s.end > c.common).any(|s| {
+            let r = local(s);
+            let kept = drift.alignment.kept(r.clone());
+            kept >= MIN_KEPT && 2 * kept >= r.len()
+        });
+        if !inside && !kept_some {
+            return None;
+        }
+        let spans = drift
+            .spans
+            .into_iter()
+            .map(|mut s| {
+                s.at += c.common as u32;
+                s
+            })
+            .collect();
+        // The turns the prompt re-rendered stay the turns their calls sampled, where the diff
+        // puts them: a later call that drops their reasoning still parts from them.
+        let at = |i: usize| c.common + drift.alignment.position(i - c.common);
+        let carried = c
+            .sampled
+            .iter()
+            .filter_map(|s| {
+                if s.end <= c.common {
+                    return Some(s.clone());
+                }
+                let start = if s.start < c.common {
+                    s.start
+                } else {
+                    at(s.start)
+                };
+                let end = at(s.end);
+                (start < end).then(|| Sampled {
+                    start,
+                    end,
+                    ..s.clone()
+                })
+            })
+            .collect();
+        Some((spans, carried))
     }
 
     /// The call becomes a tip of its session, in place of the tip it continued.

@@ -228,6 +228,99 @@ fn a_new_user_turn_drops_past_reasoning_even_when_sent_back() {
 }
 
 #[test]
+fn a_turn_the_template_rewrote_still_parts_as_sampled_reasoning_when_later_dropped() {
+    // The model sampled its reasoning without the newlines Qwen3's template writes around it:
+    // sent back, the turn is re-rendered (two boundary spans, no reasoning lost); after a
+    // second user message the template drops it, and that is still the reasoning r1 sampled.
+    let m = model();
+    let tight = m
+        .tokenizer()
+        .encode(&format!("<think>{REASONING}</think>\n\n{SAMPLED_CALL}"))
+        .unwrap();
+    let a = Call {
+        completion: tight,
+        ..first_call(&m)
+    };
+    let b = second_call(&m, true);
+    let request = request(json!([
+        user("Where am I?"),
+        assistant_call(Some(REASONING)),
+        tool_result("/work"),
+        {"role": "assistant", "content": text("Done."), "content_was_string": true},
+        user("And now?"),
+    ]));
+    let c = answered_done(&m, request, "r3");
+    let o = Observer::new(m, ObserverLimits::default());
+    observe(&o, "s", &a);
+    let Continuation::Diverges { record_id, spans } = observe(&o, "s", &b).continuation else {
+        panic!("expected diverges")
+    };
+    assert_eq!(record_id, "r1");
+    assert_eq!(spans.len(), 2, "{spans:#?}");
+    for s in &spans {
+        assert_eq!(s.cause, DriftCause::BoundaryToken, "{spans:#?}");
+        assert_eq!(s.before_text.trim(), s.prompt_text.trim(), "{spans:#?}");
+    }
+    match observe(&o, "s", &c).continuation {
+        Continuation::Diverges { record_id, spans } => {
+            assert_eq!(record_id, "r1");
+            assert_eq!(spans.len(), 1, "{spans:#?}");
+            assert_eq!(spans[0].cause, DriftCause::ReasoningDropped, "{spans:#?}");
+            assert_eq!(spans[0].at as usize, a.prompt.len());
+            assert!(spans[0].before_text.contains(REASONING), "{spans:#?}");
+        }
+        other => panic!("expected diverges, got {other:?}"),
+    }
+}
+
+#[test]
+fn a_harness_edit_before_the_samples_is_changed_content_and_the_conversation_goes_on() {
+    // A harness that rewrites its first user message on resume (Qwen Code drops the date
+    // reminder it had added) and asks again: the prompt parts before any sampled id, but it
+    // still holds the earlier turns, so it diverges: the edit, then the reasoning the template
+    // dropped. A subagent's conversation sharing only the system prompt is a new prefix.
+    let m = model();
+    let a = first_call(&m);
+    let b = second_call(&m, true);
+    let edited = request(json!([
+        user("Where?"),
+        assistant_call(Some(REASONING)),
+        tool_result("/work"),
+        {"role": "assistant", "content": text("Done."), "content_was_string": true},
+        user("And now?"),
+    ]));
+    let c = answered_done(&m, edited, "r3");
+    let sub = answered_done(
+        &m,
+        request(json!([user("Summarise the repository")])),
+        "sub",
+    );
+    let o = Observer::new(m, ObserverLimits::default());
+    observe(&o, "s", &a);
+    observe(&o, "s", &b);
+    assert!(matches!(
+        observe(&o, "s", &sub).continuation,
+        Continuation::NewPrefix { .. }
+    ));
+    match observe(&o, "s", &c).continuation {
+        Continuation::Diverges { record_id, spans } => {
+            assert_eq!(
+                record_id, "r2",
+                "it parts in r2's prompt, before anything sampled"
+            );
+            let causes: Vec<_> = spans.iter().map(|s| s.cause).collect();
+            assert_eq!(
+                causes,
+                [DriftCause::ContentChanged, DriftCause::ReasoningDropped],
+                "{spans:#?}"
+            );
+            assert_eq!(spans[0].before_text, " am I", "{spans:#?}");
+        }
+        other => panic!("expected diverges, got {other:?}"),
+    }
+}
+
+#[test]
 fn the_same_text_in_other_ids_is_a_merge_difference_and_a_different_stop_a_boundary() {
     let m = model();
     let t = m.tokenizer();

@@ -26,6 +26,7 @@ mod metrics;
 mod model_tool_calls;
 mod node_agent;
 mod observability;
+mod observe_reasoning;
 mod reconstruction;
 mod records_cli;
 mod rollout;
