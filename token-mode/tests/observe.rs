@@ -110,6 +110,18 @@ fn answered_done(m: &TokenModel, request: ChatRequest, id: &'static str) -> Call
     }
 }
 
+/// The tool loop answered, then a second question: `first` is the first user message as the
+/// harness now sends it (the reasoning goes back too; Qwen3's template drops it).
+fn asked_again(first: &str) -> ChatRequest {
+    request(json!([
+        user(first),
+        assistant_call(Some(REASONING)),
+        tool_result("/work"),
+        {"role": "assistant", "content": text("Done."), "content_was_string": true},
+        user("And now?"),
+    ]))
+}
+
 /// The next call, the harness sending the turn back with or without its reasoning.
 fn second_call(m: &TokenModel, with_reasoning: bool) -> Call {
     let request = request(json!([
@@ -198,13 +210,7 @@ fn a_new_user_turn_drops_past_reasoning_even_when_sent_back() {
     let m = model();
     let a = first_call(&m);
     let b = second_call(&m, true);
-    let request = request(json!([
-        user("Where am I?"),
-        assistant_call(Some(REASONING)),
-        tool_result("/work"),
-        {"role": "assistant", "content": text("Done."), "content_was_string": true},
-        user("And now?"),
-    ]));
+    let request = asked_again("Where am I?");
     let c = answered_done(&m, request, "r3");
     let o = Observer::new(m, ObserverLimits::default());
     observe(&o, "s", &a);
@@ -242,13 +248,7 @@ fn a_turn_the_template_rewrote_still_parts_as_sampled_reasoning_when_later_dropp
         ..first_call(&m)
     };
     let b = second_call(&m, true);
-    let request = request(json!([
-        user("Where am I?"),
-        assistant_call(Some(REASONING)),
-        tool_result("/work"),
-        {"role": "assistant", "content": text("Done."), "content_was_string": true},
-        user("And now?"),
-    ]));
+    let request = asked_again("Where am I?");
     let c = answered_done(&m, request, "r3");
     let o = Observer::new(m, ObserverLimits::default());
     observe(&o, "s", &a);
@@ -282,13 +282,7 @@ fn a_harness_edit_before_the_samples_is_changed_content_and_the_conversation_goe
     let m = model();
     let a = first_call(&m);
     let b = second_call(&m, true);
-    let edited = request(json!([
-        user("Where?"),
-        assistant_call(Some(REASONING)),
-        tool_result("/work"),
-        {"role": "assistant", "content": text("Done."), "content_was_string": true},
-        user("And now?"),
-    ]));
+    let edited = asked_again("Where?");
     let c = answered_done(&m, edited, "r3");
     let sub = answered_done(
         &m,
