@@ -13,7 +13,6 @@
 use std::sync::RwLock;
 
 use aho_corasick::{AhoCorasick, MatchKind};
-use regex::Regex;
 use regex_automata::{meta, Anchored, Input};
 use rustc_hash::FxHashMap;
 use tokenizers::Model;
@@ -25,10 +24,9 @@ const CACHE_LIMIT: usize = 200_000;
 /// One pre-tokenizer regex, applied as `Split(behavior = Isolated)`: its matches and the text
 /// between them become pieces.
 struct Splitter {
-    regex: Regex,
-    /// The same regex for a search anchored where the last match ended: these patterns match
-    /// nearly everywhere, and an anchored search needs no pass backwards to find the start.
-    anchored: meta::Regex,
+    /// Searched anchored where the last match ended first: these patterns match nearly
+    /// everywhere, and an anchored search needs no pass backwards to find the start.
+    regex: meta::Regex,
     /// The regex had `\s+(?!\S)` (which the `regex` crate cannot run) rewritten as `\s+`;
     /// `Some(newline_alternative)` says how to recognise a match of that alternative (see
     /// [`Splitter::split`]).
@@ -36,7 +34,7 @@ struct Splitter {
 }
 
 impl Splitter {
-    fn new(pattern: &str) -> Result<Splitter, regex::Error> {
+    fn new(pattern: &str) -> Result<Splitter, meta::BuildError> {
         // llama.cpp's patterns and Hugging Face's end in `\s+(?!\S)|\s+` (llama3, qwen2, qwen35,
         // deepseek-v3, HF's ByteLevel) or in a bare `\s+(?!\S)` (llama.cpp's gpt-2 and its
         // relatives); only some have a `\s*[\r\n]+` alternative before.
@@ -49,9 +47,7 @@ impl Splitter {
             (pattern.to_owned(), None)
         };
         Ok(Splitter {
-            regex: Regex::new(&pattern)?,
-            anchored: meta::Regex::new(&pattern)
-                .map_err(|e| regex::Error::Syntax(e.to_string()))?,
+            regex: meta::Regex::new(&pattern)?,
             lookahead,
         })
     }
@@ -69,14 +65,15 @@ impl Splitter {
         let mut gap_start = 0;
         while pos < piece.len() {
             // Leftmost-first: a match starting at `pos`, when there is one, is the match.
-            let here = Input::new(piece).range(pos..).anchored(Anchored::Yes);
-            let (start, mut end) = match self.anchored.search(&here) {
-                Some(m) => (m.start(), m.end()),
-                None => match self.regex.find_at(piece, pos) {
-                    Some(m) => (m.start(), m.end()),
-                    None => break,
-                },
+            let rest = Input::new(piece).range(pos..);
+            let found = self
+                .regex
+                .search(&rest.clone().anchored(Anchored::Yes))
+                .or_else(|| self.regex.search(&rest));
+            let Some(m) = found else {
+                break;
             };
+            let (start, mut end) = (m.start(), m.end());
             if let Some(newline_alternative) = self.lookahead {
                 let text = &piece[start..end];
                 let from_whitespace_alternative = text.chars().all(char::is_whitespace)

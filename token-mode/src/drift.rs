@@ -51,7 +51,7 @@ pub fn spans<'r>(
     // no more than JOIN_GAP equal tokens: a dropped `<think>\nx\n</think>\n\n` after a
     // newline may be diffed as two deletions around the newline, but it is one drift.
     let mut spans = Vec::new();
-    let alignment = Alignment { ops: ops.clone() };
+    let alignment = Alignment { ops };
     let mut open: Option<(usize, usize, usize, usize)> = None; // old start, old end, new start, new end
     let mut gap = false; // `open` is followed by a short equal run, not yet part of it
     let close = |open: &mut Option<(usize, usize, usize, usize)>, spans: &mut Vec<DriftSpan>| {
@@ -67,9 +67,9 @@ pub fn spans<'r>(
             }
         }
     };
-    for op in ops {
+    for op in &alignment.ops {
         let (o, n) = (op.old_range(), op.new_range());
-        match op {
+        match *op {
             DiffOp::Equal { len, .. } if len <= JOIN_GAP && open.is_some() && !gap => gap = true,
             DiffOp::Equal { .. } => {
                 gap = false;
