@@ -34,7 +34,7 @@ struct Splitter {
 }
 
 impl Splitter {
-    fn new(pattern: &str) -> Result<Splitter, meta::BuildError> {
+    fn new(pattern: &str) -> Result<Splitter, Box<meta::BuildError>> {
         // llama.cpp's patterns and Hugging Face's end in `\s+(?!\S)|\s+` (llama3, qwen2, qwen35,
         // deepseek-v3, HF's ByteLevel) or in a bare `\s+(?!\S)` (llama.cpp's gpt-2 and its
         // relatives); only some have a `\s*[\r\n]+` alternative before.
