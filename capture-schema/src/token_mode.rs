@@ -147,6 +147,106 @@ impl RenderComparison {
     }
 }
 
+/// `--token-mode tito`: how tokentap built one call's prompt ids, which it sent to the engine
+/// (`CaptureRecord::token_in`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenIn {
+    pub continuation: TitoContinuation,
+    /// Where each prompt token came from, in order: only `sampled` tokens are the policy's.
+    pub origins: Vec<TokenOriginRun>,
+    /// Time tokentap took to build the prompt, in microseconds.
+    pub build_us: u64,
+}
+
+/// How a tito prompt goes on from the conversation's earlier calls.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(tag = "kind", rename_all = "snake_case")]
+pub enum TitoContinuation {
+    /// The prompt is call `record_id`'s prompt + the ids it sampled + `appended` tokens (the
+    /// end of its turn if the model did not sample one, the new messages, the generation
+    /// prompt): one trace.
+    Extends { record_id: String, appended: u32 },
+    /// A full render: the conversation continues none that tokentap answered as it was.
+    Branch {
+        cause: TitoBranchCause,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        detail: Option<String>,
+    },
+}
+
+/// Why a tito prompt was rendered whole.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "snake_case")]
+pub enum TitoBranchCause {
+    /// No assistant turn yet: a conversation's first call.
+    First,
+    /// A conversation tokentap answered, changed after its first user message: an earlier
+    /// message edited or dropped, or an answer sent back with other content or calls.
+    Edited,
+    /// The harness's system prompt and tools with a history tokentap never answered: a
+    /// compaction rewrote it.
+    Compacted,
+    /// The first user message of a conversation tokentap answered under another system prompt.
+    NewSystem,
+    /// The same conversation with other tools offered (the template writes them into the prompt).
+    ToolsChanged,
+    /// Assistant turns tokentap knows nothing of: another proxy answered them, or a restart or
+    /// eviction lost the conversation's ids.
+    UnknownHistory,
+    /// The conversation ends with the answered turn itself: nothing new to append.
+    NoNewMessage,
+    /// The template did not write the new messages after the answered turn as the start-up
+    /// probe found (`detail` says how).
+    TemplateConstruct,
+}
+
+impl TitoContinuation {
+    /// `extends` or the branch's cause.
+    pub fn kind(&self) -> &'static str {
+        match self {
+            TitoContinuation::Extends { .. } => "extends",
+            TitoContinuation::Branch { cause, .. } => cause.as_str(),
+        }
+    }
+}
+
+impl TitoBranchCause {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TitoBranchCause::First => "first",
+            TitoBranchCause::Edited => "edited",
+            TitoBranchCause::Compacted => "compacted",
+            TitoBranchCause::NewSystem => "new_system",
+            TitoBranchCause::ToolsChanged => "tools_changed",
+            TitoBranchCause::UnknownHistory => "unknown_history",
+            TitoBranchCause::NoNewMessage => "no_new_message",
+            TitoBranchCause::TemplateConstruct => "template_construct",
+        }
+    }
+}
+
+/// Where a run of prompt tokens came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "snake_case")]
+pub enum TokenOrigin {
+    /// Rendered by the chat template and tokenized by tokentap: template text and the
+    /// harness's messages.
+    Rendered,
+    /// The end of an assistant turn the model did not sample (a stop string, a length
+    /// cut-off), written as the template writes it.
+    Boundary,
+    /// Ids the model sampled in an earlier call, as sampled.
+    Sampled,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct TokenOriginRun {
+    pub origin: TokenOrigin,
+    pub len: u32,
+}
+
 /// `--token-mode observe`'s findings over many calls: a session's (`sessions.jsonl`'s
 /// `stats.token_mode`) or a spool's (`tokentap records summary`).
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]

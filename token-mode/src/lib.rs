@@ -6,10 +6,14 @@
 //!   merge difference, changed content), classified per span from the decoded text.
 //! - [`Observer`]: `--token-mode observe`, per call: tokentap's ids against the engine's, and
 //!   the engine's prompt against the session's earlier prompts + sampled ids (bounded state).
+//! - [`Tito`]: `--token-mode tito`, per call: the prompt ids built from the conversation's
+//!   earlier ids (prompt + sampled) and the new messages, or a full render with the cause.
 
 pub mod drift;
 mod model;
 mod observer;
+mod tito;
 
 pub use model::{EngineDialect, TokenMode, TokenModel};
 pub use observer::{CallView, Observer, ObserverLimits};
+pub use tito::{SampledEnd, Tito, TitoLimits, TitoPrompt};

@@ -1,0 +1,502 @@
+//! `--token-mode tito` (token in, token out): each call's prompt built from the ids the engine
+//! saw and sampled before, so every later turn conditions on exactly the tokens the policy
+//! sampled, and an append-only conversation is one trace.
+//!
+//! Conversations are found by meaning, not by session: each answered call leaves a *tip*
+//! (the ids the engine saw and sampled, and the conversation they stand for, the assistant
+//! message as tokentap answered it included), keyed by that conversation. A request whose
+//! messages are a tip's conversation followed by new non-assistant messages (tool results, a
+//! user turn) extends it: the tip's ids, the template's end of the assistant turn if the
+//! model did not sample it, then the new messages rendered after a stand-in for the turn.
+//! Anything else branches from a full render, with the cause. Subagents and concurrent
+//! conversations are separate tips by construction; a restart or an evicted tip branches,
+//! never corrupts.
+//!
+//! Compared by meaning: an assistant message's content trimmed, its tool calls by name and
+//! arguments as parsed JSON (key order and spacing ignored), its reasoning ignored (a harness
+//! that sends it back and one that drops it both extend); tool-call ids ignored (tokentap
+//! made them); every other message exactly.
+
+use std::collections::hash_map::DefaultHasher;
+use std::hash::{Hash, Hasher};
+use std::sync::{Arc, Mutex};
+
+use lru::LruCache;
+use serde_json::Value;
+use tokentap_answer_parse::Dialect;
+use tokentap_schema::{
+    ChatMessage, ChatRequest, ContentPart, Role, TitoBranchCause, TitoContinuation, TokenOrigin,
+    TokenOriginRun, ToolCall,
+};
+
+use crate::TokenModel;
+
+/// Stands in for the answered turn's content when the new messages are rendered: a string no
+/// conversation holds, so the text after it is the template's end of that turn and what
+/// follows.
+const STAND_IN: &str = "\u{E000}tokentap-answered-turn\u{E001}";
+
+/// Bounds on what tito keeps.
+#[derive(Debug, Clone, Copy)]
+pub struct TitoLimits {
+    /// Conversations (tips) kept; the least recently used go first.
+    pub tips: usize,
+    /// Token ids kept in all tips together (4 bytes each).
+    pub held_tokens: usize,
+}
+
+impl Default for TitoLimits {
+    fn default() -> Self {
+        TitoLimits {
+            tips: 4096,
+            // 256 MiB of ids.
+            held_tokens: 64 << 20,
+        }
+    }
+}
+
+/// How the model stopped sampling the answer, as far as the prompt's end of turn goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SampledEnd {
+    /// The last sampled id is a stop token (kept in the ids: the next prompt continues after it).
+    StopToken,
+    /// A stop string, a length cut-off or a cancelled call: the template's end of turn is added.
+    Open,
+}
+
+/// One call's prompt in tito.
+#[derive(Debug, Clone)]
+pub struct TitoPrompt {
+    pub ids: Vec<u32>,
+    /// Where each prompt token came from, as runs.
+    pub origins: Vec<TokenOriginRun>,
+    pub continuation: TitoContinuation,
+    /// Time taken to build it, in microseconds.
+    pub build_us: u64,
+}
+
+/// What a tip holds: the engine's ids (prompt, then sampled) and the conversation they stand
+/// for.
+struct Tip {
+    ids: Vec<u32>,
+    origins: Vec<TokenOriginRun>,
+    /// The canonical form of every message, the answered assistant message last.
+    meaning: Vec<String>,
+    tools: u64,
+    record_id: String,
+    end: SampledEnd,
+}
+
+struct State {
+    tips: LruCache<u64, Arc<Tip>>,
+    held: usize,
+    /// The latest (system, tools) per first user message, and the (system, tools) pairs seen:
+    /// what a branch's cause is read from.
+    starts: LruCache<u64, (u64, u64)>,
+    frames: LruCache<(u64, u64), ()>,
+}
+
+/// `--token-mode tito`'s state and prompt building, shared by all calls.
+pub struct Tito {
+    model: TokenModel,
+    dialect: Dialect,
+    limits: TitoLimits,
+    state: Mutex<State>,
+}
+
+impl std::fmt::Debug for Tito {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tito")
+            .field("model", &self.model)
+            .field("dialect", &self.dialect)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Tito {
+    /// Refused for a model whose answers no parser reads back, or whose template does not
+    /// write an assistant turn's end and the next messages after it (checked on a probe
+    /// conversation, as every call will need).
+    pub fn new(model: TokenModel, limits: TitoLimits) -> Result<Tito, String> {
+        let template = model
+            .tokenizer()
+            .chat_templates()
+            .ok_or("no chat template")?
+            .select(true)
+            .map_err(|e| e.to_string())?;
+        let dialect =
+            tokentap_answer_parse::probe(template, model.tokenizer().template_variables())
+                .map_err(|e| {
+                    format!(
+                        "{}: tito needs the model's answers read back: {e}",
+                        model.source()
+                    )
+                })?;
+        let tito = Tito {
+            model,
+            dialect,
+            limits,
+            state: Mutex::new(State {
+                tips: LruCache::unbounded(),
+                held: 0,
+                starts: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
+                frames: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
+            }),
+        };
+        tito.check_appends()?;
+        Ok(tito)
+    }
+
+    pub fn model(&self) -> &TokenModel {
+        &self.model
+    }
+
+    /// How the model's answers are read (its family, reasoning).
+    pub fn dialect(&self) -> Dialect {
+        self.dialect
+    }
+
+    /// Conversations kept and their ids, for metrics.
+    pub fn held(&self) -> (usize, usize) {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        (state.tips.len(), state.held)
+    }
+
+    /// The template must write, after an answered turn with a call, an end of turn the engine
+    /// stops on, then a tool result and a user message, each as a suffix of what came before.
+    fn check_appends(&self) -> Result<(), String> {
+        let call = ToolCall {
+            id: "call_0".into(),
+            name: "probe".into(),
+            arguments: "{}".into(),
+        };
+        let mut assistant = ChatMessage::text(Role::Assistant, "");
+        assistant.tool_calls = vec![call];
+        let mut tool = ChatMessage::text(Role::Tool, "result");
+        tool.tool_call_id = Some("call_0".into());
+        let base = vec![ChatMessage::text(Role::User, "question"), assistant];
+        for (what, new) in [
+            ("a tool result", vec![tool.clone()]),
+            (
+                "a user message",
+                vec![tool, ChatMessage::text(Role::User, "next")],
+            ),
+        ] {
+            let mut messages = base.clone();
+            messages.extend(new);
+            let request = probe_request(messages);
+            self.suffix_after_answer(&request, base.len() - 1)
+                .map_err(|why| {
+                    format!("{}: tito cannot append {what}: {why}", self.model.source())
+                })?;
+        }
+        Ok(())
+    }
+
+    /// The prompt for `request`: extending the conversation it continues, or a full render.
+    pub fn prompt(&self, request: &ChatRequest) -> Result<TitoPrompt, String> {
+        let started = std::time::Instant::now();
+        let meaning: Vec<String> = request.messages.iter().map(canonical).collect();
+        let tools = tools_key(request);
+        let last_assistant = request
+            .messages
+            .iter()
+            .rposition(|m| m.role == Role::Assistant);
+        let found = last_assistant.and_then(|k| {
+            let key = conversation_key(&meaning[..=k], tools);
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let tip = state.tips.get(&key)?.clone();
+            (tip.meaning[..] == meaning[..=k] && tip.tools == tools).then_some((k, tip))
+        });
+        let mut prompt = match found {
+            Some((k, tip)) if k + 1 < request.messages.len() => match self.extend(request, k, &tip)
+            {
+                Ok((ids, origins)) => TitoPrompt {
+                    continuation: TitoContinuation::Extends {
+                        record_id: tip.record_id.clone(),
+                        appended: (ids.len() - tip.ids.len()) as u32,
+                    },
+                    ids,
+                    origins,
+                    build_us: 0,
+                },
+                Err(why) => self.full(request, TitoBranchCause::TemplateConstruct, Some(why))?,
+            },
+            // The conversation ends with the answered turn itself (a harness that asks the
+            // model to go on with its own message): nothing to append after it.
+            Some(_) => self.full(request, TitoBranchCause::NoNewMessage, None)?,
+            None => {
+                let cause = match last_assistant {
+                    None => TitoBranchCause::First,
+                    Some(_) => self.cause(request, tools),
+                };
+                self.full(request, cause, None)?
+            }
+        };
+        prompt.build_us = started.elapsed().as_micros() as u64;
+        Ok(prompt)
+    }
+
+    /// The tip's ids, the end of its turn if the model did not sample one, then the new
+    /// messages and the generation prompt, rendered after a stand-in for the answered turn.
+    fn extend(
+        &self,
+        request: &ChatRequest,
+        k: usize,
+        tip: &Tip,
+    ) -> Result<(Vec<u32>, Vec<TokenOriginRun>), String> {
+        let (end, rest) = self.suffix_after_answer(request, k)?;
+        let tokenizer = self.model.tokenizer();
+        let mut ids = tip.ids.clone();
+        let mut origins = tip.origins.clone();
+        if tip.end == SampledEnd::Open {
+            let end_ids = tokenizer.encode(&end).map_err(|e| e.to_string())?;
+            push_run(&mut origins, TokenOrigin::Boundary, end_ids.len());
+            ids.extend(end_ids);
+        }
+        let rest_ids = tokenizer.encode(&rest).map_err(|e| e.to_string())?;
+        push_run(&mut origins, TokenOrigin::Rendered, rest_ids.len());
+        ids.extend(rest_ids);
+        Ok((ids, origins))
+    }
+
+    /// For the conversation with message `k` (the answered turn) replaced by a stand-in that
+    /// keeps its calls: the end of that turn the template writes (the stop token the engine
+    /// stops on) and everything after it (the new messages and the generation prompt).
+    fn suffix_after_answer(
+        &self,
+        request: &ChatRequest,
+        k: usize,
+    ) -> Result<(String, String), String> {
+        let mut synthetic = request.clone();
+        let answered = &mut synthetic.messages[k];
+        answered.content = vec![ContentPart::Text {
+            text: STAND_IN.into(),
+        }];
+        answered.content_was_string = true;
+        answered.reasoning = None;
+        let text = self.model.prompt_text(&synthetic)?;
+        let at = text
+            .find(STAND_IN)
+            .ok_or("the template does not write the answered turn's content")?;
+        if text.rfind(STAND_IN) != Some(at) {
+            return Err("the template writes the answered turn's content twice".into());
+        }
+        let tail = &text[at + STAND_IN.len()..];
+        let (end_at, end) = self
+            .stop_texts()
+            .iter()
+            .filter_map(|s| tail.find(s.as_str()).map(|at| (at, s.clone())))
+            .min()
+            .ok_or("the template writes no end-of-turn token after the answered turn")?;
+        let rest = tail[end_at + end.len()..].to_string();
+        Ok((end, rest))
+    }
+
+    /// The texts of the tokens that end an assistant turn: the model's EOS and the templates'
+    /// turn ends the engines stop on.
+    fn stop_texts(&self) -> Vec<String> {
+        let mut texts: Vec<String> = [
+            "<|im_end|>",
+            "<|eot_id|>",
+            "<|eom_id|>",
+            "<｜end▁of▁sentence｜>",
+            "<|observation|>",
+            "<|user|>",
+            "<|endoftext|>",
+        ]
+        .into_iter()
+        .map(String::from)
+        .collect();
+        if let Some(Value::String(eos)) =
+            self.model.tokenizer().template_variables().get("eos_token")
+        {
+            if !texts.contains(eos) {
+                texts.push(eos.clone());
+            }
+        }
+        texts
+    }
+
+    fn full(
+        &self,
+        request: &ChatRequest,
+        cause: TitoBranchCause,
+        detail: Option<String>,
+    ) -> Result<TitoPrompt, String> {
+        let ids = self.model.prompt_ids(request)?;
+        let mut origins = Vec::new();
+        push_run(&mut origins, TokenOrigin::Rendered, ids.len());
+        Ok(TitoPrompt {
+            ids,
+            origins,
+            continuation: TitoContinuation::Branch { cause, detail },
+            build_us: 0,
+        })
+    }
+
+    /// Why a conversation with assistant turns matches no tip.
+    fn cause(&self, request: &ChatRequest, tools: u64) -> TitoBranchCause {
+        let system = system_key(request);
+        let Some(start) = start_key(request) else {
+            return TitoBranchCause::UnknownHistory;
+        };
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        match state.starts.get(&start).copied() {
+            Some((s, _)) if s != system => TitoBranchCause::NewSystem,
+            Some((_, t)) if t != tools => TitoBranchCause::ToolsChanged,
+            Some(_) => TitoBranchCause::Edited,
+            None if state.frames.contains(&(system, tools)) => TitoBranchCause::Compacted,
+            None => TitoBranchCause::UnknownHistory,
+        }
+    }
+
+    /// Keeps the call's conversation, with the assistant message as tokentap answered it, as a
+    /// tip for the next call to extend.
+    pub fn answered(
+        &self,
+        request: &ChatRequest,
+        prompt: &TitoPrompt,
+        sampled: &[u32],
+        end: SampledEnd,
+        answer: &ChatMessage,
+        record_id: &str,
+    ) {
+        let mut meaning: Vec<String> = request.messages.iter().map(canonical).collect();
+        meaning.push(canonical(answer));
+        let tools = tools_key(request);
+        let mut ids = prompt.ids.clone();
+        ids.extend_from_slice(sampled);
+        let mut origins = prompt.origins.clone();
+        push_run(&mut origins, TokenOrigin::Sampled, sampled.len());
+        let key = conversation_key(&meaning, tools);
+        let tip = Tip {
+            ids,
+            origins,
+            meaning,
+            tools,
+            record_id: record_id.to_string(),
+            end,
+        };
+        let system = system_key(request);
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(start) = start_key(request) {
+            state.starts.put(start, (system, tools));
+        }
+        state.frames.put((system, tools), ());
+        state.held += tip.ids.len();
+        if let Some(old) = state.tips.put(key, Arc::new(tip)) {
+            state.held -= old.ids.len();
+        }
+        while state.tips.len() > self.limits.tips || state.held > self.limits.held_tokens {
+            match state.tips.pop_lru() {
+                Some((_, old)) => state.held -= old.ids.len(),
+                None => break,
+            }
+        }
+    }
+}
+
+fn probe_request(messages: Vec<ChatMessage>) -> ChatRequest {
+    ChatRequest {
+        model: String::new(),
+        messages,
+        tools: Vec::new(),
+        tool_choice: None,
+        sampling: Default::default(),
+        stream: false,
+        extra: Default::default(),
+    }
+}
+
+fn push_run(runs: &mut Vec<TokenOriginRun>, origin: TokenOrigin, len: usize) {
+    if len == 0 {
+        return;
+    }
+    match runs.last_mut() {
+        Some(last) if last.origin == origin => last.len += len as u32,
+        _ => runs.push(TokenOriginRun {
+            origin,
+            len: len as u32,
+        }),
+    }
+}
+
+fn hash_of(value: impl Hash) -> u64 {
+    let mut h = DefaultHasher::new();
+    value.hash(&mut h);
+    h.finish()
+}
+
+fn conversation_key(meaning: &[String], tools: u64) -> u64 {
+    hash_of((meaning, tools))
+}
+
+fn tools_key(request: &ChatRequest) -> u64 {
+    hash_of(serde_json::to_string(&request.tools).unwrap_or_default())
+}
+
+fn system_key(request: &ChatRequest) -> u64 {
+    let system: Vec<String> = request
+        .messages
+        .iter()
+        .filter(|m| matches!(m.role, Role::System | Role::Developer))
+        .map(canonical)
+        .collect();
+    hash_of(system)
+}
+
+fn start_key(request: &ChatRequest) -> Option<u64> {
+    request
+        .messages
+        .iter()
+        .find(|m| m.role == Role::User)
+        .map(|m| hash_of(canonical(m)))
+}
+
+/// A message's meaning as one string (see the module's comment for what counts).
+fn canonical(m: &ChatMessage) -> String {
+    let mut parts: Vec<String> = Vec::new();
+    for part in &m.content {
+        match part {
+            ContentPart::Text { text } => parts.push(text.clone()),
+            other => parts.push(serde_json::to_string(other).unwrap_or_default()),
+        }
+    }
+    let mut content = parts.join("\u{1}");
+    let mut calls = String::new();
+    if m.role == Role::Assistant {
+        content = content.trim().to_string();
+        for call in &m.tool_calls {
+            let arguments = serde_json::from_str::<Value>(&call.arguments)
+                .map(|v| sorted_json(&v))
+                .unwrap_or_else(|_| call.arguments.trim().to_string());
+            calls.push_str(&format!("\u{2}{}\u{3}{arguments}", call.name));
+        }
+    }
+    format!(
+        "{:?}\u{4}{}\u{4}{content}\u{4}{calls}",
+        m.role,
+        m.name.as_deref().unwrap_or_default()
+    )
+}
+
+/// JSON with object keys in sorted order and no spacing: the same for the same meaning.
+fn sorted_json(v: &Value) -> String {
+    match v {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            let fields: Vec<String> = keys
+                .into_iter()
+                .map(|k| format!("{}:{}", Value::String(k.clone()), sorted_json(&map[k])))
+                .collect();
+            format!("{{{}}}", fields.join(","))
+        }
+        Value::Array(items) => format!(
+            "[{}]",
+            items.iter().map(sorted_json).collect::<Vec<_>>().join(",")
+        ),
+        other => other.to_string(),
+    }
+}

@@ -1,0 +1,390 @@
+//! tito on the real Qwen3 chat template and tokenizer (the tiny tool model's GGUF): prompts
+//! built from the ids the engine saw and sampled, checked against the template's own full
+//! render of the same conversation, and every branch cause.
+
+use std::path::PathBuf;
+
+use serde_json::json;
+use tokentap_schema::{ChatMessage, ChatRequest, TitoBranchCause, TitoContinuation, TokenOrigin};
+use tokentap_token_mode::{EngineDialect, SampledEnd, Tito, TitoLimits, TitoPrompt, TokenModel};
+
+fn model_at(var: &str, file: &str) -> TokenModel {
+    let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
+        PathBuf::from(std::env::var("HOME").unwrap())
+            .join(".cache/tokentap/models")
+            .join(file)
+    });
+    assert!(
+        path.is_file(),
+        "{} is missing: run scripts/setup and source ~/.cache/tokentap/env.sh",
+        path.display()
+    );
+    TokenModel::open(&path, EngineDialect::Transformers).unwrap()
+}
+
+fn tito() -> Tito {
+    tito_with(TitoLimits::default())
+}
+
+fn tito_with(limits: TitoLimits) -> Tito {
+    Tito::new(
+        model_at("TOKENTAP_MODEL_TINY_TOOLS", "tiny-qwen3-tools.gguf"),
+        limits,
+    )
+    .unwrap()
+}
+
+fn request(messages: Vec<serde_json::Value>) -> ChatRequest {
+    request_with_tool(messages, "bash")
+}
+
+fn request_with_tool(messages: Vec<serde_json::Value>, tool: &str) -> ChatRequest {
+    serde_json::from_value(json!({
+        "model": "m",
+        "messages": messages,
+        "tools": [{"name": tool, "description": "Run a command",
+                   "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}],
+    }))
+    .unwrap()
+}
+
+fn msg(role: &str, t: &str) -> serde_json::Value {
+    json!({"role": role, "content": [{"type": "text", "text": t}], "content_was_string": true})
+}
+
+fn tool_result(t: &str) -> serde_json::Value {
+    let mut m = msg("tool", t);
+    m["tool_call_id"] = json!("call_1");
+    m
+}
+
+/// The assistant turn as a harness sends it back.
+fn assistant_call(arguments: &str, reasoning: Option<&str>) -> serde_json::Value {
+    let mut m = json!({"role": "assistant",
+        "tool_calls": [{"id": "call_1", "name": "bash", "arguments": arguments}]});
+    if let Some(r) = reasoning {
+        m["reasoning"] = json!(r);
+    }
+    m
+}
+
+fn message(v: serde_json::Value) -> ChatMessage {
+    serde_json::from_value(v).unwrap()
+}
+
+/// What the model sampled for a call turn (reasoning as Qwen3 models write it), stop token
+/// included.
+const SAMPLED_CALL: &str = "<think>\nList it.\n</think>\n\n<tool_call>\n{\"name\": \"bash\", \"arguments\": {\"command\": \"pwd\"}}\n</tool_call><|im_end|>";
+
+/// Answers call `prompt` with `sampled`, as the proxy does after the engine's answer.
+fn answer(
+    t: &Tito,
+    r: &ChatRequest,
+    p: &TitoPrompt,
+    sampled: &str,
+    end: SampledEnd,
+    id: &str,
+) -> Vec<u32> {
+    let ids = t.model().tokenizer().encode(sampled).unwrap();
+    let answer = message(assistant_call("{\"command\": \"pwd\"}", Some("List it.")));
+    t.answered(r, p, &ids, end, &answer, id);
+    ids
+}
+
+fn base() -> Vec<serde_json::Value> {
+    vec![msg("system", "You are terse."), msg("user", "Where am I?")]
+}
+
+fn cause(p: &TitoPrompt) -> Option<TitoBranchCause> {
+    match &p.continuation {
+        TitoContinuation::Branch { cause, .. } => Some(*cause),
+        TitoContinuation::Extends { .. } => None,
+    }
+}
+
+#[test]
+fn a_tool_result_extends_the_sampled_ids() {
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    assert_eq!(cause(&p1), Some(TitoBranchCause::First));
+    assert_eq!(
+        p1.ids,
+        t.model().prompt_ids(&r1).unwrap(),
+        "a first call is the full render"
+    );
+    let sampled = answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+
+    // The harness drops the reasoning and re-serializes the arguments: the same meaning.
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\":\"pwd\"}", None));
+    messages.push(tool_result("/home/agent"));
+    let r2 = request(messages);
+    let p2 = t.prompt(&r2).unwrap();
+    let TitoContinuation::Extends {
+        record_id,
+        appended,
+    } = &p2.continuation
+    else {
+        panic!("{:?}", p2.continuation)
+    };
+    assert_eq!(record_id, "r1");
+    let mut earlier = p1.ids.clone();
+    earlier.extend(&sampled);
+    assert!(p2.ids.starts_with(&earlier), "the sampled ids, as sampled");
+    assert_eq!(*appended as usize, p2.ids.len() - earlier.len());
+    // What is appended is exactly what the template writes after the turn in a full render.
+    let full = t.model().prompt_ids(&r2).unwrap();
+    let new = &p2.ids[earlier.len()..];
+    assert!(full.ends_with(new), "{:?}", t.model().text(new));
+    assert_eq!(
+        t.model().text(new),
+        "\n<|im_start|>user\n<tool_response>\n/home/agent\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+    );
+    // The full render would have re-written the reasoning: tito did not.
+    assert_ne!(full[..earlier.len()], earlier[..]);
+    let origins: Vec<(TokenOrigin, u32)> = p2.origins.iter().map(|r| (r.origin, r.len)).collect();
+    assert_eq!(
+        origins,
+        vec![
+            (TokenOrigin::Rendered, p1.ids.len() as u32),
+            (TokenOrigin::Sampled, sampled.len() as u32),
+            (TokenOrigin::Rendered, new.len() as u32)
+        ]
+    );
+}
+
+#[test]
+fn a_harness_that_sends_reasoning_back_extends_too() {
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", Some("List it.")));
+    messages.push(tool_result("/"));
+    assert!(matches!(
+        t.prompt(&request(messages)).unwrap().continuation,
+        TitoContinuation::Extends { .. }
+    ));
+}
+
+#[test]
+fn a_new_user_turn_keeps_the_reasoning_the_template_would_drop() {
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    let s1 = answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+    messages.push(tool_result("/"));
+    let r2 = request(messages.clone());
+    let p2 = t.prompt(&r2).unwrap();
+    let done = t
+        .model()
+        .tokenizer()
+        .encode("<think>\nDone.\n</think>\n\nYou are in /.<|im_end|>")
+        .unwrap();
+    t.answered(
+        &r2,
+        &p2,
+        &done,
+        SampledEnd::StopToken,
+        &message(msg("assistant", "You are in /.")),
+        "r2",
+    );
+    messages.push(msg("assistant", "You are in /."));
+    messages.push(msg("user", "And the date?"));
+    let r3 = request(messages);
+    let p3 = t.prompt(&r3).unwrap();
+    assert!(
+        matches!(&p3.continuation, TitoContinuation::Extends { record_id, .. } if record_id == "r2")
+    );
+    let mut earlier = p2.ids.clone();
+    earlier.extend(&done);
+    assert!(p3.ids.starts_with(&earlier));
+    assert!(
+        p3.ids.windows(s1.len()).any(|w| w == &s1[..]),
+        "the first turn's reasoning, as sampled"
+    );
+    // The template itself drops both turns' reasoning on the new user turn.
+    let full_text = t.model().prompt_text(&r3).unwrap();
+    assert!(!full_text.contains("List it."));
+    assert_eq!(
+        t.model().text(&p3.ids[earlier.len()..]),
+        "\n<|im_start|>user\nAnd the date?<|im_end|>\n<|im_start|>assistant\n"
+    );
+}
+
+#[test]
+fn an_open_turn_gets_the_template_end_as_boundary() {
+    // Stopped by a stop string (or cut off): no <|im_end|> sampled.
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    let open = SAMPLED_CALL.strip_suffix("<|im_end|>").unwrap();
+    let sampled = answer(&t, &r1, &p1, open, SampledEnd::Open, "r1");
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+    messages.push(tool_result("/"));
+    let p2 = t.prompt(&request(messages)).unwrap();
+    assert!(matches!(p2.continuation, TitoContinuation::Extends { .. }));
+    let after = &p2.ids[p1.ids.len() + sampled.len()..];
+    assert_eq!(t.model().text(&after[..1]), "<|im_end|>");
+    let origins: Vec<TokenOrigin> = p2.origins.iter().map(|r| r.origin).collect();
+    assert_eq!(
+        origins,
+        vec![
+            TokenOrigin::Rendered,
+            TokenOrigin::Sampled,
+            TokenOrigin::Boundary,
+            TokenOrigin::Rendered
+        ]
+    );
+    assert_eq!(p2.origins[2].len, 1);
+}
+
+/// A conversation of one answered call, then `change` applied to the next request.
+fn branch_after(
+    change: impl FnOnce(&mut Vec<serde_json::Value>) -> String,
+) -> Option<TitoBranchCause> {
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+    messages.push(tool_result("/"));
+    let tool = change(&mut messages);
+    cause(&t.prompt(&request_with_tool(messages, &tool)).unwrap())
+}
+
+#[test]
+fn each_branch_has_its_cause() {
+    // Control: unchanged, it extends.
+    assert_eq!(branch_after(|_| "bash".into()), None);
+    assert_eq!(
+        branch_after(|m| {
+            m[1] = msg("user", "Where am I? Be brief.");
+            "bash".into()
+        }),
+        // The first user message is the conversation's start: another start under the same
+        // system prompt and tools is a rewritten history.
+        Some(TitoBranchCause::Compacted)
+    );
+    assert_eq!(
+        branch_after(|m| {
+            m[2] = assistant_call("{\"command\": \"ls\"}", None);
+            "bash".into()
+        }),
+        Some(TitoBranchCause::Edited)
+    );
+    assert_eq!(
+        branch_after(|m| {
+            m[0] = msg("system", "You are verbose.");
+            "bash".into()
+        }),
+        Some(TitoBranchCause::NewSystem)
+    );
+    assert_eq!(
+        branch_after(|_| "shell".into()),
+        Some(TitoBranchCause::ToolsChanged)
+    );
+    assert_eq!(
+        branch_after(|m| {
+            m.pop();
+            "bash".into()
+        }),
+        Some(TitoBranchCause::NoNewMessage)
+    );
+}
+
+#[test]
+fn a_restart_branches_without_corrupting() {
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+    messages.push(tool_result("/"));
+    let t = tito();
+    let r = request(messages);
+    let p = t.prompt(&r).unwrap();
+    assert_eq!(cause(&p), Some(TitoBranchCause::UnknownHistory));
+    assert_eq!(p.ids, t.model().prompt_ids(&r).unwrap());
+}
+
+#[test]
+fn concurrent_conversations_each_extend() {
+    let t = tito();
+    let sub = vec![
+        msg("system", "You are a subagent."),
+        msg("user", "Count files."),
+    ];
+    let (ra, rb) = (request(base()), request(sub.clone()));
+    let (pa, pb) = (t.prompt(&ra).unwrap(), t.prompt(&rb).unwrap());
+    answer(&t, &rb, &pb, SAMPLED_CALL, SampledEnd::StopToken, "b1");
+    answer(&t, &ra, &pa, SAMPLED_CALL, SampledEnd::StopToken, "a1");
+    for (mut messages, id) in [(sub, "b1"), (base(), "a1")] {
+        messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+        messages.push(tool_result("/"));
+        let p = t.prompt(&request(messages)).unwrap();
+        assert!(
+            matches!(&p.continuation, TitoContinuation::Extends { record_id, .. } if record_id == id)
+        );
+    }
+}
+
+#[test]
+fn state_is_bounded() {
+    let t = tito_with(TitoLimits {
+        tips: 2,
+        held_tokens: 1 << 20,
+    });
+    for i in 0..5 {
+        let r = request(vec![msg("user", &format!("question {i}"))]);
+        let p = t.prompt(&r).unwrap();
+        answer(
+            &t,
+            &r,
+            &p,
+            SAMPLED_CALL,
+            SampledEnd::StopToken,
+            &format!("r{i}"),
+        );
+    }
+    assert_eq!(t.held().0, 2);
+    // The oldest is gone: its next call branches; the newest still extends.
+    let next = |i: usize| {
+        let r = request(vec![
+            msg("user", &format!("question {i}")),
+            assistant_call("{\"command\": \"pwd\"}", None),
+            tool_result("/"),
+        ]);
+        t.prompt(&r).unwrap().continuation
+    };
+    assert!(matches!(next(0), TitoContinuation::Branch { .. }));
+    assert!(matches!(next(4), TitoContinuation::Extends { .. }));
+    let few = tito_with(TitoLimits {
+        tips: 100,
+        held_tokens: 300,
+    });
+    for i in 0..5 {
+        let r = request(vec![msg("user", &format!("question {i}"))]);
+        let p = few.prompt(&r).unwrap();
+        answer(
+            &few,
+            &r,
+            &p,
+            SAMPLED_CALL,
+            SampledEnd::StopToken,
+            &format!("r{i}"),
+        );
+    }
+    assert!(few.held().1 <= 300, "{:?}", few.held());
+}
+
+#[test]
+fn a_model_whose_calls_no_parser_reads_is_refused() {
+    // SmolLM2's template writes no tool calls.
+    let smol = model_at("TOKENTAP_MODEL_TINY", "tiny-smollm2.gguf");
+    let err = Tito::new(smol, TitoLimits::default()).unwrap_err();
+    assert!(err.contains("no parser reads the tool calls"), "{err}");
+}
