@@ -103,6 +103,9 @@ pub struct CaptureRecord {
     /// engine's prompt ids and with the session's earlier calls.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_observation: Option<crate::token_mode::TokenObservation>,
+    /// `--token-mode tito`: how tokentap built the prompt ids it sent to the engine.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_in: Option<crate::token_mode::TokenIn>,
 }
 
 /// Where a call's session id came from, in order of precedence.
@@ -265,6 +268,9 @@ pub enum TokenSource {
     /// (llama.cpp `/apply-template` + `/tokenize`) and checked against the engine's reported
     /// prompt token count.
     EngineTemplate,
+    /// Built by tokentap (`--token-mode tito`: the earlier calls' ids and the new messages
+    /// rendered) and sent to the engine as ids, its count checked against the engine's own.
+    Tokentap,
     /// Not available; the ids field is absent and `gaps` says why.
     Unavailable,
 }

@@ -939,7 +939,11 @@ impl CaptureService {
         let t = Instant::now();
         let started = self
             .backend
-            .generate(call.backend_request.as_ref().expect("set above"), mode)
+            .generate_call(
+                call.backend_request.as_ref().expect("set above"),
+                mode,
+                &call.record_id,
+            )
             .await;
         call.backend_time += t.elapsed();
         let mut events = match started {

@@ -25,6 +25,8 @@ pub enum GenerationEvent {
     PromptSize(u64),
     /// A hole in the token data the adapter could not fill.
     Gap(TokenGap),
+    /// `--token-mode tito`: how tokentap built the prompt ids it sent (before any other event).
+    TokenIn(tokentap_schema::TokenIn),
     /// Generation ended. Further `PromptTokens`/`Gap` events may follow (bookkeeping that
     /// does not delay the harness).
     Finished {
@@ -70,6 +72,7 @@ pub struct GenerationAccumulator {
     pub prompt: Option<(Vec<u32>, TokenSource)>,
     pub gaps: Vec<TokenGap>,
     pub finish: Option<(FinishReason, Option<Usage>)>,
+    pub token_in: Option<tokentap_schema::TokenIn>,
     /// Whether any content reached the accumulator (first-token timing).
     pub started: bool,
 }
@@ -87,6 +90,7 @@ impl GenerationAccumulator {
             GenerationEvent::PromptTokens { ids, source } => self.prompt = Some((ids, source)),
             GenerationEvent::PromptSize(_) => {}
             GenerationEvent::Gap(g) => self.gaps.push(g),
+            GenerationEvent::TokenIn(t) => self.token_in = Some(t),
             GenerationEvent::Finished {
                 finish_reason,
                 usage,

@@ -215,6 +215,7 @@ impl CallCapture {
                 backend_status: e.backend_status,
             }),
             token_observation: None,
+            token_in: g.token_in,
         }
     }
 }

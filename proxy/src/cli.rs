@@ -119,7 +119,11 @@ pub struct CaptureArgs {
     /// each conversation with the model's own template and tokenizer, recording on each
     /// record whether its ids equal the engine's and where the session's prompt stops
     /// extending what the model sampled (tokentap_token_mode_* metrics; `records summary`).
-    #[arg(long, default_value = "off", value_name = "off|observe")]
+    /// `tito` (token in, token out; llama.cpp): tokentap builds each prompt's ids from the
+    /// ids the engine saw and sampled before plus the new messages, calls the engine with
+    /// ids, and reads the answer back itself, so later turns condition on exactly the
+    /// sampled tokens (docs/token-in.md).
+    #[arg(long, default_value = "off", value_name = "off|observe|tito")]
     token_mode: tokentap_token_mode::TokenMode,
     /// The model's tokenizer and chat template for --token-mode: a Hugging Face model
     /// directory, a tokenizer.json or a GGUF file [default: the file llama.cpp's /props names].
@@ -234,8 +238,26 @@ impl CaptureArgs {
             idle_timeout: Duration::from_secs(args.backend_timeout),
             max_answer_bytes: args.max_answer_bytes,
         };
-        let backend: Arc<dyn backend::Backend> =
-            Arc::from(backend::build(backend_config).context("configuring the backend")?);
+        let mut backend: Arc<dyn backend::Backend> =
+            Arc::from(backend::build(backend_config.clone()).context("configuring the backend")?);
+        let token_model = self.token_model(backend.as_ref())?;
+        let observer = match (self.token_mode, token_model) {
+            (tokentap_token_mode::TokenMode::Observe, Some(model)) => Some(Arc::new(
+                tokentap_token_mode::Observer::new(model, Default::default()),
+            )),
+            (tokentap_token_mode::TokenMode::Tito, Some(model)) => {
+                let tito = Arc::new(
+                    tokentap_token_mode::Tito::new(model, Default::default())
+                        .map_err(|e| anyhow::anyhow!("--token-mode tito: {e}"))?,
+                );
+                tracing::info!(family = %tito.dialect().family, reasoning = tito.dialect().reasoning, "token mode tito: prompts built from the conversation's ids, answers read back by tokentap");
+                backend = Arc::from(
+                    backend::build_tito(backend_config, tito).context("configuring the backend")?,
+                );
+                None
+            }
+            _ => None,
+        };
         let backend_model = match args.backend_model.clone() {
             Some(m) => Some(m),
             None => backend::served_model(backend.as_ref()),
@@ -275,42 +297,41 @@ impl CaptureArgs {
             engine_options: args.engine_option_policy(EngineOptionPolicy::all())?,
         };
         let mut service = CaptureService::new(config, backend.clone(), sink, metrics);
-        if let Some(observer) = self.token_observer(backend.as_ref())? {
+        if let Some(observer) = observer {
             service = service.with_token_observer(observer);
         }
         Ok((service, spool_thread))
     }
 
-    /// `--token-mode observe`: the model from `--tokenizer`, else from the file the engine
-    /// names.
-    fn token_observer(
+    /// `--token-mode observe|tito`: the model from `--tokenizer`, else from the file the
+    /// engine names.
+    fn token_model(
         &self,
         backend: &dyn backend::Backend,
-    ) -> anyhow::Result<Option<Arc<tokentap_token_mode::Observer>>> {
-        if self.token_mode == tokentap_token_mode::TokenMode::Off {
-            return Ok(None);
-        }
+    ) -> anyhow::Result<Option<tokentap_token_mode::TokenModel>> {
+        let mode = match self.token_mode {
+            tokentap_token_mode::TokenMode::Off => return Ok(None),
+            tokentap_token_mode::TokenMode::Observe => "observe",
+            tokentap_token_mode::TokenMode::Tito => "tito",
+        };
         let path = match &self.tokenizer {
             Some(p) => p.clone(),
             None => backend::block_on_engine(backend.model_file())
                 .flatten()
                 .map(PathBuf::from)
                 .filter(|p| p.is_file())
-                .context(
-                    "--token-mode observe needs the model's tokenizer: give --tokenizer PATH (a Hugging Face model directory, a tokenizer.json or a GGUF); the engine named no model file readable here",
-                )?,
+                .with_context(|| format!(
+                    "--token-mode {mode} needs the model's tokenizer: give --tokenizer PATH (a Hugging Face model directory, a tokenizer.json or a GGUF); the engine named no model file readable here",
+                ))?,
         };
         let dialect = match self.backend_kind {
             KindArg::Llamacpp => tokentap_token_mode::EngineDialect::LlamaCpp,
             KindArg::Vllm | KindArg::Sglang => tokentap_token_mode::EngineDialect::Transformers,
         };
         let model = tokentap_token_mode::TokenModel::open(&path, dialect)
-            .map_err(|e| anyhow::anyhow!("--token-mode observe: {e}"))?;
-        tracing::info!(tokenizer = %path.display(), "token mode observe: rendering every call with the model's template");
-        Ok(Some(Arc::new(tokentap_token_mode::Observer::new(
-            model,
-            Default::default(),
-        ))))
+            .map_err(|e| anyhow::anyhow!("--token-mode {mode}: {e}"))?;
+        tracing::info!(tokenizer = %path.display(), "token mode {mode}: rendering every call with the model's template");
+        Ok(Some(model))
     }
 }
 

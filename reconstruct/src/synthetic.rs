@@ -41,6 +41,7 @@ pub fn record(session: &str, record_id: &str, n: u64) -> CaptureRecord {
         response_status: 200,
         error: None,
         token_observation: None,
+        token_in: None,
     }
 }
 

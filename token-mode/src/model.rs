@@ -15,6 +15,9 @@ pub enum TokenMode {
     /// Calls go to the engine as today; tokentap also renders and tokenizes each one and
     /// records how its ids compare ([`crate::Observer`]).
     Observe,
+    /// Token in, token out: tokentap builds each prompt's ids from the conversation's earlier
+    /// ids and sends the engine ids; it reads the answer back itself ([`crate::Tito`]).
+    Tito,
 }
 
 impl std::str::FromStr for TokenMode {
@@ -23,8 +26,9 @@ impl std::str::FromStr for TokenMode {
         match s {
             "off" => Ok(TokenMode::Off),
             "observe" => Ok(TokenMode::Observe),
+            "tito" => Ok(TokenMode::Tito),
             other => Err(format!(
-                "unknown token mode {other:?}: give `off` or `observe`"
+                "unknown token mode {other:?}: give `off`, `observe` or `tito`"
             )),
         }
     }

@@ -351,6 +351,20 @@ impl Tito {
         }
     }
 
+    /// How the model ended `sampled`: with one of the template's end-of-turn tokens (kept:
+    /// the next prompt goes on after it), or open (a stop string, a length cut-off).
+    pub fn sampled_end(&self, sampled: &[u32]) -> SampledEnd {
+        let Some(&last) = sampled.last() else {
+            return SampledEnd::Open;
+        };
+        let text = self.model.text(&[last]);
+        if self.stop_texts().contains(&text) {
+            SampledEnd::StopToken
+        } else {
+            SampledEnd::Open
+        }
+    }
+
     /// Keeps the call's conversation, with the assistant message as tokentap answered it, as a
     /// tip for the next call to extend.
     pub fn answered(

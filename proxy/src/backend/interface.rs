@@ -51,6 +51,17 @@ pub trait Backend: Send + Sync {
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError>;
 
+    /// [`Backend::generate`] for the call whose record is `record_id` (an adapter that keeps
+    /// state per call, tito's, names the record it came from).
+    async fn generate_call(
+        &self,
+        request: &ChatRequest,
+        mode: CallMode,
+        _record_id: &str,
+    ) -> Result<GenerationStream, BackendError> {
+        self.generate(request, mode).await
+    }
+
     /// How many prompt tokens the engine would see for `request` (Anthropic `count_tokens`).
     /// By default a one-token generation whose reported prompt size is the answer; engines
     /// with a tokenizer endpoint override this with something cheaper.

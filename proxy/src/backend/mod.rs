@@ -23,6 +23,7 @@ mod openai_compat;
 mod sglang;
 #[cfg(test)]
 mod sse_reader_tests;
+mod tito;
 mod vllm;
 
 pub use answer_body::DEFAULT_MAX_ANSWER_BYTES;
@@ -33,6 +34,7 @@ pub use llamacpp::LlamaCppBackend;
 /// engine request every wire API's canonical request becomes.
 pub use openai_compat::chat_body;
 pub use sglang::SglangBackend;
+pub use tito::TitoLlamaCppBackend;
 pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;
 
@@ -110,6 +112,22 @@ pub mod decode {
 }
 
 /// Builds the adapter for `config.kind`.
+/// `--token-mode tito`: the engine called with tokentap's prompt ids. llama.cpp's `/completion`
+/// takes them; the vLLM and SGLang adapters are not written yet, and are refused.
+pub fn build_tito(
+    config: BackendConfig,
+    tito: std::sync::Arc<tokentap_token_mode::Tito>,
+) -> Result<Box<dyn Backend>, BackendError> {
+    let client = openai_compat::EngineClient::new(&config)?;
+    match config.kind {
+        BackendKind::Llamacpp => Ok(Box::new(TitoLlamaCppBackend::new(client, tito))),
+        other => Err(BackendError::Unavailable(format!(
+            "--token-mode tito calls the engine with token ids, which tokentap does for llama.cpp only so far, not {}",
+            other.as_str()
+        ))),
+    }
+}
+
 pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
     let client = openai_compat::EngineClient::new(&config)?;
     Ok(match config.kind {

@@ -70,6 +70,11 @@ impl EngineClient {
         &self.shown
     }
 
+    /// The longest wait for the first byte and between two chunks of an answer.
+    pub(crate) fn idle_timeout(&self) -> Duration {
+        self.idle_timeout
+    }
+
     /// POSTs a JSON body (already serialized) to `path`; a non-2xx answer becomes a classified
     /// [`BackendError`].
     pub(crate) async fn post(
@@ -92,7 +97,11 @@ impl EngineClient {
     /// POSTs a chat request and returns the answer's body as it arrives, ending in an error
     /// past `--max-answer-bytes` (`http://` engines through Pingora's client, HTTPS ones
     /// through reqwest).
-    async fn post_answer(&self, path: &str, body: Vec<u8>) -> Result<AnswerBody, BackendError> {
+    pub(crate) async fn post_answer(
+        &self,
+        path: &str,
+        body: Vec<u8>,
+    ) -> Result<AnswerBody, BackendError> {
         let answer = match &self.http1 {
             Some(http1) => http1.post(path, body).await?,
             None => answer_body::from_reqwest(self.post(path, body).await?),

@@ -62,6 +62,7 @@ pub fn record(i: u64, payload: usize) -> CaptureRecord {
         response_status: 200,
         error: None,
         token_observation: None,
+        token_in: None,
     }
 }
 
