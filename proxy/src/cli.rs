@@ -241,7 +241,7 @@ impl CaptureArgs {
         let mut backend: Arc<dyn backend::Backend> =
             Arc::from(backend::build(backend_config.clone()).context("configuring the backend")?);
         let token_model = self.token_model(backend.as_ref())?;
-        let observer = match (self.token_mode, token_model) {
+        let token_observer = match (self.token_mode, token_model) {
             (tokentap_token_mode::TokenMode::Observe, Some(model)) => Some(Arc::new(
                 tokentap_token_mode::Observer::new(model, Default::default()),
             )),
@@ -297,7 +297,7 @@ impl CaptureArgs {
             engine_options: args.engine_option_policy(EngineOptionPolicy::all())?,
         };
         let mut service = CaptureService::new(config, backend.clone(), sink, metrics);
-        if let Some(observer) = observer {
+        if let Some(observer) = token_observer {
             service = service.with_token_observer(observer);
         }
         Ok((service, spool_thread))

@@ -26,7 +26,7 @@ use serde_json::Value;
 use tokentap_answer_parse::Dialect;
 use tokentap_schema::{
     ChatMessage, ChatRequest, ContentPart, Role, TitoBranchCause, TitoContinuation, TokenOrigin,
-    TokenOriginRun, ToolCall,
+    TokenOriginRun,
 };
 
 use crate::TokenModel;
@@ -101,6 +101,9 @@ pub struct Tito {
     model: TokenModel,
     dialect: Dialect,
     limits: TitoLimits,
+    /// The new messages render the same after a short stand-in conversation (a user message
+    /// and the answered turn, no tools) as after the whole one: the cheap way, checked at start.
+    short_suffix: bool,
     state: Mutex<State>,
 }
 
@@ -132,10 +135,11 @@ impl Tito {
                         model.source()
                     )
                 })?;
-        let tito = Tito {
+        let mut tito = Tito {
             model,
             dialect,
             limits,
+            short_suffix: false,
             state: Mutex::new(State {
                 tips: LruCache::unbounded(),
                 held: 0,
@@ -143,7 +147,7 @@ impl Tito {
                 frames: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
             }),
         };
-        tito.check_appends()?;
+        tito.short_suffix = tito.check_appends()?;
         Ok(tito)
     }
 
@@ -156,6 +160,12 @@ impl Tito {
         self.dialect
     }
 
+    /// Whether each extension renders only the new messages after a short stand-in (the
+    /// template was found to write them the same as after the whole conversation).
+    pub fn renders_short_suffix(&self) -> bool {
+        self.short_suffix
+    }
+
     /// Conversations kept and their ids, for metrics.
     pub fn held(&self) -> (usize, usize) {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
@@ -163,34 +173,38 @@ impl Tito {
     }
 
     /// The template must write, after an answered turn with a call, an end of turn the engine
-    /// stops on, then a tool result and a user message, each as a suffix of what came before.
-    fn check_appends(&self) -> Result<(), String> {
-        let call = ToolCall {
-            id: "call_0".into(),
-            name: "probe".into(),
-            arguments: "{}".into(),
-        };
-        let mut assistant = ChatMessage::text(Role::Assistant, "");
-        assistant.tool_calls = vec![call];
-        let mut tool = ChatMessage::text(Role::Tool, "result");
-        tool.tool_call_id = Some("call_0".into());
-        let base = vec![ChatMessage::text(Role::User, "question"), assistant];
+    /// stops on, then a tool result and a user message. Whether they come out the same after a
+    /// short stand-in conversation as after the whole one (then each call renders only that).
+    fn check_appends(&self) -> Result<bool, String> {
+        let base: Vec<serde_json::Value> = vec![
+            serde_json::json!({"role": "system", "content": [{"type": "text", "text": "You are a probe."}], "content_was_string": true}),
+            serde_json::json!({"role": "user", "content": [{"type": "text", "text": "question"}], "content_was_string": true}),
+            serde_json::json!({"role": "assistant", "tool_calls": [{"id": "call_0", "name": "probe", "arguments": "{\"path\": \"/\"}"}]}),
+        ];
+        let tool = serde_json::json!({"role": "tool", "tool_call_id": "call_0", "content": [{"type": "text", "text": "result"}], "content_was_string": true});
+        let user = serde_json::json!({"role": "user", "content": [{"type": "text", "text": "next"}], "content_was_string": true});
+        let mut short_agrees = true;
         for (what, new) in [
             ("a tool result", vec![tool.clone()]),
-            (
-                "a user message",
-                vec![tool, ChatMessage::text(Role::User, "next")],
-            ),
+            ("two tool results", vec![tool.clone(), tool.clone()]),
+            ("a user message", vec![tool, user]),
         ] {
             let mut messages = base.clone();
             messages.extend(new);
-            let request = probe_request(messages);
-            self.suffix_after_answer(&request, base.len() - 1)
+            let request: ChatRequest = serde_json::from_value(serde_json::json!({
+                "model": "probe",
+                "messages": messages,
+                "tools": [{"name": "probe", "description": "A probe", "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}],
+            }))
+            .map_err(|e| e.to_string())?;
+            let full = self
+                .suffix_after_answer(&request, 2, false)
                 .map_err(|why| {
                     format!("{}: tito cannot append {what}: {why}", self.model.source())
                 })?;
+            short_agrees &= self.suffix_after_answer(&request, 2, true).ok() == Some(full);
         }
-        Ok(())
+        Ok(short_agrees)
     }
 
     /// The prompt for `request`: extending the conversation it continues, or a full render.
@@ -245,7 +259,7 @@ impl Tito {
         k: usize,
         tip: &Tip,
     ) -> Result<(Vec<u32>, Vec<TokenOriginRun>), String> {
-        let (end, rest) = self.suffix_after_answer(request, k)?;
+        let (end, rest) = self.suffix_after_answer(request, k, self.short_suffix)?;
         let tokenizer = self.model.tokenizer();
         let mut ids = tip.ids.clone();
         let mut origins = tip.origins.clone();
@@ -263,18 +277,41 @@ impl Tito {
     /// For the conversation with message `k` (the answered turn) replaced by a stand-in that
     /// keeps its calls: the end of that turn the template writes (the stop token the engine
     /// stops on) and everything after it (the new messages and the generation prompt).
+    /// `short`: after a user message and the stand-in only, without tools (the history
+    /// before the turn is never rendered again).
     fn suffix_after_answer(
         &self,
         request: &ChatRequest,
         k: usize,
+        short: bool,
     ) -> Result<(String, String), String> {
-        let mut synthetic = request.clone();
-        let answered = &mut synthetic.messages[k];
-        answered.content = vec![ContentPart::Text {
+        let mut stand_in = request.messages[k].clone();
+        stand_in.content = vec![ContentPart::Text {
             text: STAND_IN.into(),
         }];
-        answered.content_was_string = true;
-        answered.reasoning = None;
+        stand_in.content_was_string = true;
+        stand_in.reasoning = None;
+        let synthetic = if short {
+            let mut messages = Vec::with_capacity(request.messages.len() - k + 1);
+            messages.push(ChatMessage::text(Role::User, "\u{E002}"));
+            messages.push(stand_in);
+            messages.extend_from_slice(&request.messages[k + 1..]);
+            // The request's own template kwargs (`enable_thinking`, …) still apply: they shape
+            // the generation prompt.
+            ChatRequest {
+                model: request.model.clone(),
+                messages,
+                tools: Vec::new(),
+                tool_choice: None,
+                sampling: Default::default(),
+                stream: false,
+                extra: request.extra.clone(),
+            }
+        } else {
+            let mut synthetic = request.clone();
+            synthetic.messages[k] = stand_in;
+            synthetic
+        };
         let text = self.model.prompt_text(&synthetic)?;
         let at = text
             .find(STAND_IN)
@@ -408,18 +445,6 @@ impl Tito {
                 None => break,
             }
         }
-    }
-}
-
-fn probe_request(messages: Vec<ChatMessage>) -> ChatRequest {
-    ChatRequest {
-        model: String::new(),
-        messages,
-        tools: Vec::new(),
-        tool_choice: None,
-        sampling: Default::default(),
-        stream: false,
-        extra: Default::default(),
     }
 }
 

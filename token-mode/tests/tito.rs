@@ -105,6 +105,10 @@ fn cause(p: &TitoPrompt) -> Option<TitoBranchCause> {
 #[test]
 fn a_tool_result_extends_the_sampled_ids() {
     let t = tito();
+    assert!(
+        t.renders_short_suffix(),
+        "Qwen3 writes new messages alike after a short stand-in"
+    );
     let r1 = request(base());
     let p1 = t.prompt(&r1).unwrap();
     assert_eq!(cause(&p1), Some(TitoBranchCause::First));
@@ -387,4 +391,37 @@ fn a_model_whose_calls_no_parser_reads_is_refused() {
     let smol = model_at("TOKENTAP_MODEL_TINY", "tiny-smollm2.gguf");
     let err = Tito::new(smol, TitoLimits::default()).unwrap_err();
     assert!(err.contains("no parser reads the tool calls"), "{err}");
+}
+
+#[test]
+fn the_requests_template_kwargs_shape_the_appended_generation_prompt() {
+    let t = tito();
+    let with_kwargs = |messages: Vec<serde_json::Value>| {
+        let mut r = request(messages);
+        r.extra.insert(
+            "chat_template_kwargs".into(),
+            json!({"enable_thinking": false}),
+        );
+        r
+    };
+    let r1 = with_kwargs(base());
+    let p1 = t.prompt(&r1).unwrap();
+    assert!(
+        t.model().text(&p1.ids).ends_with("<think>\n\n</think>\n\n"),
+        "the control: a full render"
+    );
+    answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+    let mut messages = base();
+    messages.push(assistant_call("{\"command\": \"pwd\"}", None));
+    messages.push(tool_result("/"));
+    let r2 = with_kwargs(messages);
+    let p2 = t.prompt(&r2).unwrap();
+    assert!(matches!(p2.continuation, TitoContinuation::Extends { .. }));
+    assert!(t
+        .model()
+        .text(&p2.ids)
+        .ends_with("<|im_start|>assistant\n<think>\n\n</think>\n\n"));
+    let full = t.model().prompt_ids(&r2).unwrap();
+    let new = &p2.ids[p1.ids.len()..];
+    assert!(full.ends_with(&new[new.len() - 20..]));
 }

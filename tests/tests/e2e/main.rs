@@ -38,6 +38,7 @@ mod secrets;
 mod sessions;
 mod shipping;
 mod soak;
+mod tito;
 mod tls_off_host;
 mod tool_calls;
 mod trace_readers;

@@ -1,0 +1,219 @@
+//! `--token-mode tito` against the real llama-server on the tiny reasoning model (Qwen3's
+//! tokenizer and template; every reply is `<think>Check</think>\n\nDone.` when no tool is
+//! offered). One conversation of three user turns, each turn's call in another wire API and
+//! mode (Chat Completions whole, Chat Completions streamed, Messages streamed), the
+//! assistant's earlier turns sent back without their reasoning, as harnesses do.
+//!
+//! Checked: each answer is read back from the sampled ids' text (reasoning and content in the
+//! wire API's own fields and events); the engine got exactly the record's prompt ids as ids
+//! (`/completion`'s `prompt`), and evaluated as many; every later call extends the earlier
+//! call's prompt + sampled ids (the record's `token_in` says so, and the ids show it), the
+//! engine reusing its cache for that prefix. The same conversation through tokentap in text
+//! mode, in the same test: Qwen3's template drops the reasoning of earlier turns on each new
+//! user turn, so no later prompt there extends the one before (both counts printed).
+
+use serde_json::{json, Value};
+use tokentap_e2e::artefacts::Artefacts;
+use tokentap_e2e::llama::LlamaServer;
+use tokentap_e2e::sse;
+use tokentap_e2e::tee::TeeProxy;
+use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::CaptureRecord;
+use tokentap_schema::{TitoBranchCause, TitoContinuation, TokenOrigin, TokenSource};
+
+const TURNS: [&str; 3] = ["Hi.", "And now?", "Once more?"];
+
+/// One call of the conversation in `api`; the answer's (reasoning, content).
+async fn call(
+    client: &reqwest::Client,
+    tokentap: &Tokentap,
+    api: &str,
+    messages: &[Value],
+) -> (String, String) {
+    let session = ("x-tokentap-session", "tito-e2e");
+    match api {
+        "chat" | "chat-stream" => {
+            let stream = api == "chat-stream";
+            let r = client
+                .post(tokentap.chat_url())
+                .header(session.0, session.1)
+                .json(&json!({"model": "m", "messages": messages, "max_tokens": 64, "stream": stream}))
+                .send()
+                .await
+                .unwrap();
+            assert!(r.status().is_success(), "{api}: {}", r.status());
+            let body = r.bytes().await.unwrap();
+            if !stream {
+                let v: Value = serde_json::from_slice(&body).unwrap();
+                let m = &v["choices"][0]["message"];
+                return (
+                    m["reasoning_content"].as_str().unwrap_or_default().into(),
+                    m["content"].as_str().unwrap_or_default().into(),
+                );
+            }
+            let (mut reasoning, mut content) = (String::new(), String::new());
+            for chunk in sse::response_objects(&body) {
+                let d = &chunk["choices"][0]["delta"];
+                reasoning += d["reasoning_content"].as_str().unwrap_or_default();
+                content += d["content"].as_str().unwrap_or_default();
+            }
+            (reasoning, content)
+        }
+        "messages-stream" => {
+            let r = client
+                .post(format!("{}/v1/messages", tokentap.url))
+                .header(session.0, session.1)
+                .header("anthropic-version", "2023-06-01")
+                .json(&json!({"model": "m", "max_tokens": 64, "stream": true,
+                    "system": "You are terse.",
+                    "messages": messages.iter().filter(|m| m["role"] != "system").collect::<Vec<_>>()}))
+                .send()
+                .await
+                .unwrap();
+            assert!(r.status().is_success(), "{api}: {}", r.status());
+            let body = r.text().await.unwrap();
+            let (mut reasoning, mut content) = (String::new(), String::new());
+            for (_, event) in sse::typed_events(&body) {
+                let d = &event["delta"];
+                reasoning += d["thinking"].as_str().unwrap_or_default();
+                content += d["text"].as_str().unwrap_or_default();
+            }
+            (reasoning, content)
+        }
+        other => panic!("{other}"),
+    }
+}
+
+/// Runs the conversation through `tokentap`; its records in order.
+async fn conversation(tokentap: &Tokentap, apis: [&str; 3]) -> Vec<CaptureRecord> {
+    let client = reqwest::Client::new();
+    let mut messages = vec![json!({"role": "system", "content": "You are terse."})];
+    for (turn, api) in TURNS.iter().zip(apis) {
+        messages.push(json!({"role": "user", "content": turn}));
+        let (reasoning, content) = call(&client, tokentap, api, &messages).await;
+        assert_eq!(
+            (reasoning.as_str(), content.as_str()),
+            ("Check", "Done."),
+            "{api}"
+        );
+        // Sent back as harnesses do: the content, not the reasoning.
+        messages.push(json!({"role": "assistant", "content": content}));
+    }
+    let mut records = tokentap.wait_records(3).await;
+    records.sort_by_key(|r| r.seq);
+    records
+}
+
+/// How many calls' prompts extend the previous call's prompt + sampled ids.
+fn extensions(records: &[CaptureRecord]) -> usize {
+    records
+        .windows(2)
+        .filter(|w| {
+            let mut earlier = w[0].prompt_token_ids.clone().unwrap();
+            earlier.extend(w[0].completion_token_ids.clone().unwrap());
+            w[1].prompt_token_ids
+                .as_ref()
+                .unwrap()
+                .starts_with(&earlier)
+        })
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
+    let llama = LlamaServer::shared_think_model().await;
+    let model = Artefacts::require_think_model().display().to_string();
+    let engine = TeeProxy::start(&llama.url).await;
+    let tito = Tokentap::start(
+        TokentapConfig::new(engine.url.clone(), "llamacpp")
+            .arg("--token-mode=tito")
+            .arg("--tokenizer")
+            .arg(model.clone()),
+    )
+    .await;
+    let records = conversation(&tito, ["chat", "chat-stream", "messages-stream"]).await;
+
+    let completions: Vec<_> = engine
+        .exchanges()
+        .into_iter()
+        .filter(|e| e.path == "/completion")
+        .collect();
+    assert_eq!(completions.len(), 3, "every call went to /completion");
+    for (r, exchange) in records.iter().zip(&completions) {
+        let prompt = r.prompt_token_ids.as_ref().expect("prompt ids");
+        assert_eq!(r.token_provenance.prompt, TokenSource::Tokentap);
+        // The engine got the ids themselves, and evaluated that many.
+        let sent: Vec<u32> =
+            serde_json::from_value(exchange.request_json()["prompt"].clone()).unwrap();
+        assert_eq!(
+            &sent, prompt,
+            "seq {}: the ids sent are the record's",
+            r.seq
+        );
+        let last = sse::response_objects(&exchange.response_body)
+            .pop()
+            .unwrap();
+        assert_eq!(last["tokens_evaluated"].as_u64(), Some(prompt.len() as u64));
+        // Sampled ids with a logprob each, the stop token included.
+        let sampled = r.completion_token_ids.as_ref().unwrap();
+        assert_eq!(sampled.last(), Some(&151645), "<|im_end|> sampled and kept");
+        assert_eq!(r.logprobs.as_ref().map(Vec::len), Some(sampled.len()));
+        assert!(
+            r.token_provenance.gaps.is_empty(),
+            "{:?}",
+            r.token_provenance.gaps
+        );
+    }
+    let token_in: Vec<&TitoContinuation> = records
+        .iter()
+        .map(|r| &r.token_in.as_ref().expect("token_in").continuation)
+        .collect();
+    assert_eq!(
+        token_in[0],
+        &TitoContinuation::Branch {
+            cause: TitoBranchCause::First,
+            detail: None
+        }
+    );
+    for i in 1..3 {
+        assert!(
+            matches!(token_in[i], TitoContinuation::Extends { record_id, .. } if *record_id == records[i - 1].record_id),
+            "seq {}: {:?}",
+            records[i].seq,
+            token_in[i]
+        );
+        let origins = &records[i].token_in.as_ref().unwrap().origins;
+        assert_eq!(
+            origins
+                .iter()
+                .filter(|o| o.origin == TokenOrigin::Sampled)
+                .count(),
+            i
+        );
+        // The engine reused its cache for the extended prefix.
+        let last = sse::response_objects(&completions[i].response_body)
+            .pop()
+            .unwrap();
+        let cached = last["tokens_cached"].as_u64().unwrap_or(0);
+        let earlier = records[i - 1].prompt_token_ids.as_ref().unwrap().len() as u64;
+        assert!(
+            cached >= earlier,
+            "seq {}: {cached} tokens cached, earlier prompt {earlier}",
+            records[i].seq
+        );
+    }
+    let tito_extends = extensions(&records);
+    assert_eq!(tito_extends, 2);
+
+    // Text mode, the same conversation.
+    let text = Tokentap::start(TokentapConfig::new(llama.url.clone(), "llamacpp")).await;
+    let text_records = conversation(&text, ["chat", "chat-stream", "chat-stream"]).await;
+    let text_extends = extensions(&text_records);
+    eprintln!(
+        "calls extending the one before: tito {tito_extends} of 2, text mode {text_extends} of 2"
+    );
+    assert_eq!(
+        text_extends, 0,
+        "Qwen3's template drops the earlier reasoning in text mode"
+    );
+}
