@@ -14,7 +14,9 @@ use serde_json::Value;
 use tokentap_proxy::wire::chat_completions::ChatCompletions;
 use tokentap_proxy::wire::WireCodec;
 use tokentap_schema::{ChatMessage, ChatRequest, Role, ToolCall};
-use tokentap_token_mode::{CallView, EngineDialect, Observer, ObserverLimits, TokenModel};
+use tokentap_token_mode::{
+    CallView, EngineDialect, Observer, ObserverLimits, SampledEnd, Tito, TitoLimits, TokenModel,
+};
 
 #[derive(Args)]
 pub struct TokenModeBenchArgs {
@@ -149,6 +151,39 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
     let sessions = observer.sessions().max(1);
     let held_per_session = observer.held_tokens() as f64 * 4.0 / sessions as f64;
 
+    // `--token-mode tito`: the appending call's prompt built from the call before (its prompt
+    // and 200 sampled ids, answered with the appending call's assistant turn), and keeping the
+    // answered call for the next; what tito adds to a call's CPU besides reading the answer.
+    let tito = Tito::new(
+        TokenModel::open(&path, EngineDialect::LlamaCpp).map_err(anyhow::Error::msg)?,
+        TitoLimits::default(),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let answer = after.messages[before.messages.len()].clone();
+    let before_prompt = tito.prompt(&before).map_err(anyhow::Error::msg)?;
+    let (mut build, mut keep) = (Vec::new(), Vec::new());
+    for i in 0..2 * args.iterations {
+        let t = Instant::now();
+        tito.answered(&before, &before_prompt, sampled, SampledEnd::StopToken, &answer, "before");
+        let kept = t.elapsed().as_secs_f64() * 1e6;
+        let t = Instant::now();
+        let prompt = std::hint::black_box(tito.prompt(&after).map_err(anyhow::Error::msg)?);
+        let built = t.elapsed().as_secs_f64() * 1e6;
+        anyhow::ensure!(
+            matches!(prompt.continuation, tokentap_schema::TitoContinuation::Extends { .. }),
+            "the appending call did not extend: {:?}",
+            prompt.continuation
+        );
+        if i >= args.iterations {
+            keep.push(kept);
+            build.push(built);
+        }
+    }
+    let pct = |v: &mut Vec<f64>, q: f64| {
+        v.sort_by(|a, b| a.total_cmp(b));
+        v[((v.len() - 1) as f64 * q).round() as usize]
+    };
+
     println!(
         "tokentap bench token-mode — one thread, {} iterations after warm-up; model {}",
         args.iterations,
@@ -180,6 +215,18 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         "observe the appending call (whole)",
         p(0.5),
         p(0.99)
+    );
+    println!(
+        "  {:<44} {:>10.1} {:>10.1}",
+        "tito: build the appending call's prompt",
+        pct(&mut build, 0.5),
+        pct(&mut build, 0.99)
+    );
+    println!(
+        "  {:<44} {:>10.1} {:>10.1}",
+        "tito: keep the answered call",
+        pct(&mut keep, 0.5),
+        pct(&mut keep, 0.99)
     );
     println!(
         "  ids held per open session: {:.0} KiB (prompt + sampled ids of its last call)",

@@ -107,6 +107,7 @@ pub fn check_events(events: &[GenerationEvent], ended_ok: bool, input: &[u8]) {
                 assert_eq!(finished, 0, "a prompt size after Finished")
             }
             GenerationEvent::Gap(_) => {}
+            GenerationEvent::TokenIn(_) => assert_eq!(finished, 0, "token_in after Finished"),
             GenerationEvent::Finished { .. } => finished += 1,
         }
     }
