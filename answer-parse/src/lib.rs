@@ -10,11 +10,13 @@
 mod answer;
 mod calls;
 mod family;
+mod grammar;
 mod probe;
 mod stream;
 
 pub use answer::{Answer, Delta, ToolCall};
 pub use calls::ToolSchemas;
 pub use family::{Dialect, Family, THINK_CLOSE, THINK_OPEN};
+pub use grammar::{call_grammar, CallGrammar};
 pub use probe::{probe, probe_tools, Unreadable};
 pub use stream::{AnswerParser, DEFAULT_MAX_CALL_BYTES};

@@ -164,13 +164,23 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
     let (mut build, mut keep) = (Vec::new(), Vec::new());
     for i in 0..2 * args.iterations {
         let t = Instant::now();
-        tito.answered(&before, &before_prompt, sampled, SampledEnd::StopToken, &answer, "before");
+        tito.answered(
+            &before,
+            &before_prompt,
+            sampled,
+            SampledEnd::StopToken,
+            &answer,
+            "before",
+        );
         let kept = t.elapsed().as_secs_f64() * 1e6;
         let t = Instant::now();
         let prompt = std::hint::black_box(tito.prompt(&after).map_err(anyhow::Error::msg)?);
         let built = t.elapsed().as_secs_f64() * 1e6;
         anyhow::ensure!(
-            matches!(prompt.continuation, tokentap_schema::TitoContinuation::Extends { .. }),
+            matches!(
+                prompt.continuation,
+                tokentap_schema::TitoContinuation::Extends { .. }
+            ),
             "the appending call did not extend: {:?}",
             prompt.continuation
         );

@@ -94,6 +94,10 @@ struct State {
     /// what a branch's cause is read from.
     starts: LruCache<u64, (u64, u64)>,
     frames: LruCache<(u64, u64), ()>,
+    /// (system, tools, the first answered turn) of the conversations seen: a conversation
+    /// whose first user message changed but whose first answer is one tokentap gave is edited,
+    /// not compacted.
+    first_answers: LruCache<(u64, u64, u64), ()>,
 }
 
 /// `--token-mode tito`'s state and prompt building, shared by all calls.
@@ -145,6 +149,7 @@ impl Tito {
                 held: 0,
                 starts: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
                 frames: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
+                first_answers: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
             }),
         };
         tito.short_suffix = tito.check_appends()?;
@@ -378,11 +383,17 @@ impl Tito {
         let Some(start) = start_key(request) else {
             return TitoBranchCause::UnknownHistory;
         };
+        let first_answer = first_answer_key(&request.messages);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match state.starts.get(&start).copied() {
             Some((s, _)) if s != system => TitoBranchCause::NewSystem,
             Some((_, t)) if t != tools => TitoBranchCause::ToolsChanged,
             Some(_) => TitoBranchCause::Edited,
+            None if first_answer
+                .is_some_and(|a| state.first_answers.contains(&(system, tools, a))) =>
+            {
+                TitoBranchCause::Edited
+            }
             None if state.frames.contains(&(system, tools)) => TitoBranchCause::Compacted,
             None => TitoBranchCause::UnknownHistory,
         }
@@ -435,6 +446,9 @@ impl Tito {
             state.starts.put(start, (system, tools));
         }
         state.frames.put((system, tools), ());
+        let first_answer =
+            first_answer_key(&request.messages).unwrap_or_else(|| hash_of(canonical(answer)));
+        state.first_answers.put((system, tools, first_answer), ());
         state.held += tip.ids.len();
         if let Some(old) = state.tips.put(key, Arc::new(tip)) {
             state.held -= old.ids.len();
@@ -483,6 +497,13 @@ fn system_key(request: &ChatRequest) -> u64 {
         .map(canonical)
         .collect();
     hash_of(system)
+}
+
+fn first_answer_key(messages: &[ChatMessage]) -> Option<u64> {
+    messages
+        .iter()
+        .find(|m| m.role == Role::Assistant)
+        .map(|m| hash_of(canonical(m)))
 }
 
 fn start_key(request: &ChatRequest) -> Option<u64> {

@@ -272,8 +272,20 @@ fn each_branch_has_its_cause() {
             m[1] = msg("user", "Where am I? Be brief.");
             "bash".into()
         }),
-        // The first user message is the conversation's start: another start under the same
-        // system prompt and tools is a rewritten history.
+        // Another first user message, but the answer tokentap gave after it: edited (Qwen Code,
+        // resumed, drops the date it had put there).
+        Some(TitoBranchCause::Edited)
+    );
+    assert_eq!(
+        branch_after(|m| {
+            m[1] = msg(
+                "user",
+                "Summary of the work so far: the directory was listed.",
+            );
+            m[2] = assistant_call("{\"command\": \"ls\"}", None);
+            "bash".into()
+        }),
+        // The same system prompt and tools over a history tokentap never answered.
         Some(TitoBranchCause::Compacted)
     );
     assert_eq!(

@@ -19,7 +19,9 @@ use async_trait::async_trait;
 use futures::StreamExt;
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokentap_answer_parse::{AnswerParser, Delta as AnswerDelta, Dialect, ToolSchemas};
+use tokentap_answer_parse::{
+    call_grammar, AnswerParser, Delta as AnswerDelta, Dialect, Family, ToolSchemas,
+};
 use tokentap_schema::{
     BackendKind, ChatMessage, ContentPart, FinishReason, Role, TokenIn, ToolCall, Usage,
 };
@@ -44,8 +46,15 @@ impl TitoLlamaCppBackend {
     }
 }
 
-/// `/completion`'s body: the ids, every sampler explicit, token data asked for.
-pub(crate) fn completion_body(request: &ChatRequest, ids: &[u32], stream: bool) -> Value {
+/// `/completion`'s body: the ids, every sampler explicit, token data asked for, and the
+/// grammar of the family's calls to the offered tools as llama-server's chat endpoint applies
+/// it (lazy: from the call's opening marker on), unless the request says `tool_choice: none`.
+pub(crate) fn completion_body(
+    request: &ChatRequest,
+    family: Family,
+    ids: &[u32],
+    stream: bool,
+) -> Value {
     let s = &request.sampling;
     let mut body = json!({
         "prompt": ids,
@@ -69,6 +78,21 @@ pub(crate) fn completion_body(request: &ChatRequest, ids: &[u32], stream: bool) 
     });
     if let Some(seed) = s.seed {
         body["seed"] = json!(seed);
+    }
+    let calls_allowed = request.tool_choice.as_ref().and_then(Value::as_str) != Some("none");
+    if calls_allowed {
+        let tools: Vec<Value> = request
+            .tools
+            .iter()
+            .filter_map(|t| serde_json::to_value(t).ok())
+            .collect();
+        if let Some(grammar) = call_grammar(family, &tools) {
+            if let (Value::Object(body), Value::Object(fields)) =
+                (&mut body, grammar.completion_fields())
+            {
+                body.extend(fields);
+            }
+        }
     }
     body
 }
@@ -313,7 +337,8 @@ impl Backend for TitoLlamaCppBackend {
                 message: format!("tokentap could not render this conversation with the model's chat template: {e}"),
             })?;
         let stream = mode == CallMode::Streaming;
-        let body = serde_json::to_vec(&completion_body(request, &prompt.ids, stream))
+        let family = self.tito.dialect().family;
+        let body = serde_json::to_vec(&completion_body(request, family, &prompt.ids, stream))
             .map_err(|e| BackendError::Protocol(e.to_string()))?;
         let answer = self.client.post_answer("/completion", body).await?;
         let token_in = TokenIn {
@@ -546,7 +571,7 @@ mod tests {
 
     #[test]
     fn every_sampler_is_explicit() {
-        let body = completion_body(&request(json!([])), &[1, 2], true);
+        let body = completion_body(&request(json!([])), Family::Hermes, &[1, 2], true);
         for key in [
             "temperature",
             "top_p",
@@ -564,5 +589,29 @@ mod tests {
         }
         assert_eq!(body["top_k"], 0);
         assert_eq!(body["prompt"], json!([1, 2]));
+        assert!(body.get("grammar").is_none(), "no tools, no grammar");
+    }
+
+    #[test]
+    fn offered_tools_bring_the_calls_grammar_unless_refused() {
+        let tools = json!([{"name": "bash", "parameters": {"type": "object",
+            "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
+            "required": ["command"]}}]);
+        let body = completion_body(&request(tools.clone()), Family::Hermes, &[1], false);
+        let grammar = body["grammar"].as_str().unwrap();
+        assert!(
+            grammar.contains(r#""<tool_call>\n{\"name\": \"bash\", \"arguments\": ""#),
+            "{grammar}"
+        );
+        assert_eq!(body["grammar_lazy"], true);
+        assert_eq!(
+            body["grammar_triggers"],
+            json!([{"type": 1, "value": "<tool_call>"}])
+        );
+        let mut none = request(tools);
+        none.tool_choice = Some(json!("none"));
+        assert!(completion_body(&none, Family::Hermes, &[1], false)
+            .get("grammar")
+            .is_none());
     }
 }

@@ -1,0 +1,111 @@
+//! The calls' grammar for the harnesses' real tool lists (proxy/testdata/harness-wire): every
+//! rule it names is defined (llama-server refuses a grammar that names an undefined rule, which
+//! the first version did for any tool whose parameters are an empty object: Codex's and Qwen
+//! Code's lists), and each tool's call opens as the template writes it. The e2e tests
+//! (`tito_harnesses`) send these grammars to the real llama-server.
+
+use std::collections::BTreeSet;
+
+use serde_json::Value;
+use tokentap_answer_parse::{call_grammar, Family};
+
+fn tools(name: &str) -> Vec<Value> {
+    let path = format!(
+        "{}/../proxy/testdata/harness-wire/{name}.json",
+        env!("CARGO_MANIFEST_DIR")
+    );
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    v["body"]["tools"].as_array().cloned().unwrap_or_default()
+}
+
+/// The rule names a grammar defines and the ones its bodies use (outside literals and
+/// character classes).
+fn defined_and_used(grammar: &str) -> (BTreeSet<String>, BTreeSet<String>) {
+    let (mut defined, mut used) = (BTreeSet::new(), BTreeSet::new());
+    for line in grammar.lines() {
+        let (name, body) = line.split_once(" ::= ").expect("name ::= body");
+        defined.insert(name.to_string());
+        let mut chars = body.chars().peekable();
+        let mut word = String::new();
+        while let Some(c) = chars.next() {
+            match c {
+                '"' => {
+                    while let Some(c) = chars.next() {
+                        match c {
+                            '\\' => {
+                                chars.next();
+                            }
+                            '"' => break,
+                            _ => {}
+                        }
+                    }
+                }
+                '[' => {
+                    while let Some(c) = chars.next() {
+                        match c {
+                            '\\' => {
+                                chars.next();
+                            }
+                            ']' => break,
+                            _ => {}
+                        }
+                    }
+                }
+                '{' => {
+                    for c in chars.by_ref() {
+                        if c == '}' {
+                            break;
+                        }
+                    }
+                }
+                c if c.is_ascii_alphanumeric() || c == '-' => word.push(c),
+                _ => {
+                    if !word.is_empty() {
+                        used.insert(std::mem::take(&mut word));
+                    }
+                }
+            }
+        }
+        if !word.is_empty() {
+            used.insert(word);
+        }
+    }
+    (defined, used)
+}
+
+#[test]
+fn every_rule_named_is_defined_for_each_harness() {
+    for harness in ["pi", "qwen", "codex", "claude"] {
+        let tools = tools(harness);
+        assert!(!tools.is_empty(), "{harness}");
+        let g = call_grammar(Family::Hermes, &tools).expect("a grammar");
+        let (defined, used) = defined_and_used(&g.grammar);
+        let missing: Vec<_> = used.difference(&defined).collect();
+        assert!(
+            missing.is_empty(),
+            "{harness}: undefined rules {missing:?}\n{}",
+            g.grammar
+        );
+        assert!(g.grammar.starts_with("root ::= "), "{harness}");
+        for tool in &tools {
+            let function = tool.get("function").unwrap_or(tool);
+            if let Some(name) = function.get("name").and_then(Value::as_str) {
+                let opening = format!(r#""<tool_call>\n{{\"name\": \"{name}\", \"arguments\": ""#);
+                assert!(g.grammar.contains(&opening), "{harness}: {name}");
+            }
+        }
+    }
+}
+
+#[test]
+fn the_checker_sees_an_undefined_rule() {
+    // The positive control: the shape of the first version's bug.
+    let (defined, used) = defined_and_used("root ::= object\nobject ::= \"{\" value \"}\"");
+    assert_eq!(used.difference(&defined).collect::<Vec<_>>(), vec!["value"]);
+}
+
+#[test]
+fn no_tools_or_another_family_no_grammar() {
+    assert!(call_grammar(Family::Hermes, &[]).is_none());
+    assert!(call_grammar(Family::Glm45, &tools("pi")).is_none());
+}
