@@ -17,8 +17,7 @@
 //! that sends it back and one that drops it both extend); tool-call ids ignored (tokentap
 //! made them); every other message exactly.
 
-use std::collections::hash_map::DefaultHasher;
-use std::hash::{Hash, Hasher};
+use std::hash::{BuildHasher, Hash, Hasher};
 use std::sync::{Arc, Mutex};
 
 use lru::LruCache;
@@ -73,6 +72,31 @@ pub struct TitoPrompt {
     pub continuation: TitoContinuation,
     /// Time taken to build it, in microseconds.
     pub build_us: u64,
+    /// The request's meaning as [`Tito::prompt`] hashed it, reused by [`Tito::answered`].
+    meaning: Option<Meaning>,
+}
+
+impl TitoPrompt {
+    pub fn new(
+        ids: Vec<u32>,
+        origins: Vec<TokenOriginRun>,
+        continuation: TitoContinuation,
+    ) -> Self {
+        TitoPrompt {
+            ids,
+            origins,
+            continuation,
+            build_us: 0,
+            meaning: None,
+        }
+    }
+}
+
+/// A request's meaning, hashed: each message's, and the offered tools'.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Meaning {
+    messages: Vec<u64>,
+    tools: u64,
 }
 
 /// What a tip holds: the engine's ids (prompt, then sampled) and the conversation they stand
@@ -80,8 +104,8 @@ pub struct TitoPrompt {
 struct Tip {
     ids: Vec<u32>,
     origins: Vec<TokenOriginRun>,
-    /// The canonical form of every message, the answered assistant message last.
-    meaning: Vec<String>,
+    /// Every message's meaning hashed, the answered assistant message last.
+    meaning: Vec<u64>,
     tools: u64,
     record_id: String,
     end: SampledEnd,
@@ -108,6 +132,9 @@ pub struct Tito {
     /// The new messages render the same after a short stand-in conversation (a user message
     /// and the answered turn, no tools) as after the whole one: the cheap way, checked at start.
     short_suffix: bool,
+    /// Keys the meaning hashes (SipHash with this process's random keys: a harness cannot
+    /// make two different conversations collide on purpose).
+    keys: std::hash::RandomState,
     state: Mutex<State>,
 }
 
@@ -144,6 +171,7 @@ impl Tito {
             dialect,
             limits,
             short_suffix: false,
+            keys: std::hash::RandomState::new(),
             state: Mutex::new(State {
                 tips: LruCache::unbounded(),
                 held: 0,
@@ -215,17 +243,17 @@ impl Tito {
     /// The prompt for `request`: extending the conversation it continues, or a full render.
     pub fn prompt(&self, request: &ChatRequest) -> Result<TitoPrompt, String> {
         let started = std::time::Instant::now();
-        let meaning: Vec<String> = request.messages.iter().map(canonical).collect();
-        let tools = tools_key(request);
+        let meaning = self.meaning(request);
+        let tools = meaning.tools;
         let last_assistant = request
             .messages
             .iter()
             .rposition(|m| m.role == Role::Assistant);
         let found = last_assistant.and_then(|k| {
-            let key = conversation_key(&meaning[..=k], tools);
+            let key = self.conversation_key(&meaning.messages[..=k], tools);
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
             let tip = state.tips.get(&key)?.clone();
-            (tip.meaning[..] == meaning[..=k] && tip.tools == tools).then_some((k, tip))
+            (tip.meaning[..] == meaning.messages[..=k] && tip.tools == tools).then_some((k, tip))
         });
         let mut prompt = match found {
             Some((k, tip)) if k + 1 < request.messages.len() => match self.extend(request, k, &tip)
@@ -238,6 +266,7 @@ impl Tito {
                     ids,
                     origins,
                     build_us: 0,
+                    meaning: None,
                 },
                 Err(why) => self.full(request, TitoBranchCause::TemplateConstruct, Some(why))?,
             },
@@ -247,11 +276,12 @@ impl Tito {
             None => {
                 let cause = match last_assistant {
                     None => TitoBranchCause::First,
-                    Some(_) => self.cause(request, tools),
+                    Some(_) => self.cause(request, &meaning),
                 };
                 self.full(request, cause, None)?
             }
         };
+        prompt.meaning = Some(meaning);
         prompt.build_us = started.elapsed().as_micros() as u64;
         Ok(prompt)
     }
@@ -369,21 +399,21 @@ impl Tito {
         let ids = self.model.prompt_ids(request)?;
         let mut origins = Vec::new();
         push_run(&mut origins, TokenOrigin::Rendered, ids.len());
-        Ok(TitoPrompt {
+        Ok(TitoPrompt::new(
             ids,
             origins,
-            continuation: TitoContinuation::Branch { cause, detail },
-            build_us: 0,
-        })
+            TitoContinuation::Branch { cause, detail },
+        ))
     }
 
     /// Why a conversation with assistant turns matches no tip.
-    fn cause(&self, request: &ChatRequest, tools: u64) -> TitoBranchCause {
-        let system = system_key(request);
-        let Some(start) = start_key(request) else {
+    fn cause(&self, request: &ChatRequest, meaning: &Meaning) -> TitoBranchCause {
+        let tools = meaning.tools;
+        let system = self.system_key(request, meaning);
+        let Some(start) = first_of(request, meaning, Role::User) else {
             return TitoBranchCause::UnknownHistory;
         };
-        let first_answer = first_answer_key(&request.messages);
+        let first_answer = first_of(request, meaning, Role::Assistant);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
         match state.starts.get(&start).copied() {
             Some((s, _)) if s != system => TitoBranchCause::NewSystem,
@@ -424,14 +454,19 @@ impl Tito {
         answer: &ChatMessage,
         record_id: &str,
     ) {
-        let mut meaning: Vec<String> = request.messages.iter().map(canonical).collect();
-        meaning.push(canonical(answer));
-        let tools = tools_key(request);
+        let request_meaning = match &prompt.meaning {
+            Some(m) if m.messages.len() == request.messages.len() => m.clone(),
+            _ => self.meaning(request),
+        };
+        let tools = request_meaning.tools;
+        let mut meaning = request_meaning.messages.clone();
+        meaning.push(self.message_hash(answer));
         let mut ids = prompt.ids.clone();
         ids.extend_from_slice(sampled);
         let mut origins = prompt.origins.clone();
         push_run(&mut origins, TokenOrigin::Sampled, sampled.len());
-        let key = conversation_key(&meaning, tools);
+        let key = self.conversation_key(&meaning, tools);
+        let answer_hash = meaning[meaning.len() - 1];
         let tip = Tip {
             ids,
             origins,
@@ -440,14 +475,14 @@ impl Tito {
             record_id: record_id.to_string(),
             end,
         };
-        let system = system_key(request);
+        let system = self.system_key(request, &request_meaning);
+        let first_answer =
+            first_of(request, &request_meaning, Role::Assistant).unwrap_or(answer_hash);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(start) = start_key(request) {
+        if let Some(start) = first_of(request, &request_meaning, Role::User) {
             state.starts.put(start, (system, tools));
         }
         state.frames.put((system, tools), ());
-        let first_answer =
-            first_answer_key(&request.messages).unwrap_or_else(|| hash_of(canonical(answer)));
         state.first_answers.put((system, tools, first_answer), ());
         state.held += tip.ids.len();
         if let Some(old) = state.tips.put(key, Arc::new(tip)) {
@@ -475,70 +510,89 @@ fn push_run(runs: &mut Vec<TokenOriginRun>, origin: TokenOrigin, len: usize) {
     }
 }
 
-fn hash_of(value: impl Hash) -> u64 {
-    let mut h = DefaultHasher::new();
-    value.hash(&mut h);
-    h.finish()
-}
-
-fn conversation_key(meaning: &[String], tools: u64) -> u64 {
-    hash_of((meaning, tools))
-}
-
-fn tools_key(request: &ChatRequest) -> u64 {
-    hash_of(serde_json::to_string(&request.tools).unwrap_or_default())
-}
-
-fn system_key(request: &ChatRequest) -> u64 {
-    let system: Vec<String> = request
-        .messages
-        .iter()
-        .filter(|m| matches!(m.role, Role::System | Role::Developer))
-        .map(canonical)
-        .collect();
-    hash_of(system)
-}
-
-fn first_answer_key(messages: &[ChatMessage]) -> Option<u64> {
-    messages
-        .iter()
-        .find(|m| m.role == Role::Assistant)
-        .map(|m| hash_of(canonical(m)))
-}
-
-fn start_key(request: &ChatRequest) -> Option<u64> {
+/// The meaning hash of the first message of `role`.
+fn first_of(request: &ChatRequest, meaning: &Meaning, role: Role) -> Option<u64> {
     request
         .messages
         .iter()
-        .find(|m| m.role == Role::User)
-        .map(|m| hash_of(canonical(m)))
+        .position(|m| m.role == role)
+        .map(|i| meaning.messages[i])
 }
 
-/// A message's meaning as one string (see the module's comment for what counts).
-fn canonical(m: &ChatMessage) -> String {
-    let mut parts: Vec<String> = Vec::new();
-    for part in &m.content {
-        match part {
-            ContentPart::Text { text } => parts.push(text.clone()),
-            other => parts.push(serde_json::to_string(other).unwrap_or_default()),
+impl Tito {
+    fn hash_of(&self, value: impl Hash) -> u64 {
+        self.keys.hash_one(value)
+    }
+
+    /// A request's meaning (see the module's comment for what counts).
+    fn meaning(&self, request: &ChatRequest) -> Meaning {
+        let mut h = self.keys.build_hasher();
+        for tool in &request.tools {
+            tool.name.hash(&mut h);
+            tool.description.hash(&mut h);
+            tool.parameters.as_ref().map(|p| p.get()).hash(&mut h);
+            tool.strict.hash(&mut h);
+        }
+        Meaning {
+            messages: request
+                .messages
+                .iter()
+                .map(|m| self.message_hash(m))
+                .collect(),
+            tools: h.finish(),
         }
     }
-    let mut content = parts.join("\u{1}");
-    let mut calls = String::new();
-    if m.role == Role::Assistant {
-        content = content.trim().to_string();
-        for call in &m.tool_calls {
-            let arguments = serde_json::from_str::<Value>(&call.arguments)
-                .map(|v| sorted_json(&v))
-                .unwrap_or_else(|_| call.arguments.trim().to_string());
-            calls.push_str(&format!("\u{2}{}\u{3}{arguments}", call.name));
+
+    fn message_hash(&self, m: &ChatMessage) -> u64 {
+        let mut h = self.keys.build_hasher();
+        (m.role as u8).hash(&mut h);
+        m.name.hash(&mut h);
+        let assistant = m.role == Role::Assistant;
+        let texts: Vec<&str> = m
+            .content
+            .iter()
+            .filter_map(|p| match p {
+                ContentPart::Text { text } => Some(text.as_str()),
+                _ => None,
+            })
+            .collect();
+        if assistant {
+            // Content trimmed, parts joined: `["a", "b"]` and `"a\nb"` are one answer.
+            texts.join("\n").trim().hash(&mut h);
+        } else {
+            texts.hash(&mut h);
         }
+        for part in &m.content {
+            if !matches!(part, ContentPart::Text { .. }) {
+                serde_json::to_string(part).unwrap_or_default().hash(&mut h);
+            }
+        }
+        if assistant {
+            for call in &m.tool_calls {
+                call.name.hash(&mut h);
+                match serde_json::from_str::<Value>(&call.arguments) {
+                    Ok(v) => sorted_json(&v).hash(&mut h),
+                    Err(_) => call.arguments.trim().hash(&mut h),
+                }
+            }
+        }
+        h.finish()
     }
-    format!(
-        "{:?}\u{4}{}\u{4}{content}\u{4}{calls}",
-        m.role,
-        m.name.as_deref().unwrap_or_default()
-    )
+
+    fn conversation_key(&self, messages: &[u64], tools: u64) -> u64 {
+        self.hash_of((messages, tools))
+    }
+
+    fn system_key(&self, request: &ChatRequest, meaning: &Meaning) -> u64 {
+        let system: Vec<u64> = request
+            .messages
+            .iter()
+            .zip(&meaning.messages)
+            .filter(|(m, _)| matches!(m.role, Role::System | Role::Developer))
+            .map(|(_, h)| *h)
+            .collect();
+        self.hash_of(system)
+    }
 }
 
 /// JSON with object keys in sorted order and no spacing: the same for the same meaning.

@@ -419,15 +419,14 @@ mod tests {
     use tokentap_schema::{TitoBranchCause, TitoContinuation};
 
     fn prompt(ids: Vec<u32>) -> TitoPrompt {
-        TitoPrompt {
+        TitoPrompt::new(
             ids,
-            origins: Vec::new(),
-            continuation: TitoContinuation::Branch {
+            Vec::new(),
+            TitoContinuation::Branch {
                 cause: TitoBranchCause::First,
                 detail: None,
             },
-            build_us: 0,
-        }
+        )
     }
 
     fn qwen3() -> Dialect {
