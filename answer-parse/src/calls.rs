@@ -27,13 +27,9 @@ impl ToolSchemas {
     pub fn from_tools(tools: &[Value]) -> ToolSchemas {
         let mut non_string = HashMap::new();
         for tool in tools {
-            let function = tool.get("function").unwrap_or(tool);
-            let Some(name) = function.get("name").and_then(Value::as_str) else {
+            let Some((name, schema)) = function_of(tool) else {
                 continue;
             };
-            let schema = function
-                .get("parameters")
-                .or_else(|| function.get("input_schema"));
             let Some(properties) = schema
                 .and_then(|s| s.get("properties"))
                 .and_then(Value::as_object)
@@ -55,6 +51,16 @@ impl ToolSchemas {
             .get(tool)
             .is_some_and(|keys| keys.iter().any(|k| k == parameter))
     }
+}
+
+/// A tool's function name and parameters' schema, in any of the three wire APIs' shapes.
+pub(crate) fn function_of(tool: &Value) -> Option<(&str, Option<&Value>)> {
+    let function = tool.get("function").unwrap_or(tool);
+    let name = function.get("name").and_then(Value::as_str)?;
+    let schema = function
+        .get("parameters")
+        .or_else(|| function.get("input_schema"));
+    Some((name, schema))
 }
 
 /// `"type": "string"`, `["string", "null"]`, or no type at all (anything goes: keep the text).

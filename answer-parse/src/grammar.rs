@@ -46,13 +46,10 @@ pub fn call_grammar(family: Family, tools: &[Value]) -> Option<CallGrammar> {
     let mut rules = Rules::default();
     let mut calls = Vec::new();
     for tool in tools {
-        let function = tool.get("function").unwrap_or(tool);
-        let Some(name) = function.get("name").and_then(Value::as_str) else {
+        let Some((name, schema)) = crate::calls::function_of(tool) else {
             continue;
         };
-        let schema = function
-            .get("parameters")
-            .or_else(|| function.get("input_schema"))
+        let schema = schema
             .cloned()
             .unwrap_or_else(|| serde_json::json!({"type": "object"}));
         let args = rules.value(&schema, &format!("{}-args", rule_name(name)));
@@ -257,22 +254,9 @@ fn literal(text: &str) -> String {
     out
 }
 
-/// JSON text as Python's `json.dumps` writes it (the templates' `tojson`): `", "`, `": "`.
+/// JSON text as the templates' `tojson` writes it (Python's `json.dumps`: `", "`, `": "`).
 fn json_text(v: &Value) -> String {
-    match v {
-        Value::Array(items) => format!(
-            "[{}]",
-            items.iter().map(json_text).collect::<Vec<_>>().join(", ")
-        ),
-        Value::Object(map) => format!(
-            "{{{}}}",
-            map.iter()
-                .map(|(k, v)| format!("{}: {}", Value::String(k.clone()), json_text(v)))
-                .collect::<Vec<_>>()
-                .join(", ")
-        ),
-        other => other.to_string(),
-    }
+    tokentap_chat_template::pyjson::dumps(v, &Default::default())
 }
 
 /// A rule name from any string: letters, digits and `-`.
