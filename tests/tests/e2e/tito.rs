@@ -18,6 +18,7 @@ use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::sse;
 use tokentap_e2e::tee::TeeProxy;
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::CaptureRecord;
 use tokentap_schema::{TitoBranchCause, TitoContinuation, TokenOrigin, TokenSource};
 
@@ -128,7 +129,9 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
         TokentapConfig::new(engine.url.clone(), "llamacpp")
             .arg("--token-mode=tito")
             .arg("--tokenizer")
-            .arg(model.clone()),
+            .arg(model.clone())
+            .arg("--session-idle")
+            .arg("1"),
     )
     .await;
     let records = conversation(&tito, ["chat", "chat-stream", "messages-stream"]).await;
@@ -204,16 +207,42 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     }
     let tito_extends = extensions(&records);
     assert_eq!(tito_extends, 2);
+    // Reconstruction: the session is one trace, faithful.
+    let tito_report = session_report(&tito).await;
+    assert_eq!(
+        (tito_report.stats.calls, tito_report.stats.traces),
+        (3, 1),
+        "{tito_report:?}"
+    );
+    assert_eq!(tito_report.faithfulness.violations, 0, "{tito_report:?}");
 
     // Text mode, the same conversation.
-    let text = Tokentap::start(TokentapConfig::new(llama.url.clone(), "llamacpp")).await;
+    let text = Tokentap::start(
+        TokentapConfig::new(llama.url.clone(), "llamacpp")
+            .arg("--session-idle")
+            .arg("1"),
+    )
+    .await;
     let text_records = conversation(&text, ["chat", "chat-stream", "chat-stream"]).await;
     let text_extends = extensions(&text_records);
+    let text_report = session_report(&text).await;
     eprintln!(
-        "calls extending the one before: tito {tito_extends} of 2, text mode {text_extends} of 2"
+        "calls extending the one before: tito {tito_extends} of 2, text mode {text_extends} of 2; traces of the 3 calls: tito {}, text mode {}",
+        tito_report.stats.traces, text_report.stats.traces
     );
     assert_eq!(
         text_extends, 0,
         "Qwen3's template drops the earlier reasoning in text mode"
     );
+    assert_eq!(
+        text_report.stats.traces, 3,
+        "text mode: each call its own trace"
+    );
+}
+
+/// The reconstruction's report of the one session (`--session-idle 1` closes it).
+async fn session_report(t: &Tokentap) -> tokentap_schema::SessionReport {
+    let out = t.spool.join("traces");
+    let log = || t.log_tail(30);
+    wait_session_reports(&out, 1, log).await.pop().unwrap()
 }
