@@ -132,6 +132,8 @@ pub struct Tito {
     /// The new messages render the same after a short stand-in conversation (a user message
     /// and the answered turn, no tools) as after the whole one: the cheap way, checked at start.
     short_suffix: bool,
+    /// The texts of the tokens that end an assistant turn ([`stop_texts`]).
+    stop_texts: Vec<String>,
     /// Keys the meaning hashes (SipHash with this process's random keys: a harness cannot
     /// make two different conversations collide on purpose).
     keys: std::hash::RandomState,
@@ -166,11 +168,13 @@ impl Tito {
                         model.source()
                     )
                 })?;
+        let stop_texts = stop_texts(&model);
         let mut tito = Tito {
             model,
             dialect,
             limits,
             short_suffix: false,
+            stop_texts,
             keys: std::hash::RandomState::new(),
             state: Mutex::new(State {
                 tips: LruCache::unbounded(),
@@ -356,38 +360,13 @@ impl Tito {
         }
         let tail = &text[at + STAND_IN.len()..];
         let (end_at, end) = self
-            .stop_texts()
+            .stop_texts
             .iter()
             .filter_map(|s| tail.find(s.as_str()).map(|at| (at, s.clone())))
             .min()
             .ok_or("the template writes no end-of-turn token after the answered turn")?;
         let rest = tail[end_at + end.len()..].to_string();
         Ok((end, rest))
-    }
-
-    /// The texts of the tokens that end an assistant turn: the model's EOS and the templates'
-    /// turn ends the engines stop on.
-    fn stop_texts(&self) -> Vec<String> {
-        let mut texts: Vec<String> = [
-            "<|im_end|>",
-            "<|eot_id|>",
-            "<|eom_id|>",
-            "<｜end▁of▁sentence｜>",
-            "<|observation|>",
-            "<|user|>",
-            "<|endoftext|>",
-        ]
-        .into_iter()
-        .map(String::from)
-        .collect();
-        if let Some(Value::String(eos)) =
-            self.model.tokenizer().template_variables().get("eos_token")
-        {
-            if !texts.contains(eos) {
-                texts.push(eos.clone());
-            }
-        }
-        texts
     }
 
     fn full(
@@ -436,7 +415,7 @@ impl Tito {
             return SampledEnd::Open;
         };
         let text = self.model.text(&[last]);
-        if self.stop_texts().contains(&text) {
+        if self.stop_texts.contains(&text) {
             SampledEnd::StopToken
         } else {
             SampledEnd::Open
@@ -495,6 +474,29 @@ impl Tito {
             }
         }
     }
+}
+
+/// The texts of the tokens that end an assistant turn: the model's EOS and the templates'
+/// turn ends the engines stop on.
+fn stop_texts(model: &TokenModel) -> Vec<String> {
+    let mut texts: Vec<String> = [
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|eom_id|>",
+        "<｜end▁of▁sentence｜>",
+        "<|observation|>",
+        "<|user|>",
+        "<|endoftext|>",
+    ]
+    .into_iter()
+    .map(String::from)
+    .collect();
+    if let Some(Value::String(eos)) = model.tokenizer().template_variables().get("eos_token") {
+        if !texts.contains(eos) {
+            texts.push(eos.clone());
+        }
+    }
+    texts
 }
 
 fn push_run(runs: &mut Vec<TokenOriginRun>, origin: TokenOrigin, len: usize) {

@@ -51,6 +51,7 @@ impl TitoLlamaCppBackend {
 /// it (lazy: from the call's opening marker on), unless the request says `tool_choice: none`.
 pub(crate) fn completion_body(
     request: &ChatRequest,
+    tools: &[Value],
     family: Family,
     ids: &[u32],
     stream: bool,
@@ -81,12 +82,7 @@ pub(crate) fn completion_body(
     }
     let calls_allowed = request.tool_choice.as_ref().and_then(Value::as_str) != Some("none");
     if calls_allowed {
-        let tools: Vec<Value> = request
-            .tools
-            .iter()
-            .filter_map(|t| serde_json::to_value(t).ok())
-            .collect();
-        if let Some(grammar) = call_grammar(family, &tools) {
+        if let Some(grammar) = call_grammar(family, tools) {
             if let (Value::Object(body), Value::Object(fields)) =
                 (&mut body, grammar.completion_fields())
             {
@@ -95,6 +91,16 @@ pub(crate) fn completion_body(
         }
     }
     body
+}
+
+/// The request's tools as JSON, once per call: the grammar and the answer's parameter types
+/// both read them.
+pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
+    request
+        .tools
+        .iter()
+        .filter_map(|t| serde_json::to_value(t).ok())
+        .collect()
 }
 
 /// One `/completion` answer, whole or one stream chunk (the fields tito reads).
@@ -141,14 +147,10 @@ pub(crate) struct CompletionReader {
 
 impl CompletionReader {
     /// `dialect` as the prompt leaves it (see [`answer_dialect`]).
-    pub(crate) fn new(dialect: Dialect, request: &ChatRequest, prompt: TitoPrompt) -> Self {
-        let tools: Vec<Value> = request
-            .tools
-            .iter()
-            .filter_map(|t| serde_json::to_value(t).ok())
-            .collect();
+    /// `tools`: the request's, as JSON ([`tools_json`]).
+    pub(crate) fn new(dialect: Dialect, tools: &[Value], prompt: TitoPrompt) -> Self {
         CompletionReader {
-            parser: AnswerParser::new(dialect, ToolSchemas::from_tools(&tools)),
+            parser: AnswerParser::new(dialect, ToolSchemas::from_tools(tools)),
             prompt,
             sampled: Vec::new(),
             calls: 0,
@@ -338,8 +340,15 @@ impl Backend for TitoLlamaCppBackend {
             })?;
         let stream = mode == CallMode::Streaming;
         let family = self.tito.dialect().family;
-        let body = serde_json::to_vec(&completion_body(request, family, &prompt.ids, stream))
-            .map_err(|e| BackendError::Protocol(e.to_string()))?;
+        let tools = tools_json(request);
+        let body = serde_json::to_vec(&completion_body(
+            request,
+            &tools,
+            family,
+            &prompt.ids,
+            stream,
+        ))
+        .map_err(|e| BackendError::Protocol(e.to_string()))?;
         let answer = self.client.post_answer("/completion", body).await?;
         let token_in = TokenIn {
             continuation: prompt.continuation.clone(),
@@ -348,7 +357,7 @@ impl Backend for TitoLlamaCppBackend {
         };
         let sent = prompt.ids.len() as u64;
         let dialect = answer_dialect(&self.tito, &prompt.ids);
-        let mut reader = CompletionReader::new(dialect, request, prompt);
+        let mut reader = CompletionReader::new(dialect, &tools, prompt);
         let idle = self.client.idle_timeout();
         let tito = self.tito.clone();
         let request = request.clone();
@@ -478,7 +487,7 @@ mod tests {
 
     #[test]
     fn a_streamed_answer_is_read_back_with_its_ids_and_logprobs() {
-        let mut reader = CompletionReader::new(qwen3(), &request(json!([])), prompt(vec![1; 9]));
+        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1; 9]));
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(
             (acc.reasoning.as_str(), acc.content.as_str()),
@@ -501,7 +510,7 @@ mod tests {
     #[test]
     fn a_prompt_count_that_differs_from_what_was_sent_is_a_gap_not_ids() {
         // The control: 9 sent, 9 evaluated (above). Here 10 were sent.
-        let mut reader = CompletionReader::new(qwen3(), &request(json!([])), prompt(vec![1; 10]));
+        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1; 10]));
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(acc.prompt, None);
         assert!(
@@ -537,7 +546,8 @@ mod tests {
             ..Default::default()
         });
         let tools = json!([{"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]);
-        let mut reader = CompletionReader::new(qwen3(), &request(tools), prompt(vec![1, 2, 3]));
+        let mut reader =
+            CompletionReader::new(qwen3(), &tools_json(&request(tools)), prompt(vec![1, 2, 3]));
         let acc = fold(&mut reader, chunks);
         assert_eq!(acc.tool_calls.len(), 1);
         assert_eq!(acc.tool_calls[0].name, "bash");
@@ -549,7 +559,7 @@ mod tests {
 
     #[test]
     fn the_limit_is_a_length_finish() {
-        let mut reader = CompletionReader::new(qwen3(), &request(json!([])), prompt(vec![1]));
+        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1]));
         let chunks = vec![
             CompletionChunk {
                 content: "<think>Che".into(),
@@ -570,7 +580,7 @@ mod tests {
 
     #[test]
     fn every_sampler_is_explicit() {
-        let body = completion_body(&request(json!([])), Family::Hermes, &[1, 2], true);
+        let body = completion_body(&request(json!([])), &[], Family::Hermes, &[1, 2], true);
         for key in [
             "temperature",
             "top_p",
@@ -596,7 +606,14 @@ mod tests {
         let tools = json!([{"name": "bash", "parameters": {"type": "object",
             "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
             "required": ["command"]}}]);
-        let body = completion_body(&request(tools.clone()), Family::Hermes, &[1], false);
+        let with_tools = request(tools.clone());
+        let body = completion_body(
+            &with_tools,
+            &tools_json(&with_tools),
+            Family::Hermes,
+            &[1],
+            false,
+        );
         let grammar = body["grammar"].as_str().unwrap();
         assert!(
             grammar.contains(r#""<tool_call>\n{\"name\": \"bash\", \"arguments\": ""#),
@@ -609,8 +626,10 @@ mod tests {
         );
         let mut none = request(tools);
         none.tool_choice = Some(json!("none"));
-        assert!(completion_body(&none, Family::Hermes, &[1], false)
-            .get("grammar")
-            .is_none());
+        assert!(
+            completion_body(&none, &tools_json(&none), Family::Hermes, &[1], false)
+                .get("grammar")
+                .is_none()
+        );
     }
 }
