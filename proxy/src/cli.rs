@@ -119,7 +119,7 @@ pub struct CaptureArgs {
     /// each conversation with the model's own template and tokenizer, recording on each
     /// record whether its ids equal the engine's and where the session's prompt stops
     /// extending what the model sampled (tokentap_token_mode_* metrics; `records summary`).
-    /// `tito` (token in, token out; llama.cpp): tokentap builds each prompt's ids from the
+    /// `tito` (token in, token out): tokentap builds each prompt's ids from the
     /// ids the engine saw and sampled before plus the new messages, calls the engine with
     /// ids, and reads the answer back itself, so later turns condition on exactly the
     /// sampled tokens (docs/token-in.md).

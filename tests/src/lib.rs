@@ -11,6 +11,7 @@ pub mod containers;
 pub mod exporter_doubles;
 pub mod fixtures;
 pub mod harness;
+pub mod ids_engines;
 pub mod kube_apiserver;
 pub mod kube_validate;
 pub mod llama;

@@ -34,7 +34,6 @@ pub use llamacpp::LlamaCppBackend;
 /// engine request every wire API's canonical request becomes.
 pub use openai_compat::chat_body;
 pub use sglang::SglangBackend;
-pub use tito::TitoLlamaCppBackend;
 pub use tokentap_schema::BackendKind;
 pub use vllm::VllmBackend;
 
@@ -112,20 +111,18 @@ pub mod decode {
 }
 
 /// Builds the adapter for `config.kind`.
-/// `--token-mode tito`: the engine called with tokentap's prompt ids. llama.cpp's `/completion`
-/// takes them; the vLLM and SGLang adapters are not written yet, and are refused.
+/// `--token-mode tito`: the engine called with tokentap's prompt ids, on its ids-in endpoint
+/// (llama.cpp's `/completion`, vLLM's `/v1/completions`, SGLang's `/generate`).
 pub fn build_tito(
     config: BackendConfig,
     tito: std::sync::Arc<tokentap_token_mode::Tito>,
 ) -> Result<Box<dyn Backend>, BackendError> {
     let client = openai_compat::EngineClient::new(&config)?;
-    match config.kind {
-        BackendKind::Llamacpp => Ok(Box::new(TitoLlamaCppBackend::new(client, tito))),
-        other => Err(BackendError::Unavailable(format!(
-            "--token-mode tito calls the engine with token ids, which tokentap does for llama.cpp only so far, not {}",
-            other.as_str()
-        ))),
-    }
+    Ok(match config.kind {
+        BackendKind::Llamacpp => Box::new(tito::TitoBackend::new(client, tito, tito::LlamaCppIds)),
+        BackendKind::Vllm => Box::new(tito::TitoBackend::new(client, tito, tito::VllmIds)),
+        BackendKind::Sglang => Box::new(tito::TitoBackend::new(client, tito, tito::SglangIds)),
+    })
 }
 
 pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {

@@ -38,7 +38,7 @@ impl VllmBackend {
 pub(crate) struct VllmDialect;
 
 /// vLLM writes this when it has no logprob for the sampled token, and clamps lower values to it.
-const NO_LOGPROB: f64 = -9999.0;
+pub(crate) const NO_LOGPROB: f64 = -9999.0;
 
 impl TokenDialect for VllmDialect {
     fn request_token_data(&self, _stream: bool) -> &'static [(&'static str, TokenParam)] {

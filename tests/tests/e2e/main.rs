@@ -39,6 +39,7 @@ mod sessions;
 mod shipping;
 mod soak;
 mod tito;
+mod tito_engines;
 mod tito_harnesses;
 mod tls_off_host;
 mod tool_calls;

@@ -1,27 +1,28 @@
-//! `--token-mode tito` on llama.cpp: tokentap builds each prompt's ids itself
+//! `--token-mode tito`: tokentap builds each prompt's ids itself
 //! (`tokentap_token_mode::Tito`: the conversation's earlier ids as the engine saw and sampled
-//! them, then the new messages) and calls the engine's `/completion` with them; the answer's
+//! them, then the new messages) and calls the engine's ids-in endpoint with them; the answer's
 //! text pieces are read back into content, reasoning and tool calls by
 //! `tokentap_answer_parse`, streamed as they arrive, so the harness gets its wire API's
 //! answer as from the chat endpoint.
 //!
-//! Every sampler is sent explicitly (llama-server's defaults are top-k 40, top-p 0.95, min-p
-//! 0.05, which no harness asked for): the request's values, else the distribution itself
-//! (temperature 1, no truncation). `n_probs: 1` returns each sampled token's logprob, and
-//! `return_tokens` the sampled ids, the stop token included when the model sampled one.
-//! The engine's count of the prompt it evaluated must equal the ids sent; otherwise the
-//! record carries a gap, never the ids.
+//! One [`TitoBackend`] drives every engine; each engine module ([`llamacpp`], [`vllm`],
+//! [`sglang`]) only writes its request and reads its answer into [`IdsChunk`]s. Every sampler
+//! is sent explicitly (the engines' own defaults are not what a chat call gets). The engine's
+//! own account of the prompt (the ids it echoes, else the count it evaluated) must equal the
+//! ids sent; otherwise the record carries a gap, never the ids, and nothing is kept for the
+//! session's next call.
+
+mod llamacpp;
+mod sglang;
+mod vllm;
 
 use std::sync::Arc;
 
 use async_stream::try_stream;
 use async_trait::async_trait;
 use futures::StreamExt;
-use serde::Deserialize;
-use serde_json::{json, Value};
-use tokentap_answer_parse::{
-    call_grammar, AnswerParser, Delta as AnswerDelta, Dialect, Family, ToolSchemas,
-};
+use serde_json::Value;
+use tokentap_answer_parse::{AnswerParser, Delta as AnswerDelta, Dialect, Family, ToolSchemas};
 use tokentap_schema::{
     BackendKind, ChatMessage, ContentPart, FinishReason, Role, TokenIn, ToolCall, Usage,
 };
@@ -35,62 +36,173 @@ use crate::canonical::{
     ChatRequest, Delta, GenerationEvent, TokenField, TokenGap, TokenSource, ToolCallDelta,
 };
 
-pub struct TitoLlamaCppBackend {
-    client: EngineClient,
-    tito: Arc<Tito>,
+pub(crate) use llamacpp::LlamaCppIds;
+pub(crate) use sglang::SglangIds;
+pub(crate) use vllm::VllmIds;
+
+/// One engine's ids-in endpoint: its request and a reader of its answer.
+pub(crate) trait IdsEngine: Send + Sync + 'static {
+    const KIND: BackendKind;
+    /// The endpoint that takes the prompt as ids.
+    const PATH: &'static str;
+    /// Whether the engine's default answer length is short (vLLM's `/v1/completions` stops at
+    /// 16 tokens, SGLang's `/generate` at 128): then a call that sets none gets what the chat
+    /// endpoint would allow, the rest of the context (`max_model_len` less the prompt).
+    const NEEDS_AN_EXPLICIT_LIMIT: bool;
+    /// Whether `/props` names the model's file (llama.cpp), tito's default `--tokenizer`.
+    const NAMES_ITS_MODEL_FILE: bool;
+    type Decoder: IdsDecoder + Send + 'static;
+
+    fn body(&self, call: &IdsCall<'_>) -> Value;
+    fn decoder(&self) -> Self::Decoder;
 }
 
-impl TitoLlamaCppBackend {
-    pub(crate) fn new(client: EngineClient, tito: Arc<Tito>) -> Self {
-        TitoLlamaCppBackend { client, tito }
-    }
+/// What the engine's request is made of.
+pub(crate) struct IdsCall<'a> {
+    pub request: &'a ChatRequest,
+    /// The request's tools as JSON ([`tools_json`]).
+    pub tools: &'a [Value],
+    pub family: Family,
+    pub ids: &'a [u32],
+    pub stream: bool,
+    /// The answer's length limit, when the call or the engine needs one.
+    pub max_tokens: Option<u64>,
 }
 
-/// `/completion`'s body: the ids, every sampler explicit, token data asked for, and the
-/// grammar of the family's calls to the offered tools as llama-server's chat endpoint applies
-/// it (lazy: from the call's opening marker on), unless the request says `tool_choice: none`.
-pub(crate) fn completion_body(
-    request: &ChatRequest,
-    tools: &[Value],
-    family: Family,
-    ids: &[u32],
-    stream: bool,
-) -> Value {
-    let s = &request.sampling;
-    let mut body = json!({
-        "prompt": ids,
-        "stream": stream,
-        "n_predict": s.max_tokens.map_or(-1, |n| n as i64),
-        "return_tokens": true,
-        "n_probs": 1,
-        "cache_prompt": true,
-        "temperature": s.temperature.unwrap_or(1.0),
-        "top_p": s.top_p.unwrap_or(1.0),
-        "top_k": s.top_k.unwrap_or(0),
-        "min_p": s.min_p.unwrap_or(0.0),
-        "typical_p": 1.0,
-        "repeat_penalty": 1.0,
-        "presence_penalty": s.presence_penalty.unwrap_or(0.0),
-        "frequency_penalty": s.frequency_penalty.unwrap_or(0.0),
-        "dry_multiplier": 0.0,
-        "xtc_probability": 0.0,
-        "mirostat": 0,
-        "stop": s.stop,
-    });
-    if let Some(seed) = s.seed {
-        body["seed"] = json!(seed);
-    }
-    let calls_allowed = request.tool_choice.as_ref().and_then(Value::as_str) != Some("none");
-    if calls_allowed {
-        if let Some(grammar) = call_grammar(family, tools) {
-            if let (Value::Object(body), Value::Object(fields)) =
-                (&mut body, grammar.completion_fields())
-            {
-                body.extend(fields);
+/// Reads one call's answer, whole or streamed, into [`IdsChunk`]s.
+pub(crate) trait IdsDecoder {
+    /// A whole answer's body: one chunk with its end.
+    fn whole(&mut self, body: &[u8]) -> Result<IdsChunk, BackendError>;
+    /// One stream event's data: `None` for events with nothing for tito (`[DONE]`, a
+    /// usage-only chunk).
+    fn event(&mut self, data: &[u8]) -> Result<Option<IdsChunk>, BackendError>;
+}
+
+/// Part of an answer as every engine gives it: the text and ids it adds, and on the last one
+/// how it ended.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct IdsChunk {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    /// The sampled token's logprob for each of `tokens` (`None` where the engine gave none).
+    pub logprobs: Vec<Option<f32>>,
+    pub end: Option<IdsEnd>,
+}
+
+/// How the answer ended, and what the engine says it was prompted with.
+#[derive(Debug, PartialEq)]
+pub(crate) struct IdsEnd {
+    /// `Stop`, `Length` or `Abort` (tool calls are the reader's to see).
+    pub finish: FinishReason,
+    pub prompt: PromptAccount,
+}
+
+/// The engine's own account of the prompt it ran.
+#[derive(Debug, PartialEq)]
+pub(crate) enum PromptAccount {
+    /// The ids themselves (vLLM's `prompt_token_ids`).
+    Echoed(Vec<u32>),
+    /// How many it evaluated (llama.cpp's `tokens_evaluated`, SGLang's `prompt_tokens`).
+    Evaluated(u64),
+    Unreported,
+}
+
+impl PromptAccount {
+    /// `None` when it matches the ids sent, else why not.
+    fn mismatch(&self, sent: &[u32]) -> Option<String> {
+        let n = sent.len();
+        match self {
+            PromptAccount::Echoed(ids) if ids == sent => None,
+            PromptAccount::Echoed(ids) => {
+                let at = ids.iter().zip(sent).take_while(|(a, b)| a == b).count();
+                Some(format!(
+                    "tokentap sent {n} prompt ids but the engine echoed {} that differ from position {at}",
+                    ids.len()
+                ))
             }
+            PromptAccount::Evaluated(e) if *e as usize == n => None,
+            PromptAccount::Evaluated(e) => Some(format!(
+                "tokentap sent {n} prompt ids but the engine evaluated {e}"
+            )),
+            PromptAccount::Unreported => Some(format!(
+                "tokentap sent {n} prompt ids but the engine evaluated an unreported number"
+            )),
         }
     }
-    body
+}
+
+pub(crate) fn protocol_error(engine: &str, e: impl std::fmt::Display, data: &[u8]) -> BackendError {
+    BackendError::Protocol(format!(
+        "unreadable {engine} answer ({e}): {}",
+        String::from_utf8_lossy(&data[..data.len().min(300)])
+    ))
+}
+
+/// `--token-mode tito` on one engine.
+pub(crate) struct TitoBackend<E: IdsEngine> {
+    client: EngineClient,
+    tito: Arc<Tito>,
+    engine: E,
+    /// The model's context length (`/v1/models`' `max_model_len`), asked once.
+    context: tokio::sync::OnceCell<u64>,
+}
+
+impl<E: IdsEngine> TitoBackend<E> {
+    pub(crate) fn new(client: EngineClient, tito: Arc<Tito>, engine: E) -> Self {
+        TitoBackend {
+            client,
+            tito,
+            engine,
+            context: tokio::sync::OnceCell::new(),
+        }
+    }
+
+    /// The prompt from tito: rendering a long conversation takes milliseconds, so not on this
+    /// worker thread.
+    async fn prompt(
+        &self,
+        request: &ChatRequest,
+    ) -> Result<Result<TitoPrompt, String>, BackendError> {
+        let tito = self.tito.clone();
+        let owned = request.clone();
+        tokio::task::spawn_blocking(move || tito.prompt(&owned))
+            .await
+            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))
+    }
+
+    /// The call's own limit; else, for engines whose default is short, the rest of the context.
+    async fn max_tokens(
+        &self,
+        request: &ChatRequest,
+        prompt: usize,
+    ) -> Result<Option<u64>, BackendError> {
+        if let Some(n) = request.sampling.max_tokens {
+            return Ok(Some(n));
+        }
+        if !E::NEEDS_AN_EXPLICIT_LIMIT {
+            return Ok(None);
+        }
+        let context = *self
+            .context
+            .get_or_try_init(|| async {
+                let models = self.client.get_json("/v1/models").await?;
+                models["data"][0]["max_model_len"].as_u64().ok_or_else(|| {
+                    BackendError::Protocol(
+                        "the engine's /v1/models names no max_model_len, so tokentap cannot tell how long an answer may be; set max_tokens on the call".into(),
+                    )
+                })
+            })
+            .await?;
+        match context.saturating_sub(prompt as u64) {
+            0 => Err(BackendError::Status {
+                status: 400,
+                message: format!(
+                    "This model's maximum context length is {context} tokens. However, this conversation's prompt is {prompt} tokens. Please reduce the length of the messages."
+                ),
+            }),
+            left => Ok(Some(left)),
+        }
+    }
 }
 
 /// The request's tools as JSON, once per call: the grammar and the answer's parameter types
@@ -103,25 +215,6 @@ pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
         .collect()
 }
 
-/// One `/completion` answer, whole or one stream chunk (the fields tito reads).
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub(crate) struct CompletionChunk {
-    pub content: String,
-    pub tokens: Vec<u32>,
-    pub completion_probabilities: Vec<TokenProb>,
-    pub stop: bool,
-    pub stop_type: Option<String>,
-    pub tokens_evaluated: Option<u64>,
-}
-
-#[derive(Debug, Default, Deserialize)]
-#[serde(default)]
-pub(crate) struct TokenProb {
-    pub id: Option<u32>,
-    pub logprob: Option<f32>,
-}
-
 /// How to read the answer to `prompt`: the model's dialect, starting inside the reasoning if
 /// the generation prompt opened a `<think>` block (Qwen3 thinking models).
 pub(crate) fn answer_dialect(tito: &Tito, prompt: &[u32]) -> Dialect {
@@ -132,8 +225,8 @@ pub(crate) fn answer_dialect(tito: &Tito, prompt: &[u32]) -> Dialect {
     dialect.with_reasoning_after(&tito.model().text(&prompt[prompt.len().saturating_sub(8)..]))
 }
 
-/// Folds `/completion` chunks into generation events for the harness and the record.
-pub(crate) struct CompletionReader {
+/// Folds an answer's [`IdsChunk`]s into generation events for the harness and the record.
+pub(crate) struct AnswerReader {
     parser: AnswerParser,
     prompt: TitoPrompt,
     sampled: Vec<u32>,
@@ -145,11 +238,11 @@ pub(crate) struct CompletionReader {
     complete: bool,
 }
 
-impl CompletionReader {
+impl AnswerReader {
     /// `dialect` as the prompt leaves it (see [`answer_dialect`]).
     /// `tools`: the request's, as JSON ([`tools_json`]).
     pub(crate) fn new(dialect: Dialect, tools: &[Value], prompt: TitoPrompt) -> Self {
-        CompletionReader {
+        AnswerReader {
             parser: AnswerParser::new(dialect, ToolSchemas::from_tools(tools)),
             prompt,
             sampled: Vec::new(),
@@ -167,65 +260,59 @@ impl CompletionReader {
             .then_some((&self.prompt, &self.sampled[..], &self.answer))
     }
 
-    /// The events one chunk settles; the last chunk (`stop`) ends the generation.
-    pub(crate) fn chunk(&mut self, chunk: CompletionChunk) -> Vec<GenerationEvent> {
+    /// The events one chunk settles; the one with its end ends the generation.
+    pub(crate) fn chunk(&mut self, chunk: IdsChunk) -> Vec<GenerationEvent> {
         let mut events = Vec::new();
         if !chunk.tokens.is_empty() {
-            // Each entry is the sampled token's own (n_probs 1 lists it first); one that names
-            // another id is no logprob of this token.
-            let logprobs = chunk
-                .tokens
-                .iter()
-                .enumerate()
-                .map(|(i, id)| {
-                    let p = chunk.completion_probabilities.get(i)?;
-                    (p.id == Some(*id)).then_some(p.logprob).flatten()
-                })
-                .collect();
             self.sampled.extend_from_slice(&chunk.tokens);
             events.push(GenerationEvent::SampledTokens {
                 ids: chunk.tokens,
-                logprobs,
+                logprobs: chunk.logprobs,
             });
         }
-        let mut deltas = self.parser.push(&chunk.content);
-        if chunk.stop {
+        let mut deltas = self.parser.push(&chunk.text);
+        if chunk.end.is_some() {
             deltas.extend(self.parser.finish());
         }
         self.deltas(deltas, &mut events);
-        if chunk.stop {
-            let sent = self.prompt.ids.len();
-            events.push(match chunk.tokens_evaluated {
-                Some(n) if n as usize == sent => {
-                    self.complete = true;
-                    GenerationEvent::PromptTokens {
-                        ids: self.prompt.ids.clone(),
-                        source: TokenSource::Tokentap,
-                    }
-                }
-                evaluated => GenerationEvent::Gap(TokenGap {
+        let Some(end) = chunk.end else {
+            return events;
+        };
+        let sent = self.prompt.ids.len() as u64;
+        let prompt_tokens = match end.prompt.mismatch(&self.prompt.ids) {
+            None => {
+                self.complete = true;
+                events.push(GenerationEvent::PromptTokens {
+                    ids: self.prompt.ids.clone(),
+                    source: TokenSource::Tokentap,
+                });
+                sent
+            }
+            Some(reason) => {
+                events.push(GenerationEvent::Gap(TokenGap {
                     field: TokenField::PromptTokenIds,
-                    reason: format!(
-                        "tokentap sent {sent} prompt ids but the engine evaluated {}",
-                        evaluated.map_or("an unreported number".into(), |n| n.to_string())
-                    ),
-                }),
-            });
-            let finish_reason = match chunk.stop_type.as_deref() {
-                Some("limit") => FinishReason::Length,
-                _ if self.calls > 0 => FinishReason::ToolCalls,
-                _ => FinishReason::Stop,
-            };
-            let prompt_tokens = chunk.tokens_evaluated.unwrap_or(0);
-            events.push(GenerationEvent::Finished {
-                finish_reason,
-                usage: Some(Usage {
-                    prompt_tokens,
-                    completion_tokens: self.sampled.len() as u64,
-                    total_tokens: prompt_tokens + self.sampled.len() as u64,
-                }),
-            });
-        }
+                    reason,
+                }));
+                match end.prompt {
+                    PromptAccount::Echoed(ids) => ids.len() as u64,
+                    PromptAccount::Evaluated(n) => n,
+                    PromptAccount::Unreported => 0,
+                }
+            }
+        };
+        let finish_reason = match end.finish {
+            FinishReason::Stop if self.calls > 0 => FinishReason::ToolCalls,
+            other => other,
+        };
+        let completion_tokens = self.sampled.len() as u64;
+        events.push(GenerationEvent::Finished {
+            finish_reason,
+            usage: Some(Usage {
+                prompt_tokens,
+                completion_tokens,
+                total_tokens: prompt_tokens + completion_tokens,
+            }),
+        });
         events
     }
 
@@ -277,19 +364,10 @@ impl CompletionReader {
     }
 }
 
-fn decode_chunk(data: &[u8]) -> Result<CompletionChunk, BackendError> {
-    serde_json::from_slice(data).map_err(|e| {
-        BackendError::Protocol(format!(
-            "unreadable /completion answer ({e}): {}",
-            String::from_utf8_lossy(&data[..data.len().min(300)])
-        ))
-    })
-}
-
 #[async_trait]
-impl Backend for TitoLlamaCppBackend {
+impl<E: IdsEngine> Backend for TitoBackend<E> {
     fn kind(&self) -> BackendKind {
-        BackendKind::Llamacpp
+        E::KIND
     }
 
     fn url(&self) -> &str {
@@ -299,12 +377,8 @@ impl Backend for TitoLlamaCppBackend {
     // Tools and streaming together are fine: tokentap reads the calls itself.
 
     async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
-        let tito = self.tito.clone();
-        let owned = request.clone();
-        let prompt = tokio::task::spawn_blocking(move || tito.prompt(&owned))
-            .await
-            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))?;
-        prompt
+        self.prompt(request)
+            .await?
             .map(|p| p.ids.len() as u64)
             .map_err(|message| BackendError::Status {
                 status: 400,
@@ -328,28 +402,28 @@ impl Backend for TitoLlamaCppBackend {
         mode: CallMode,
         record_id: &str,
     ) -> Result<GenerationStream, BackendError> {
-        // Rendering a long conversation takes milliseconds: not on this worker thread.
-        let tito = self.tito.clone();
-        let owned = request.clone();
-        let prompt: TitoPrompt = tokio::task::spawn_blocking(move || tito.prompt(&owned))
-            .await
-            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))?
+        let prompt = self
+            .prompt(request)
+            .await?
             .map_err(|e| BackendError::Status {
                 status: 400,
-                message: format!("tokentap could not render this conversation with the model's chat template: {e}"),
+                message: format!(
+                "tokentap could not render this conversation with the model's chat template: {e}"
+            ),
             })?;
         let stream = mode == CallMode::Streaming;
-        let family = self.tito.dialect().family;
         let tools = tools_json(request);
-        let body = serde_json::to_vec(&completion_body(
+        let max_tokens = self.max_tokens(request, prompt.ids.len()).await?;
+        let body = self.engine.body(&IdsCall {
             request,
-            &tools,
-            family,
-            &prompt.ids,
+            tools: &tools,
+            family: self.tito.dialect().family,
+            ids: &prompt.ids,
             stream,
-        ))
-        .map_err(|e| BackendError::Protocol(e.to_string()))?;
-        let answer = self.client.post_answer("/completion", body).await?;
+            max_tokens,
+        });
+        let body = serde_json::to_vec(&body).map_err(|e| BackendError::Protocol(e.to_string()))?;
+        let answer = self.client.post_answer(E::PATH, body).await?;
         let token_in = TokenIn {
             continuation: prompt.continuation.clone(),
             origins: prompt.origins.clone(),
@@ -357,12 +431,13 @@ impl Backend for TitoLlamaCppBackend {
         };
         let sent = prompt.ids.len() as u64;
         let dialect = answer_dialect(&self.tito, &prompt.ids);
-        let mut reader = CompletionReader::new(dialect, &tools, prompt);
+        let mut reader = AnswerReader::new(dialect, &tools, prompt);
+        let mut decoder = self.engine.decoder();
         let idle = self.client.idle_timeout();
         let tito = self.tito.clone();
         let request = request.clone();
         let record_id = record_id.to_string();
-        let keep = move |reader: &CompletionReader| {
+        let keep = move |reader: &AnswerReader| {
             if let Some((prompt, sampled, answer)) = reader.answered() {
                 let end = tito.sampled_end(sampled);
                 tito.answered(&request, prompt, sampled, end, answer, &record_id);
@@ -373,8 +448,10 @@ impl Backend for TitoLlamaCppBackend {
             yield GenerationEvent::PromptSize(sent);
             if !stream {
                 let whole = answer_body::read_whole(answer, idle).await?;
-                let mut chunk = decode_chunk(&whole)?;
-                chunk.stop = true;
+                let chunk = decoder.whole(&whole)?;
+                if chunk.end.is_none() {
+                    Err(BackendError::Protocol("the engine's answer says nothing of how it ended".into()))?;
+                }
                 let events = reader.chunk(chunk);
                 keep(&reader);
                 for event in events {
@@ -395,8 +472,10 @@ impl Backend for TitoLlamaCppBackend {
                 if data.is_empty() {
                     continue;
                 }
-                let chunk = decode_chunk(data.as_bytes())?;
-                let last = chunk.stop;
+                let Some(chunk) = decoder.event(data.as_bytes())? else {
+                    continue;
+                };
+                let last = chunk.end.is_some();
                 let events = reader.chunk(chunk);
                 if last {
                     keep(&reader);
@@ -416,6 +495,9 @@ impl Backend for TitoLlamaCppBackend {
     }
 
     async fn model_file(&self) -> Option<String> {
+        if !E::NAMES_ITS_MODEL_FILE {
+            return None;
+        }
         let props = self.client.get_json("/props").await.ok()?;
         props.get("model_path")?.as_str().map(str::to_owned)
     }
@@ -424,6 +506,7 @@ impl Backend for TitoLlamaCppBackend {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde_json::json;
     use tokentap_answer_parse::Family;
     use tokentap_schema::{TitoBranchCause, TitoContinuation};
 
@@ -448,14 +531,13 @@ mod tests {
 
     /// llama-server's streamed `/completion` chunks for the tiny think model's final answer,
     /// as it sent them (return_tokens, n_probs 1), the last with the stop and the counts.
-    fn think_model_stream() -> Vec<CompletionChunk> {
+    fn think_model_stream() -> Vec<IdsChunk> {
         let chunk = |content: &str, id: u32| {
-            serde_json::from_value(json!({"index": 0, "content": content, "tokens": [id], "stop": false,
+            json!({"index": 0, "content": content, "tokens": [id], "stop": false,
                 "tokens_predicted": 1, "tokens_evaluated": 9,
-                "completion_probabilities": [{"id": id, "token": content, "logprob": -0.25, "top_logprobs": []}]}))
-            .unwrap()
+                "completion_probabilities": [{"id": id, "token": content, "logprob": -0.25, "top_logprobs": []}]})
         };
-        vec![
+        let events = [
             chunk("<think>", 151667),
             chunk("Check", 3973),
             chunk("</think>", 151668),
@@ -463,18 +545,20 @@ mod tests {
             chunk("Done", 17453),
             chunk(".", 13),
             chunk("", 151645),
-            serde_json::from_value(
-                json!({"index": 0, "content": "", "tokens": [], "stop": true,
+            json!({"index": 0, "content": "", "tokens": [], "stop": true,
                 "stop_type": "eos", "stopping_word": "", "tokens_evaluated": 9, "tokens_cached": 15,
                 "tokens_predicted": 7}),
-            )
-            .unwrap(),
-        ]
+        ];
+        let mut decoder = LlamaCppIds.decoder();
+        events
+            .iter()
+            .map(|e| decoder.event(e.to_string().as_bytes()).unwrap().unwrap())
+            .collect()
     }
 
     fn fold(
-        reader: &mut CompletionReader,
-        chunks: Vec<CompletionChunk>,
+        reader: &mut AnswerReader,
+        chunks: Vec<IdsChunk>,
     ) -> crate::canonical::GenerationAccumulator {
         let mut acc = crate::canonical::GenerationAccumulator::default();
         for c in chunks {
@@ -485,9 +569,16 @@ mod tests {
         acc
     }
 
+    fn end(finish: FinishReason, prompt: PromptAccount) -> IdsChunk {
+        IdsChunk {
+            end: Some(IdsEnd { finish, prompt }),
+            ..Default::default()
+        }
+    }
+
     #[test]
     fn a_streamed_answer_is_read_back_with_its_ids_and_logprobs() {
-        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1; 9]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 9]));
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(
             (acc.reasoning.as_str(), acc.content.as_str()),
@@ -510,7 +601,7 @@ mod tests {
     #[test]
     fn a_prompt_count_that_differs_from_what_was_sent_is_a_gap_not_ids() {
         // The control: 9 sent, 9 evaluated (above). Here 10 were sent.
-        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1; 10]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 10]));
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(acc.prompt, None);
         assert!(
@@ -529,25 +620,40 @@ mod tests {
     }
 
     #[test]
+    fn echoed_prompt_ids_must_be_the_ids_sent() {
+        let ok = PromptAccount::Echoed(vec![1, 2, 3]);
+        assert_eq!(ok.mismatch(&[1, 2, 3]), None);
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1, 2, 3]));
+        let acc = fold(
+            &mut reader,
+            vec![end(
+                FinishReason::Stop,
+                PromptAccount::Echoed(vec![1, 9, 3]),
+            )],
+        );
+        assert_eq!(acc.prompt, None);
+        assert_eq!(
+            acc.gaps[0].reason,
+            "tokentap sent 3 prompt ids but the engine echoed 3 that differ from position 1"
+        );
+        assert!(reader.answered().is_none());
+    }
+
+    #[test]
     fn a_tool_call_split_across_chunks_is_one_call_with_an_id() {
         let text = "<think>Check</think>\n\n<tool_call>\n{\"name\": \"bash\", \"arguments\": {\"command\": \"pwd\"}}\n</tool_call>";
-        let mut chunks: Vec<CompletionChunk> = text
+        let mut chunks: Vec<IdsChunk> = text
             .as_bytes()
             .chunks(5)
-            .map(|c| CompletionChunk {
-                content: String::from_utf8(c.to_vec()).unwrap(),
+            .map(|c| IdsChunk {
+                text: String::from_utf8(c.to_vec()).unwrap(),
                 ..Default::default()
             })
             .collect();
-        chunks.push(CompletionChunk {
-            stop: true,
-            stop_type: Some("eos".into()),
-            tokens_evaluated: Some(3),
-            ..Default::default()
-        });
+        chunks.push(end(FinishReason::Stop, PromptAccount::Evaluated(3)));
         let tools = json!([{"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]);
         let mut reader =
-            CompletionReader::new(qwen3(), &tools_json(&request(tools)), prompt(vec![1, 2, 3]));
+            AnswerReader::new(qwen3(), &tools_json(&request(tools)), prompt(vec![1, 2, 3]));
         let acc = fold(&mut reader, chunks);
         assert_eq!(acc.tool_calls.len(), 1);
         assert_eq!(acc.tool_calls[0].name, "bash");
@@ -559,77 +665,18 @@ mod tests {
 
     #[test]
     fn the_limit_is_a_length_finish() {
-        let mut reader = CompletionReader::new(qwen3(), &[], prompt(vec![1]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1]));
         let chunks = vec![
-            CompletionChunk {
-                content: "<think>Che".into(),
+            IdsChunk {
+                text: "<think>Che".into(),
                 tokens: vec![151667, 3973],
-                ..Default::default()
+                logprobs: vec![None, None],
+                end: None,
             },
-            CompletionChunk {
-                stop: true,
-                stop_type: Some("limit".into()),
-                tokens_evaluated: Some(1),
-                ..Default::default()
-            },
+            end(FinishReason::Length, PromptAccount::Evaluated(1)),
         ];
         let acc = fold(&mut reader, chunks);
         assert_eq!(acc.finish.unwrap().0, FinishReason::Length);
         assert_eq!(acc.reasoning, "Che");
-    }
-
-    #[test]
-    fn every_sampler_is_explicit() {
-        let body = completion_body(&request(json!([])), &[], Family::Hermes, &[1, 2], true);
-        for key in [
-            "temperature",
-            "top_p",
-            "top_k",
-            "min_p",
-            "typical_p",
-            "repeat_penalty",
-            "dry_multiplier",
-            "xtc_probability",
-            "mirostat",
-            "n_probs",
-            "return_tokens",
-        ] {
-            assert!(body.get(key).is_some(), "{key} not sent");
-        }
-        assert_eq!(body["top_k"], 0);
-        assert_eq!(body["prompt"], json!([1, 2]));
-        assert!(body.get("grammar").is_none(), "no tools, no grammar");
-    }
-
-    #[test]
-    fn offered_tools_bring_the_calls_grammar_unless_refused() {
-        let tools = json!([{"name": "bash", "parameters": {"type": "object",
-            "properties": {"command": {"type": "string"}, "timeout": {"type": "number"}},
-            "required": ["command"]}}]);
-        let with_tools = request(tools.clone());
-        let body = completion_body(
-            &with_tools,
-            &tools_json(&with_tools),
-            Family::Hermes,
-            &[1],
-            false,
-        );
-        let grammar = body["grammar"].as_str().unwrap();
-        assert!(
-            grammar.contains(r#""<tool_call>\n{\"name\": \"bash\", \"arguments\": ""#),
-            "{grammar}"
-        );
-        assert_eq!(body["grammar_lazy"], true);
-        assert_eq!(
-            body["grammar_triggers"],
-            json!([{"type": 1, "value": "<tool_call>"}])
-        );
-        let mut none = request(tools);
-        none.tool_choice = Some(json!("none"));
-        assert!(
-            completion_body(&none, &tools_json(&none), Family::Hermes, &[1], false)
-                .get("grammar")
-                .is_none()
-        );
     }
 }
