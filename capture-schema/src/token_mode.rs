@@ -228,7 +228,9 @@ impl TitoBranchCause {
 }
 
 /// Where a run of prompt tokens came from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize, JsonSchema,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TokenOrigin {
     /// Rendered by the chat template and tokenized by tokentap: template text and the
@@ -239,6 +241,22 @@ pub enum TokenOrigin {
     Boundary,
     /// Ids the model sampled in an earlier call, as sampled.
     Sampled,
+}
+
+impl TokenOrigin {
+    pub const ALL: [TokenOrigin; 3] = [
+        TokenOrigin::Sampled,
+        TokenOrigin::Rendered,
+        TokenOrigin::Boundary,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenOrigin::Rendered => "rendered",
+            TokenOrigin::Boundary => "boundary",
+            TokenOrigin::Sampled => "sampled",
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
@@ -308,6 +326,86 @@ impl TokenModeTally {
     }
 }
 
+/// `--token-mode tito`'s prompts over many calls: a session's (`sessions.jsonl`'s
+/// `stats.tito`) or a spool's (`tokentap records summary`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TitoTally {
+    /// Calls whose prompt tito built (records with `token_in`).
+    pub calls: u32,
+    /// Calls whose prompt extended an earlier call's prompt + sampled ids.
+    pub extends: u32,
+    /// Calls rendered whole, by cause (`first` included).
+    pub branches: BTreeMap<TitoBranchCause, u32>,
+    /// `extends / (calls - first)`: of the calls that had an earlier turn to extend, the share
+    /// that did. Absent while every call was a conversation's first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub extension_rate: Option<f64>,
+    /// Prompt tokens summed over the calls, by origin: only `sampled` ones are the policy's.
+    pub prompt_tokens: BTreeMap<TokenOrigin, u64>,
+}
+
+impl TitoTally {
+    pub fn add(&mut self, t: &TokenIn) {
+        self.calls += 1;
+        match &t.continuation {
+            TitoContinuation::Extends { .. } => self.extends += 1,
+            TitoContinuation::Branch { cause, .. } => {
+                *self.branches.entry(*cause).or_default() += 1
+            }
+        }
+        for run in &t.origins {
+            *self.prompt_tokens.entry(run.origin).or_default() += u64::from(run.len);
+        }
+        let could_extend = self.could_extend();
+        self.extension_rate =
+            (could_extend > 0).then(|| f64::from(self.extends) / f64::from(could_extend));
+    }
+
+    /// Calls that had an earlier turn to extend: all but the conversations' first calls.
+    fn could_extend(&self) -> u32 {
+        let first = self
+            .branches
+            .get(&TitoBranchCause::First)
+            .copied()
+            .unwrap_or(0);
+        self.calls - first
+    }
+
+    /// Two lines: `calls 4  extended 2 of 3 (67%)  branches 2 (first 1, edited 1)` and
+    /// `prompt tokens by origin: sampled 40  rendered 90  boundary 1`.
+    pub fn lines(&self) -> [String; 2] {
+        let mut calls = format!(
+            "calls {}  extended {} of {}",
+            self.calls,
+            self.extends,
+            self.could_extend()
+        );
+        if let Some(rate) = self.extension_rate {
+            let _ = write!(calls, " ({:.0}%)", rate * 100.0);
+        }
+        let _ = write!(calls, "  branches {}", self.branches.values().sum::<u32>());
+        if !self.branches.is_empty() {
+            let causes: Vec<String> = self
+                .branches
+                .iter()
+                .map(|(c, n)| format!("{} {n}", c.as_str()))
+                .collect();
+            let _ = write!(calls, " ({})", causes.join(", "));
+        }
+        let origins: Vec<String> = TokenOrigin::ALL
+            .iter()
+            .map(|o| {
+                let n = self.prompt_tokens.get(o).copied().unwrap_or(0);
+                format!("{} {n}", o.as_str())
+            })
+            .collect();
+        [
+            calls,
+            format!("prompt tokens by origin: {}", origins.join("  ")),
+        ]
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -366,6 +464,69 @@ mod tests {
         let json = serde_json::to_value(&t).unwrap();
         assert_eq!(json["drift_spans"]["reasoning_dropped"], 2);
         assert_eq!(serde_json::from_value::<TokenModeTally>(json).unwrap(), t);
+    }
+
+    fn token_in(continuation: TitoContinuation, origins: &[(TokenOrigin, u32)]) -> TokenIn {
+        TokenIn {
+            continuation,
+            origins: origins
+                .iter()
+                .map(|&(origin, len)| TokenOriginRun { origin, len })
+                .collect(),
+            build_us: 5,
+        }
+    }
+
+    #[test]
+    fn a_tito_tally_counts_extensions_branches_and_origins_and_says_so_in_two_lines() {
+        let mut t = TitoTally::default();
+        let branch = |cause| TitoContinuation::Branch {
+            cause,
+            detail: None,
+        };
+        let extends = TitoContinuation::Extends {
+            record_id: "a".into(),
+            appended: 3,
+        };
+        t.add(&token_in(
+            branch(TitoBranchCause::First),
+            &[(TokenOrigin::Rendered, 10)],
+        ));
+        // Every call so far was a first: nothing could extend, so no rate.
+        assert_eq!(t.extension_rate, None);
+        assert_eq!(
+            t.lines()[0],
+            "calls 1  extended 0 of 0  branches 1 (first 1)"
+        );
+        t.add(&token_in(
+            extends.clone(),
+            &[
+                (TokenOrigin::Rendered, 10),
+                (TokenOrigin::Sampled, 4),
+                (TokenOrigin::Boundary, 1),
+                (TokenOrigin::Rendered, 3),
+            ],
+        ));
+        t.add(&token_in(extends, &[(TokenOrigin::Sampled, 2)]));
+        t.add(&token_in(
+            branch(TitoBranchCause::Edited),
+            &[(TokenOrigin::Rendered, 20)],
+        ));
+        assert_eq!((t.calls, t.extends), (4, 2));
+        assert_eq!(t.extension_rate, Some(2.0 / 3.0));
+        assert_eq!(t.prompt_tokens[&TokenOrigin::Rendered], 43);
+        assert_eq!(
+            t.lines(),
+            [
+                "calls 4  extended 2 of 3 (67%)  branches 2 (first 1, edited 1)".to_owned(),
+                "prompt tokens by origin: sampled 6  rendered 43  boundary 1".to_owned(),
+            ]
+        );
+        // As sessions.jsonl writes it: causes and origins as the records name them, and back.
+        let json = serde_json::to_value(&t).unwrap();
+        assert_eq!(json["branches"]["edited"], 1);
+        assert_eq!(json["prompt_tokens"]["sampled"], 6);
+        assert_eq!(serde_json::from_value::<TitoTally>(json).unwrap(), t);
     }
 
     #[test]

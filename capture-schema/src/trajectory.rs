@@ -168,6 +168,10 @@ pub struct SessionStats {
     /// `--token-mode observe`'s findings on the session's calls; absent when none had any.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_mode: Option<crate::token_mode::TokenModeTally>,
+    /// `--token-mode tito`'s prompts for the session's calls: extensions, branches by cause,
+    /// prompt tokens by origin; absent when none was built in tito.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tito: Option<crate::token_mode::TitoTally>,
 }
 
 /// Independent check of the traces against their records.

@@ -83,6 +83,10 @@ pub struct Metrics {
     pub token_mode_drift_spans: IntCounterVec,
     pub token_mode_render_seconds: HistogramVec,
     pub token_mode_held_tokens: IntGauge,
+    /// `--token-mode tito`: calls whose prompt tito built, by `continuation` (`extends`,
+    /// `branch`) and the branch's `cause` (empty for `extends`); the time to build a prompt.
+    pub token_mode_tito_calls: IntCounterVec,
+    pub token_mode_tito_build_seconds: HistogramVec,
 }
 
 impl Metrics {
@@ -310,6 +314,16 @@ impl Metrics {
                 "tokentap_token_mode_held_tokens",
                 "--token-mode observe: token ids held for the sessions' last calls (4 bytes each)",
             ),
+            token_mode_tito_calls: counter_vec(
+                "tokentap_token_mode_tito_calls_total",
+                "--token-mode tito: calls whose prompt ids tokentap built, by continuation (extends: the conversation's earlier prompt + sampled ids + the new messages; branch: rendered whole) and the branch's cause (first, edited, compacted, new_system, tools_changed, unknown_history, no_new_message, template_construct; empty for extends)",
+                &["continuation", "cause"],
+            ),
+            token_mode_tito_build_seconds: histogram(
+                "tokentap_token_mode_tito_build_seconds",
+                "--token-mode tito: time to build a call's prompt ids",
+                &[],
+            ),
             registry,
         }
     }
@@ -332,6 +346,20 @@ impl Metrics {
         self.token_mode_render_seconds
             .with_label_values::<&str>(&[])
             .observe(o.render_us as f64 / 1e6);
+    }
+
+    /// How `--token-mode tito` built a call's prompt.
+    pub fn record_token_in(&self, t: &tokentap_schema::TokenIn) {
+        let (continuation, cause) = match &t.continuation {
+            tokentap_schema::TitoContinuation::Extends { .. } => ("extends", ""),
+            tokentap_schema::TitoContinuation::Branch { cause, .. } => ("branch", cause.as_str()),
+        };
+        self.token_mode_tito_calls
+            .with_label_values(&[continuation, cause])
+            .inc();
+        self.token_mode_tito_build_seconds
+            .with_label_values::<&str>(&[])
+            .observe(t.build_us as f64 / 1e6);
     }
 
     /// A finished call, from its record. `harness`: as the admission gate knows it (else from
@@ -357,6 +385,9 @@ impl Metrics {
             .inc();
         if let Some(o) = &record.token_observation {
             self.record_token_observation(o);
+        }
+        if let Some(t) = &record.token_in {
+            self.record_token_in(t);
         }
         if let Some(u) = record.usage {
             self.prompt_tokens
@@ -490,5 +521,44 @@ impl prometheus::core::Collector for ActivityCollector {
 impl Default for Metrics {
     fn default() -> Self {
         Metrics::new()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokentap_schema::{TitoBranchCause, TitoContinuation, TokenIn};
+
+    #[test]
+    fn tito_calls_are_counted_by_continuation_and_cause_and_timed() {
+        let metrics = Metrics::new();
+        let token_in = |continuation, build_us| TokenIn {
+            continuation,
+            origins: vec![],
+            build_us,
+        };
+        let extends = TitoContinuation::Extends {
+            record_id: "r0".into(),
+            appended: 7,
+        };
+        let branch = |cause| TitoContinuation::Branch {
+            cause,
+            detail: None,
+        };
+        metrics.record_token_in(&token_in(branch(TitoBranchCause::First), 1_000));
+        metrics.record_token_in(&token_in(extends.clone(), 500));
+        metrics.record_token_in(&token_in(extends, 500));
+        metrics.record_token_in(&token_in(branch(TitoBranchCause::Edited), 2_000));
+        let text = String::from_utf8(metrics.render()).unwrap();
+        for series in [
+            r#"tokentap_token_mode_tito_calls_total{cause="",continuation="extends"} 2"#,
+            r#"tokentap_token_mode_tito_calls_total{cause="first",continuation="branch"} 1"#,
+            r#"tokentap_token_mode_tito_calls_total{cause="edited",continuation="branch"} 1"#,
+            "tokentap_token_mode_tito_build_seconds_count 4",
+            "tokentap_token_mode_tito_build_seconds_sum 0.004",
+            r#"tokentap_token_mode_tito_build_seconds_bucket{le="0.0005"} 2"#,
+        ] {
+            assert!(text.lines().any(|l| l == series), "no {series} in:\n{text}");
+        }
     }
 }

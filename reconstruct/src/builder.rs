@@ -368,6 +368,9 @@ impl SessionBuilder {
                 .get_or_insert_with(Default::default)
                 .add(o);
         }
+        if let Some(t) = &r.token_in {
+            self.stats.tito.get_or_insert_with(Default::default).add(t);
+        }
         if let Some(v) = &r.backend.policy_version {
             self.policy_versions.insert(v.clone());
         }
@@ -514,4 +517,82 @@ fn messages_json(messages: &[ChatMessage], answer: Option<&AssistantMessage>) ->
 
 fn tools_json(tools: &[ToolSpec]) -> String {
     serde_json::to_string(tools).expect("JSON values always serialize")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokentap_schema::{
+        TitoBranchCause, TitoContinuation, TokenIn, TokenOrigin, TokenOriginRun,
+    };
+
+    /// A tito call: `continuation`, its prompt as `sampled` ids after `rendered` ones.
+    fn tito_record(
+        n: u64,
+        continuation: TitoContinuation,
+        rendered: u32,
+        sampled: u32,
+    ) -> CaptureRecord {
+        let mut r = crate::synthetic::record("tito", &format!("r{n}"), n);
+        let origins = [
+            (TokenOrigin::Rendered, rendered),
+            (TokenOrigin::Sampled, sampled),
+        ];
+        r.token_in = Some(TokenIn {
+            continuation,
+            origins: origins
+                .into_iter()
+                .filter(|&(_, len)| len > 0)
+                .map(|(origin, len)| TokenOriginRun { origin, len })
+                .collect(),
+            build_us: 100,
+        });
+        r
+    }
+
+    #[test]
+    fn a_sessions_tito_prompts_are_counted_in_its_stats() {
+        let branch = |cause| TitoContinuation::Branch {
+            cause,
+            detail: None,
+        };
+        let extends = |n: u64| TitoContinuation::Extends {
+            record_id: format!("r{}", n - 1),
+            appended: 5,
+        };
+        let records = [
+            tito_record(0, branch(TitoBranchCause::First), 30, 0),
+            tito_record(1, extends(1), 5, 35),
+            tito_record(2, extends(2), 5, 45),
+            tito_record(3, branch(TitoBranchCause::Edited), 60, 0),
+            // Observe mode's or text mode's records of the session leave the tally alone.
+            crate::synthetic::record("tito", "r4", 4),
+        ];
+        let sessions = build_all(&records, Strategy::PrefixMerge);
+        let stats = &sessions[0].stats;
+        let tito = stats.tito.as_ref().expect("tito stats");
+        assert_eq!((stats.calls, tito.calls, tito.extends), (5, 4, 2));
+        assert_eq!(
+            tito.branches,
+            BTreeMap::from([(TitoBranchCause::First, 1), (TitoBranchCause::Edited, 1)])
+        );
+        assert_eq!(tito.extension_rate, Some(2.0 / 3.0));
+        assert_eq!(
+            tito.prompt_tokens,
+            BTreeMap::from([(TokenOrigin::Rendered, 100), (TokenOrigin::Sampled, 80)])
+        );
+        // As sessions.jsonl names them.
+        let json = serde_json::to_value(stats).unwrap();
+        assert_eq!(json["tito"]["branches"]["edited"], 1);
+        assert_eq!(json["tito"]["prompt_tokens"]["sampled"], 80);
+        assert!(json.get("token_mode").is_none(), "{json}");
+
+        // A session without token_in has no `tito` at all.
+        let text = build_all(&records[4..], Strategy::PrefixMerge);
+        assert_eq!(text[0].stats.tito, None);
+        assert!(serde_json::to_value(&text[0].stats)
+            .unwrap()
+            .get("tito")
+            .is_none());
+    }
 }

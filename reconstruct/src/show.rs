@@ -192,6 +192,15 @@ pub fn spool_summary(
     if tally.observed > 0 {
         let _ = writeln!(out, "token mode: {}", tally.line());
     }
+    let mut tito = tokentap_schema::TitoTally::default();
+    for t in records.iter().filter_map(|r| r.token_in.as_ref()) {
+        tito.add(t);
+    }
+    if tito.calls > 0 {
+        for line in tito.lines() {
+            let _ = writeln!(out, "tito: {line}");
+        }
+    }
     for r in records {
         let _ = writeln!(out, "\n{}", one_line(r));
         for gap in &r.token_provenance.gaps {
@@ -201,6 +210,9 @@ pub fn spool_summary(
             for line in token_drift_lines(o) {
                 let _ = writeln!(out, "    {line}");
             }
+        }
+        if let Some(line) = r.token_in.as_ref().and_then(tito_branch_line) {
+            let _ = writeln!(out, "    {line}");
         }
         let (Some(ids), Some(lps)) = (&r.completion_token_ids, &r.logprobs) else {
             continue;
@@ -259,6 +271,21 @@ fn token_drift_lines(o: &tokentap_schema::TokenObservation) -> Vec<String> {
         _ => {}
     }
     lines
+}
+
+/// Why tito rendered a call whole, when it is not a conversation's first call (the calls that
+/// start a new trace where one was expected to go on).
+fn tito_branch_line(t: &tokentap_schema::TokenIn) -> Option<String> {
+    use tokentap_schema::{TitoBranchCause, TitoContinuation};
+    match &t.continuation {
+        TitoContinuation::Branch { cause, detail } if *cause != TitoBranchCause::First => {
+            Some(match detail {
+                Some(d) => format!("tito branch: {}: {d}", cause.as_str()),
+                None => format!("tito branch: {}", cause.as_str()),
+            })
+        }
+        _ => None,
+    }
 }
 
 #[cfg(test)]
@@ -352,5 +379,71 @@ mod tests {
         assert!(line.contains("→5 tok"), "{line}");
         let v = readable(&records[0]).unwrap();
         assert!(v["completion_token_ids"].is_array(), "{v}");
+    }
+
+    #[test]
+    fn a_spool_summary_counts_tito_calls_and_says_why_each_branched() {
+        use tokentap_schema::{
+            TitoBranchCause, TitoContinuation, TokenIn, TokenOrigin, TokenOriginRun,
+        };
+        let token_in = |continuation, origins: &[(TokenOrigin, u32)]| TokenIn {
+            continuation,
+            origins: origins
+                .iter()
+                .map(|&(origin, len)| TokenOriginRun { origin, len })
+                .collect(),
+            build_us: 50,
+        };
+        let branch = |cause, detail: Option<&str>| TitoContinuation::Branch {
+            cause,
+            detail: detail.map(str::to_owned),
+        };
+        let extends = || TitoContinuation::Extends {
+            record_id: "r".into(),
+            appended: 4,
+        };
+        let mut records: Vec<CaptureRecord> = (0..5)
+            .map(|n| crate::synthetic::record("mixed", &format!("t{n}"), n))
+            .collect();
+        records[0].token_in = Some(token_in(
+            branch(TitoBranchCause::First, None),
+            &[(TokenOrigin::Rendered, 20)],
+        ));
+        records[1].token_in = Some(token_in(
+            extends(),
+            &[(TokenOrigin::Sampled, 25), (TokenOrigin::Rendered, 4)],
+        ));
+        records[2].token_in = Some(token_in(
+            extends(),
+            &[
+                (TokenOrigin::Sampled, 30),
+                (TokenOrigin::Boundary, 1),
+                (TokenOrigin::Rendered, 3),
+            ],
+        ));
+        records[3].token_in = Some(token_in(
+            branch(TitoBranchCause::Edited, Some("message 2 changed")),
+            &[(TokenOrigin::Rendered, 40)],
+        ));
+        // records[4]: a text-mode call of the same spool, in no tito count.
+        let text = spool_summary(Path::new("/s"), &records, 0, 2, &|_| None);
+        assert!(
+            text.contains(
+                "\ntito: calls 4  extended 2 of 3 (67%)  branches 2 (first 1, edited 1)\n\
+                 tito: prompt tokens by origin: sampled 55  rendered 67  boundary 1\n"
+            ),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!(
+                "\n{}\n    tito branch: edited: message 2 changed\n",
+                one_line(&records[3])
+            )),
+            "{text}"
+        );
+        assert_eq!(text.matches("tito branch").count(), 1, "{text}");
+        // Without token_in there are no tito lines at all.
+        let text = spool_summary(Path::new("/s"), &records[4..], 0, 2, &|_| None);
+        assert!(!text.contains("tito"), "{text}");
     }
 }
