@@ -156,6 +156,27 @@ pub struct TokenIn {
     pub origins: Vec<TokenOriginRun>,
     /// Time tokentap took to build the prompt, in microseconds.
     pub build_us: u64,
+    /// `--token-verify`: the conversation's full render compared with these ids, when this
+    /// call was picked.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub verify: Option<TitoVerify>,
+}
+
+/// A tito prompt against the full render text mode would have sent (`--token-verify`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize, JsonSchema)]
+pub struct TitoVerify {
+    /// The full render's length in tokens.
+    pub rendered_tokens: u32,
+    /// Differences inside the tokens the model sampled: what tito keeps on purpose (reasoning
+    /// the template drops or rewrites, a call the harness re-serialized).
+    pub content_spans: u32,
+    /// Special-token or whitespace differences touching tokens tito wrote itself (the
+    /// template's frame, a turn's boundary): tito rendered the frame other than the template
+    /// does. A bug; counted in `tokentap_token_mode_tito_verify_spans_total{kind="boundary"}`.
+    pub boundary_spans: u32,
+    /// A few of the spans, boundary drift first (positions index the tito prompt).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub examples: Vec<DriftSpan>,
 }
 
 /// How a tito prompt goes on from the conversation's earlier calls.
@@ -474,6 +495,7 @@ mod tests {
                 .map(|&(origin, len)| TokenOriginRun { origin, len })
                 .collect(),
             build_us: 5,
+            verify: None,
         }
     }
 

@@ -125,6 +125,13 @@ pub struct CaptureArgs {
     /// sampled tokens (docs/token-in.md).
     #[arg(long, default_value = "off", value_name = "off|observe|tito")]
     token_mode: tokentap_token_mode::TokenMode,
+    /// `--token-mode tito`: also render these calls' conversations in full, as text mode
+    /// would send them, and compare with the ids tito built; each difference is content drift
+    /// (inside sampled tokens: expected) or boundary drift (tito wrote the template's frame
+    /// differently: a bug, logged and counted in tokentap_token_mode_tito_verify_*). On the
+    /// record as `token_in.verify`. Costs a full render per verified call.
+    #[arg(long, default_value = "off", value_name = "off|always|sample:N%")]
+    token_verify: tokentap_token_mode::TokenVerify,
     /// The model's tokenizer and chat template for --token-mode: a Hugging Face model
     /// directory, a tokenizer.json or a GGUF file [default: the file llama.cpp's /props names].
     #[arg(long, value_name = "PATH")]
@@ -252,7 +259,8 @@ impl CaptureArgs {
                 );
                 tracing::info!(family = %tito.dialect().family, reasoning = tito.dialect().reasoning, "token mode tito: prompts built from the conversation's ids, answers read back by tokentap");
                 backend = Arc::from(
-                    backend::build_tito(backend_config, tito).context("configuring the backend")?,
+                    backend::build_tito(backend_config, tito, self.token_verify)
+                        .context("configuring the backend")?,
                 );
                 None
             }

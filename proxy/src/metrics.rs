@@ -536,6 +536,7 @@ mod tests {
             continuation,
             origins: vec![],
             build_us,
+            verify: None,
         };
         let extends = TitoContinuation::Extends {
             record_id: "r0".into(),

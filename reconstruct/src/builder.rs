@@ -546,6 +546,7 @@ mod tests {
                 .map(|(origin, len)| TokenOriginRun { origin, len })
                 .collect(),
             build_us: 100,
+            verify: None,
         });
         r
     }

@@ -393,6 +393,7 @@ mod tests {
                 .map(|&(origin, len)| TokenOriginRun { origin, len })
                 .collect(),
             build_us: 50,
+            verify: None,
         };
         let branch = |cause, detail: Option<&str>| TitoContinuation::Branch {
             cause,

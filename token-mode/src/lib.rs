@@ -8,12 +8,16 @@
 //!   the engine's prompt against the session's earlier prompts + sampled ids (bounded state).
 //! - [`Tito`]: `--token-mode tito`, per call: the prompt ids built from the conversation's
 //!   earlier ids (prompt + sampled) and the new messages, or a full render with the cause.
+//! - [`verify`]: `--token-verify`, a tito prompt against the full render, each difference
+//!   content drift (expected) or boundary drift (a bug).
 
 pub mod drift;
 mod model;
 mod observer;
 mod tito;
+mod verify;
 
 pub use model::{EngineDialect, TokenMode, TokenModel};
 pub use observer::{CallView, Observer, ObserverLimits};
 pub use tito::{SampledEnd, Tito, TitoLimits, TitoPrompt};
+pub use verify::{verify, TokenVerify};

@@ -116,12 +116,23 @@ pub mod decode {
 pub fn build_tito(
     config: BackendConfig,
     tito: std::sync::Arc<tokentap_token_mode::Tito>,
+    verify: tokentap_token_mode::TokenVerify,
 ) -> Result<Box<dyn Backend>, BackendError> {
     let client = openai_compat::EngineClient::new(&config)?;
     Ok(match config.kind {
-        BackendKind::Llamacpp => Box::new(tito::TitoBackend::new(client, tito, tito::LlamaCppIds)),
-        BackendKind::Vllm => Box::new(tito::TitoBackend::new(client, tito, tito::VllmIds)),
-        BackendKind::Sglang => Box::new(tito::TitoBackend::new(client, tito, tito::SglangIds)),
+        BackendKind::Llamacpp => Box::new(tito::TitoBackend::new(
+            client,
+            tito,
+            tito::LlamaCppIds,
+            verify,
+        )),
+        BackendKind::Vllm => Box::new(tito::TitoBackend::new(client, tito, tito::VllmIds, verify)),
+        BackendKind::Sglang => Box::new(tito::TitoBackend::new(
+            client,
+            tito,
+            tito::SglangIds,
+            verify,
+        )),
     })
 }
 

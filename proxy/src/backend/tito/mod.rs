@@ -16,6 +16,7 @@ mod llamacpp;
 mod sglang;
 mod vllm;
 
+use std::sync::atomic::AtomicU64;
 use std::sync::Arc;
 
 use async_stream::try_stream;
@@ -24,9 +25,9 @@ use futures::StreamExt;
 use serde_json::Value;
 use tokentap_answer_parse::{AnswerParser, Delta as AnswerDelta, Dialect, Family, ToolSchemas};
 use tokentap_schema::{
-    BackendKind, ChatMessage, ContentPart, FinishReason, Role, TokenIn, ToolCall, Usage,
+    BackendKind, ChatMessage, ContentPart, FinishReason, Role, TitoVerify, TokenIn, ToolCall, Usage,
 };
-use tokentap_token_mode::{Tito, TitoPrompt};
+use tokentap_token_mode::{Tito, TitoPrompt, TokenVerify};
 
 use super::answer_body;
 use super::error::BackendError;
@@ -145,29 +146,50 @@ pub(crate) struct TitoBackend<E: IdsEngine> {
     engine: E,
     /// The model's context length (`/v1/models`' `max_model_len`), asked once.
     context: tokio::sync::OnceCell<u64>,
+    /// `--token-verify`, and the calls it has been asked about.
+    verify: TokenVerify,
+    calls: AtomicU64,
 }
 
 impl<E: IdsEngine> TitoBackend<E> {
-    pub(crate) fn new(client: EngineClient, tito: Arc<Tito>, engine: E) -> Self {
+    pub(crate) fn new(
+        client: EngineClient,
+        tito: Arc<Tito>,
+        engine: E,
+        verify: TokenVerify,
+    ) -> Self {
         TitoBackend {
             client,
             tito,
             engine,
             context: tokio::sync::OnceCell::new(),
+            verify,
+            calls: AtomicU64::new(0),
         }
     }
 
-    /// The prompt from tito: rendering a long conversation takes milliseconds, so not on this
-    /// worker thread.
+    /// The prompt from tito, and its shadow full render when `--token-verify` picks the call:
+    /// rendering a long conversation takes milliseconds, so not on this worker thread.
     async fn prompt(
         &self,
         request: &ChatRequest,
-    ) -> Result<Result<TitoPrompt, String>, BackendError> {
+        verify: bool,
+    ) -> Result<Result<(TitoPrompt, Option<TitoVerify>), String>, BackendError> {
         let tito = self.tito.clone();
         let owned = request.clone();
-        tokio::task::spawn_blocking(move || tito.prompt(&owned))
-            .await
-            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))
+        tokio::task::spawn_blocking(move || {
+            let prompt = tito.prompt(&owned)?;
+            let verdict = if verify {
+                tokentap_token_mode::verify(tito.model(), &owned, &prompt.ids, &prompt.origins)
+                    .map_err(|e| tracing::debug!(error = %e, "--token-verify: no full render"))
+                    .ok()
+            } else {
+                None
+            };
+            Ok((prompt, verdict))
+        })
+        .await
+        .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))
     }
 
     /// The call's own limit; else, for engines whose default is short, the rest of the context.
@@ -377,9 +399,9 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
     // Tools and streaming together are fine: tokentap reads the calls itself.
 
     async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
-        self.prompt(request)
+        self.prompt(request, false)
             .await?
-            .map(|p| p.ids.len() as u64)
+            .map(|(p, _)| p.ids.len() as u64)
             .map_err(|message| BackendError::Status {
                 status: 400,
                 message,
@@ -402,15 +424,16 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
         mode: CallMode,
         record_id: &str,
     ) -> Result<GenerationStream, BackendError> {
-        let prompt = self
-            .prompt(request)
-            .await?
-            .map_err(|e| BackendError::Status {
-                status: 400,
-                message: format!(
+        let verify = self.verify.picks(&self.calls);
+        let (prompt, verdict) =
+            self.prompt(request, verify)
+                .await?
+                .map_err(|e| BackendError::Status {
+                    status: 400,
+                    message: format!(
                 "tokentap could not render this conversation with the model's chat template: {e}"
             ),
-            })?;
+                })?;
         let stream = mode == CallMode::Streaming;
         let tools = tools_json(request);
         let max_tokens = self.max_tokens(request, prompt.ids.len()).await?;
@@ -424,10 +447,18 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
         });
         let body = serde_json::to_vec(&body).map_err(|e| BackendError::Protocol(e.to_string()))?;
         let answer = self.client.post_answer(E::PATH, body).await?;
+        if let Some(v) = verdict.as_ref().filter(|v| v.boundary_spans > 0) {
+            tracing::warn!(
+                boundary_spans = v.boundary_spans,
+                examples = ?v.examples,
+                "--token-verify: tito wrote the template's frame other than the full render does"
+            );
+        }
         let token_in = TokenIn {
             continuation: prompt.continuation.clone(),
             origins: prompt.origins.clone(),
             build_us: prompt.build_us,
+            verify: verdict,
         };
         let sent = prompt.ids.len() as u64;
         let dialect = answer_dialect(&self.tito, &prompt.ids);
