@@ -363,6 +363,16 @@ pub struct TitoTally {
     pub extension_rate: Option<f64>,
     /// Prompt tokens summed over the calls, by origin: only `sampled` ones are the policy's.
     pub prompt_tokens: BTreeMap<TokenOrigin, u64>,
+    /// Calls `--token-verify` also rendered in full.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub verified: u32,
+    /// Of those, the calls whose frame tito wrote other than the full render (a bug).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub boundary_drift: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
 }
 
 impl TitoTally {
@@ -376,6 +386,10 @@ impl TitoTally {
         }
         for run in &t.origins {
             *self.prompt_tokens.entry(run.origin).or_default() += u64::from(run.len);
+        }
+        if let Some(v) = &t.verify {
+            self.verified += 1;
+            self.boundary_drift += u32::from(v.boundary_spans > 0);
         }
         let could_extend = self.could_extend();
         self.extension_rate =
@@ -412,6 +426,13 @@ impl TitoTally {
                 .map(|(c, n)| format!("{} {n}", c.as_str()))
                 .collect();
             let _ = write!(calls, " ({})", causes.join(", "));
+        }
+        if self.verified > 0 {
+            let _ = write!(
+                calls,
+                "  verified {} (boundary drift in {})",
+                self.verified, self.boundary_drift
+            );
         }
         let origins: Vec<String> = TokenOrigin::ALL
             .iter()
@@ -548,7 +569,38 @@ mod tests {
         let json = serde_json::to_value(&t).unwrap();
         assert_eq!(json["branches"]["edited"], 1);
         assert_eq!(json["prompt_tokens"]["sampled"], 6);
-        assert_eq!(serde_json::from_value::<TitoTally>(json).unwrap(), t);
+        assert_eq!(
+            serde_json::from_value::<TitoTally>(json.clone()).unwrap(),
+            t
+        );
+        assert!(json.get("verified").is_none(), "no verify, no field");
+
+        // Two verified calls, one with boundary drift.
+        let verified = |boundary_spans| {
+            let mut v = token_in(extends_again(), &[(TokenOrigin::Sampled, 1)]);
+            v.verify = Some(TitoVerify {
+                rendered_tokens: 9,
+                content_spans: 1,
+                boundary_spans,
+                examples: vec![],
+            });
+            v
+        };
+        t.add(&verified(0));
+        t.add(&verified(2));
+        assert_eq!((t.verified, t.boundary_drift), (2, 1));
+        assert!(
+            t.lines()[0].ends_with("  verified 2 (boundary drift in 1)"),
+            "{}",
+            t.lines()[0]
+        );
+    }
+
+    fn extends_again() -> TitoContinuation {
+        TitoContinuation::Extends {
+            record_id: "b".into(),
+            appended: 1,
+        }
     }
 
     #[test]

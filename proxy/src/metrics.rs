@@ -87,6 +87,9 @@ pub struct Metrics {
     /// `branch`) and the branch's `cause` (empty for `extends`); the time to build a prompt.
     pub token_mode_tito_calls: IntCounterVec,
     pub token_mode_tito_build_seconds: HistogramVec,
+    /// `--token-verify`: verified calls by result, and the drift spans found by kind.
+    pub token_mode_tito_verify: IntCounterVec,
+    pub token_mode_tito_verify_spans: IntCounterVec,
 }
 
 impl Metrics {
@@ -324,6 +327,16 @@ impl Metrics {
                 "--token-mode tito: time to build a call's prompt ids",
                 &[],
             ),
+            token_mode_tito_verify: counter_vec(
+                "tokentap_token_mode_tito_verify_total",
+                "--token-verify: tito calls also rendered in full, by result (equal: the same ids; content_drift: differences inside sampled tokens only, what tito keeps on purpose; boundary_drift: tito wrote the template's frame other than the full render, a bug)",
+                &["result"],
+            ),
+            token_mode_tito_verify_spans: counter_vec(
+                "tokentap_token_mode_tito_verify_spans_total",
+                "--token-verify: spans where a tito prompt differs from the full render, by kind (content, boundary)",
+                &["kind"],
+            ),
             registry,
         }
     }
@@ -360,6 +373,22 @@ impl Metrics {
         self.token_mode_tito_build_seconds
             .with_label_values::<&str>(&[])
             .observe(t.build_us as f64 / 1e6);
+        if let Some(v) = &t.verify {
+            let result = match (v.boundary_spans, v.content_spans) {
+                (0, 0) => "equal",
+                (0, _) => "content_drift",
+                _ => "boundary_drift",
+            };
+            self.token_mode_tito_verify
+                .with_label_values(&[result])
+                .inc();
+            self.token_mode_tito_verify_spans
+                .with_label_values(&["content"])
+                .inc_by(v.content_spans.into());
+            self.token_mode_tito_verify_spans
+                .with_label_values(&["boundary"])
+                .inc_by(v.boundary_spans.into());
+        }
     }
 
     /// A finished call, from its record. `harness`: as the admission gate knows it (else from
@@ -560,6 +589,38 @@ mod tests {
             r#"tokentap_token_mode_tito_build_seconds_bucket{le="0.0005"} 2"#,
         ] {
             assert!(text.lines().any(|l| l == series), "no {series} in:\n{text}");
+        }
+    }
+
+    #[test]
+    fn verified_calls_are_counted_by_result_and_their_spans_by_kind() {
+        let metrics = Metrics::new();
+        let verified = |content_spans, boundary_spans| TokenIn {
+            continuation: TitoContinuation::Branch {
+                cause: TitoBranchCause::First,
+                detail: None,
+            },
+            origins: vec![],
+            build_us: 1,
+            verify: Some(tokentap_schema::TitoVerify {
+                rendered_tokens: 10,
+                content_spans,
+                boundary_spans,
+                examples: vec![],
+            }),
+        };
+        metrics.record_token_in(&verified(0, 0));
+        metrics.record_token_in(&verified(2, 0));
+        metrics.record_token_in(&verified(1, 1));
+        let text = String::from_utf8(metrics.render()).unwrap();
+        for series in [
+            r#"tokentap_token_mode_tito_verify_total{result="equal"} 1"#,
+            r#"tokentap_token_mode_tito_verify_total{result="content_drift"} 1"#,
+            r#"tokentap_token_mode_tito_verify_total{result="boundary_drift"} 1"#,
+            r#"tokentap_token_mode_tito_verify_spans_total{kind="content"} 3"#,
+            r#"tokentap_token_mode_tito_verify_spans_total{kind="boundary"} 1"#,
+        ] {
+            assert!(text.contains(series), "{series} not in\n{text}");
         }
     }
 }

@@ -6,7 +6,9 @@ use std::path::PathBuf;
 
 use serde_json::json;
 use tokentap_schema::{ChatMessage, ChatRequest, TitoBranchCause, TitoContinuation, TokenOrigin};
-use tokentap_token_mode::{EngineDialect, SampledEnd, Tito, TitoLimits, TitoPrompt, TokenModel};
+use tokentap_token_mode::{
+    verify, EngineDialect, SampledEnd, Tito, TitoLimits, TitoPrompt, TokenModel,
+};
 
 fn model_at(var: &str, file: &str) -> TokenModel {
     let path = std::env::var_os(var).map(PathBuf::from).unwrap_or_else(|| {
@@ -436,4 +438,50 @@ fn the_requests_template_kwargs_shape_the_appended_generation_prompt() {
     let full = t.model().prompt_ids(&r2).unwrap();
     let new = &p2.ids[p1.ids.len()..];
     assert!(full.ends_with(&new[new.len() - 20..]));
+}
+
+/// `--token-verify`: the full render against tito's ids. Where the harness dropped the
+/// reasoning tito keeps, the difference lies inside sampled tokens (content drift, expected);
+/// a frame token tito wrote differently is boundary drift (the positive control: one
+/// `<|im_start|>` of the render's frame swapped for `<|im_end|>`).
+#[test]
+fn token_verify_tells_kept_reasoning_from_a_frame_written_differently() {
+    let t = tito();
+    let r1 = request(base());
+    let p1 = t.prompt(&r1).unwrap();
+    let v1 = verify(t.model(), &r1, &p1.ids, &p1.origins).unwrap();
+    assert_eq!(
+        (v1.content_spans, v1.boundary_spans),
+        (0, 0),
+        "a first call is the full render"
+    );
+    answer(&t, &r1, &p1, SAMPLED_CALL, SampledEnd::StopToken, "r1");
+    let mut m2 = base();
+    m2.push(assistant_call("{\"command\": \"pwd\"}", None));
+    m2.push(tool_result("/work"));
+    let r2 = request(m2);
+    let p2 = t.prompt(&r2).unwrap();
+    assert_eq!(cause(&p2), None, "extends");
+    let v2 = verify(t.model(), &r2, &p2.ids, &p2.origins).unwrap();
+    assert!(v2.content_spans >= 1, "{v2:?}");
+    assert_eq!(v2.boundary_spans, 0, "{v2:?}");
+    assert_eq!(
+        v2.rendered_tokens as usize,
+        t.model().prompt_ids(&r2).unwrap().len()
+    );
+
+    let tokenizer = t.model().tokenizer();
+    let (start, end) = (
+        tokenizer.encode("<|im_start|>").unwrap()[0],
+        tokenizer.encode("<|im_end|>").unwrap()[0],
+    );
+    let mut bad = p2.ids.clone();
+    let at = bad.iter().rposition(|id| *id == start).unwrap();
+    bad[at] = end;
+    let v = verify(t.model(), &r2, &bad, &p2.origins).unwrap();
+    assert!(v.boundary_spans >= 1, "{v:?}");
+    assert_eq!(
+        v.examples[0].cause,
+        tokentap_schema::DriftCause::BoundaryToken
+    );
 }

@@ -8,7 +8,8 @@
 //! wire API's own fields and events); the engine got exactly the record's prompt ids as ids
 //! (`/completion`'s `prompt`), and evaluated as many; every later call extends the earlier
 //! call's prompt + sampled ids (the record's `token_in` says so, and the ids show it), the
-//! engine reusing its cache for that prefix. The same conversation through tokentap in text
+//! engine reusing its cache for that prefix; `--token-verify always` finds the full render
+//! different only inside the sampled tokens, never in the frame tito wrote. The same conversation through tokentap in text
 //! mode, in the same test: Qwen3's template drops the reasoning of earlier turns on each new
 //! user turn, so no later prompt there extends the one before (both counts printed).
 
@@ -128,6 +129,7 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     let tito = Tokentap::start(
         TokentapConfig::new(engine.url.clone(), "llamacpp")
             .arg("--token-mode=tito")
+            .arg("--token-verify=always")
             .arg("--tokenizer")
             .arg(model.clone())
             .arg("--session-idle")
@@ -204,6 +206,13 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
             "seq {}: {cached} tokens cached, earlier prompt {earlier}",
             records[i].seq
         );
+    }
+    // --token-verify: the full render differs only inside the sampled tokens (the reasoning
+    // Qwen3's template drops); tito wrote every frame token as the template does.
+    for (i, r) in records.iter().enumerate() {
+        let v = r.token_in.as_ref().unwrap().verify.as_ref().expect("verified");
+        assert_eq!(v.boundary_spans, 0, "seq {}: {v:?}", r.seq);
+        assert_eq!(v.content_spans > 0, i > 0, "seq {}: {v:?}", r.seq);
     }
     let tito_extends = extensions(&records);
     assert_eq!(tito_extends, 2);
