@@ -138,6 +138,8 @@ pub struct Tito {
     /// make two different conversations collide on purpose).
     keys: std::hash::RandomState,
     state: Mutex<State>,
+    /// What the start-up probe found, one line per template construct.
+    probe_report: Vec<String>,
 }
 
 impl std::fmt::Debug for Tito {
@@ -183,9 +185,39 @@ impl Tito {
                 frames: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
                 first_answers: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
             }),
+            probe_report: Vec::new(),
         };
         tito.short_suffix = tito.check_appends()?;
+        tito.probe_report.push(tito.check_reasoning());
         Ok(tito)
+    }
+
+    /// The start-up probe's findings, one line per template construct: each append tito
+    /// needs (refused at start when one fails, naming it), whether it renders alone after a
+    /// stand-in, and what the template does with an earlier turn's reasoning.
+    pub fn probe_report(&self) -> &[String] {
+        &self.probe_report
+    }
+
+    /// Whether the template writes an earlier assistant turn's reasoning once a user turn
+    /// follows it (Qwen3, GLM and MiniMax drop it: there text mode re-renders what was
+    /// sampled, and tito keeps the sampled ids).
+    fn check_reasoning(&self) -> String {
+        let request: Result<ChatRequest, _> = serde_json::from_value(serde_json::json!({
+            "model": "probe",
+            "messages": [
+                {"role": "user", "content": [{"type": "text", "text": "question"}], "content_was_string": true},
+                {"role": "assistant", "content": [{"type": "text", "text": "answer"}], "content_was_string": true, "reasoning": "\u{E003}"},
+                {"role": "user", "content": [{"type": "text", "text": "next"}], "content_was_string": true},
+            ],
+        }));
+        match request.map_err(|e| e.to_string()).and_then(|r| self.model.prompt_text(&r)) {
+            Ok(text) if text.contains('\u{E003}') => {
+                "an earlier turn's reasoning: the template keeps it".into()
+            }
+            Ok(_) => "an earlier turn's reasoning: the template drops it (text mode re-renders those turns; tito keeps the sampled ids)".into(),
+            Err(e) => format!("an earlier turn's reasoning: not rendered ({e})"),
+        }
     }
 
     pub fn model(&self) -> &TokenModel {
@@ -212,7 +244,7 @@ impl Tito {
     /// The template must write, after an answered turn with a call, an end of turn the engine
     /// stops on, then a tool result and a user message. Whether they come out the same after a
     /// short stand-in conversation as after the whole one (then each call renders only that).
-    fn check_appends(&self) -> Result<bool, String> {
+    fn check_appends(&mut self) -> Result<bool, String> {
         let base: Vec<serde_json::Value> = vec![
             serde_json::json!({"role": "system", "content": [{"type": "text", "text": "You are a probe."}], "content_was_string": true}),
             serde_json::json!({"role": "user", "content": [{"type": "text", "text": "question"}], "content_was_string": true}),
@@ -239,7 +271,16 @@ impl Tito {
                 .map_err(|why| {
                     format!("{}: tito cannot append {what}: {why}", self.model.source())
                 })?;
-            short_agrees &= self.suffix_after_answer(&request, 2, true).ok() == Some(full);
+            let alone = self.suffix_after_answer(&request, 2, true).ok() == Some(full);
+            self.probe_report.push(format!(
+                "{what} after an answered call: appends; {}",
+                if alone {
+                    "renders alone after a short stand-in"
+                } else {
+                    "renders only after the whole conversation"
+                }
+            ));
+            short_agrees &= alone;
         }
         Ok(short_agrees)
     }

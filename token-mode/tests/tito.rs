@@ -485,3 +485,19 @@ fn token_verify_tells_kept_reasoning_from_a_frame_written_differently() {
         tokentap_schema::DriftCause::BoundaryToken
     );
 }
+
+/// The start-up probe's report on Qwen3's template: every append tito needs works, each
+/// renders alone after a stand-in, and the template drops an earlier turn's reasoning.
+#[test]
+fn the_start_up_probe_reports_each_construct() {
+    let t = tito();
+    assert_eq!(
+        t.probe_report(),
+        [
+            "a tool result after an answered call: appends; renders alone after a short stand-in",
+            "two tool results after an answered call: appends; renders alone after a short stand-in",
+            "a user message after an answered call: appends; renders alone after a short stand-in",
+            "an earlier turn's reasoning: the template drops it (text mode re-renders those turns; tito keeps the sampled ids)",
+        ]
+    );
+}
