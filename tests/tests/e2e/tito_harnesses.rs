@@ -11,7 +11,9 @@
 //! went to the engine as the record's ids and was evaluated whole; every later call extends the
 //! call before it (`token_in` and the ids agree) — except where the harness itself changes its
 //! history: Qwen Code, resumed, drops the date reminder it had put in the first user message,
-//! and that call branches as `edited`. The same loop through tokentap in text mode, in the same
+//! and that call branches as `edited`. Reconstructed in-process, each session has one trace
+//! per branch (one for Pi, Codex and Claude Code; two for Qwen Code) and 0 faithfulness
+//! violations. The same loop through tokentap in text mode, in the same
 //! test: Qwen3's template re-writes each reply's reasoning, so no call there extends the one
 //! before (both counts printed).
 
@@ -23,6 +25,7 @@ use tokentap_e2e::llama::{LlamaServer, QWEN3_END_THINK, QWEN3_THINK};
 use tokentap_e2e::sse;
 use tokentap_e2e::tee::TeeProxy;
 use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::CaptureRecord;
 use tokentap_schema::{TitoBranchCause, TitoContinuation};
 
@@ -49,7 +52,10 @@ async fn tito_harness(harness: &str, run: impl AsyncFn(&HarnessDirs, &str, &str)
         TokentapConfig::new(engine.url.clone(), "llamacpp")
             .arg("--token-mode=tito")
             .arg("--tokenizer")
-            .arg(model),
+            .arg(model)
+            // Long enough for the harness to start its continuation within the session.
+            .arg("--session-idle")
+            .arg("10"),
     )
     .await;
     let dirs = HarnessDirs::new();
@@ -171,6 +177,39 @@ async fn tito_harness(harness: &str, run: impl AsyncFn(&HarnessDirs, &str, &str)
         );
         tito_extends += 1;
     }
+
+    // Reconstructed in-process: a trace per branch (the first call, Qwen Code's edit), every
+    // extension merged into the trace it extends, and nothing unfaithful.
+    let sessions: std::collections::BTreeSet<&str> =
+        records.iter().map(|r| r.session_id.as_str()).collect();
+    let reports = wait_session_reports(&tokentap.spool.join("traces"), sessions.len(), || {
+        tokentap.log_tail(30)
+    })
+    .await;
+    let branches = records
+        .iter()
+        .filter(|r| {
+            matches!(
+                r.token_in.as_ref().unwrap().continuation,
+                TitoContinuation::Branch { .. }
+            )
+        })
+        .count();
+    let traces: usize = reports.iter().map(|r| r.stats.traces as usize).sum();
+    let violations: u64 = reports
+        .iter()
+        .map(|r| r.faithfulness.violations as u64)
+        .sum();
+    eprintln!(
+        "{harness}: {} calls in {} session(s), {traces} trace(s), {branches} branch(es), {violations} faithfulness violations",
+        records.len(),
+        sessions.len()
+    );
+    assert_eq!(violations, 0, "{harness}: {reports:?}");
+    assert_eq!(
+        traces, branches,
+        "{harness}: a trace per branch: {reports:?}"
+    );
 
     // Text mode, the same loop.
     let text = Tokentap::start(TokentapConfig::new(llama.url.clone(), "llamacpp")).await;
