@@ -210,7 +210,13 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     // --token-verify: the full render differs only inside the sampled tokens (the reasoning
     // Qwen3's template drops); tito wrote every frame token as the template does.
     for (i, r) in records.iter().enumerate() {
-        let v = r.token_in.as_ref().unwrap().verify.as_ref().expect("verified");
+        let v = r
+            .token_in
+            .as_ref()
+            .unwrap()
+            .verify
+            .as_ref()
+            .expect("verified");
         assert_eq!(v.boundary_spans, 0, "seq {}: {v:?}", r.seq);
         assert_eq!(v.content_spans > 0, i > 0, "seq {}: {v:?}", r.seq);
     }
