@@ -261,3 +261,138 @@ async fn session_report(t: &Tokentap) -> tokentap_schema::SessionReport {
     let log = || t.log_tail(30);
     wait_session_reports(&out, 1, log).await.pop().unwrap()
 }
+
+/// The turns that end without the model's end of turn, and a rewritten history, through the
+/// real llama-server in tito (`--token-verify always`): a length cut-off and a stop-string stop
+/// each close the turn with the template's end of turn as `boundary` tokens and the next call
+/// still extends; a compacted history (the earlier turns replaced by a summary) branches as
+/// `compacted`. Reconstructed, the session is two traces (before and after the compaction),
+/// faithful, and no call shows boundary drift against the full render.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_tito_cut_offs_close_the_turn_and_a_compaction_branches() {
+    let llama = LlamaServer::shared_think_model().await;
+    let model = Artefacts::require_think_model().display().to_string();
+    let tito = Tokentap::start(
+        TokentapConfig::new(llama.url.clone(), "llamacpp")
+            .arg("--token-mode=tito")
+            .arg("--token-verify=always")
+            .arg("--tokenizer")
+            .arg(model)
+            .arg("--session-idle")
+            .arg("1"),
+    )
+    .await;
+    let client = reqwest::Client::new();
+    let call = |messages: Vec<Value>, extra: Value| {
+        let mut body = json!({"model": "m", "messages": messages});
+        body.as_object_mut()
+            .unwrap()
+            .extend(extra.as_object().unwrap().clone());
+        let r = client
+            .post(tito.chat_url())
+            .header("x-tokentap-session", "tito-divergence")
+            .json(&body)
+            .send();
+        async move {
+            let r = r.await.unwrap();
+            assert!(r.status().is_success(), "{}", r.status());
+            let v: Value = r.json().await.unwrap();
+            let choice = &v["choices"][0];
+            (
+                choice["finish_reason"].as_str().unwrap().to_owned(),
+                choice["message"]["content"]
+                    .as_str()
+                    .unwrap_or_default()
+                    .to_owned(),
+            )
+        }
+    };
+    let mut messages = vec![
+        json!({"role": "system", "content": "You are terse."}),
+        json!({"role": "user", "content": "Hi."}),
+    ];
+    // 1: cut off by the length limit inside the reasoning.
+    let (finish, content) = call(messages.clone(), json!({"max_tokens": 2})).await;
+    assert_eq!(finish, "length");
+    messages.push(json!({"role": "assistant", "content": content}));
+    messages.push(json!({"role": "user", "content": "Go on."}));
+    // 2: stopped by a stop string in the answer.
+    let (finish, content) = call(messages.clone(), json!({"stop": ["one"]})).await;
+    assert_eq!(finish, "stop");
+    assert!(!content.contains("Done"), "{content:?}");
+    messages.push(json!({"role": "assistant", "content": content}));
+    messages.push(json!({"role": "user", "content": "And now?"}));
+    // 3: an ordinary turn.
+    let (_, content) = call(messages.clone(), json!({})).await;
+    assert_eq!(content, "Done.");
+    // 4: the harness compacts: a summary instead of the turns so far.
+    let compacted = vec![
+        json!({"role": "system", "content": "You are terse."}),
+        json!({"role": "user", "content": "Summary of the conversation so far: greetings."}),
+        json!({"role": "assistant", "content": content}),
+        json!({"role": "user", "content": "Once more?"}),
+    ];
+    call(compacted, json!({})).await;
+
+    let mut records = tito.wait_records(4).await;
+    records.sort_by_key(|r| r.seq);
+    let token_in: Vec<_> = records
+        .iter()
+        .map(|r| r.token_in.clone().unwrap())
+        .collect();
+    for r in &records {
+        let v = r
+            .token_in
+            .as_ref()
+            .unwrap()
+            .verify
+            .as_ref()
+            .expect("verified");
+        eprintln!(
+            "seq {}: {:?} {:?} verify content {} boundary {} {:?}",
+            r.seq,
+            r.finish_reason,
+            r.token_in.as_ref().unwrap().continuation,
+            v.content_spans,
+            v.boundary_spans,
+            v.examples
+        );
+    }
+    for (i, t) in token_in.iter().enumerate().take(3).skip(1) {
+        assert!(
+            matches!(&t.continuation, TitoContinuation::Extends { record_id, .. } if *record_id == records[i - 1].record_id),
+            "seq {}: {:?}",
+            records[i].seq,
+            t.continuation
+        );
+        // The turn before ended without the model's end of turn: tito closed it.
+        assert!(
+            t.origins.iter().any(|o| o.origin == TokenOrigin::Boundary),
+            "seq {}: {:?}",
+            records[i].seq,
+            t.origins
+        );
+    }
+    assert!(
+        matches!(
+            token_in[3].continuation,
+            TitoContinuation::Branch {
+                cause: TitoBranchCause::Compacted,
+                ..
+            }
+        ),
+        "{:?}",
+        token_in[3].continuation
+    );
+    for r in &records {
+        let v = r.token_in.as_ref().unwrap().verify.as_ref().unwrap();
+        assert_eq!(v.boundary_spans, 0, "seq {}: {v:?}", r.seq);
+    }
+    let report = session_report(&tito).await;
+    assert_eq!(
+        (report.stats.calls, report.stats.traces),
+        (4, 2),
+        "{report:?}"
+    );
+    assert_eq!(report.faithfulness.violations, 0, "{report:?}");
+}
