@@ -276,3 +276,95 @@ async fn tito_on_vllm_sends_ids_to_completions_and_extends_every_turn() {
 async fn tito_on_sglang_sends_input_ids_to_generate_and_extends_every_turn() {
     tito_on(IdsEngine::Sglang).await;
 }
+
+/// What the model samples for each `scenario:NAME` of tests/sdk/validate.py, in Qwen3's
+/// format; `length` runs past the 256 tokens the validator allows.
+fn sdk_scenarios() -> IdsScript {
+    std::sync::Arc::new(|prompt: &str| {
+        let last_user = prompt.rsplit("<|im_start|>user").next().unwrap_or_default();
+        let name = last_user
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("scenario:"))
+            .unwrap_or("text");
+        match name {
+            "reasoning" => "<think>The user wants a greeting.</think>\n\nHello.".into(),
+            "tools" => concat!(
+                "<think>I should look around first.</think>\n\nLet me look.\n",
+                "<tool_call>\n{\"name\": \"shell\", \"arguments\": {\"command\": \"ls -la\", \"timeout\": 5}}\n</tool_call>\n",
+                "<tool_call>\n{\"name\": \"read\", \"arguments\": {\"path\": \"README.md\", \"lines\": [1, 2]}}\n</tool_call>"
+            )
+            .into(),
+            "length" => "Once upon a time ".repeat(200),
+            _ => "Hello there, from the engine.".into(),
+        }
+    })
+}
+
+/// tito's answers, read back from sampled ids, in the three wire APIs whole and streamed,
+/// pass the providers' own SDK types, event order and streaming helpers (tests/sdk/validate.py,
+/// as the `sdk_types` e2e runs it for text mode) for the scenarios an engine answers: text,
+/// reasoning, two tool calls, a length cut.
+#[tokio::test(flavor = "multi_thread")]
+async fn tito_answers_pass_the_official_sdks_types_and_stream_helpers() {
+    let python = Artefacts::require_python();
+    let model = Artefacts::require_think_model();
+    let double =
+        IdsEngineDouble::start(IdsEngine::Vllm, &model, "<|im_end|>", sdk_scenarios()).await;
+    let tokentap = Tokentap::start(
+        TokentapConfig::new(double.url.clone(), "vllm")
+            .arg("--token-mode=tito")
+            .arg("--tokenizer")
+            .arg(model.display().to_string()),
+    )
+    .await;
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/sdk/validate.py");
+    let out = tokio::process::Command::new(&python)
+        .args([
+            script,
+            "--base",
+            &tokentap.url,
+            "--scenarios",
+            "text,reasoning,tools,length",
+        ])
+        .env("NO_PROXY", "*")
+        .env_remove("OPENAI_BASE_URL")
+        .env_remove("ANTHROPIC_BASE_URL")
+        .output()
+        .await
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    let report: Value = serde_json::from_str(&stdout)
+        .unwrap_or_else(|e| panic!("validate.py wrote no report ({e}):\n{stdout}\n{stderr}"));
+    let failures = report["failures"].as_array().unwrap();
+    assert!(
+        failures.is_empty() && out.status.success(),
+        "{} failure(s) against the SDKs' types:\n{}\n{stderr}",
+        failures.len(),
+        failures
+            .iter()
+            .map(|f| format!("- {}", f.as_str().unwrap_or_default()))
+            .collect::<Vec<_>>()
+            .join("\n"),
+    );
+    // The scenarios ran: reasoning, tool-call and length events were seen and validated.
+    for model in [
+        "ChatCompletionChunk",
+        "ResponseReasoningSummaryTextDeltaEvent",
+        "ResponseFunctionCallArgumentsDoneEvent",
+        "ResponseIncompleteEvent",
+        "RawContentBlockDeltaEvent",
+        "Message",
+    ] {
+        assert!(
+            report["validated"][model].as_u64().unwrap_or(0) > 0,
+            "no {model} validated: {}",
+            report["validated"]
+        );
+    }
+    // Every call went to the engine as ids.
+    assert!(double
+        .requests()
+        .iter()
+        .all(|r| IdsEngine::Vllm.prompt_ids(r).is_some()));
+}
