@@ -81,6 +81,38 @@ pub mod decode {
         }
     }
 
+    /// `--token-mode tito`'s answer decoders (llama.cpp `/completion`, vLLM
+    /// `/v1/completions`, SGLang `/generate`): a whole answer's body (`whole`), or each stream
+    /// event's data in order. Per chunk: its text, ids, logprob slots, and whether it ends the
+    /// answer.
+    pub fn ids_answer(
+        kind: BackendKind,
+        whole: bool,
+        events: &[&[u8]],
+    ) -> Vec<Result<(String, Vec<u32>, Vec<Option<f32>>, bool), BackendError>> {
+        use super::tito::{IdsDecoder, IdsEngine, LlamaCppIds, SglangIds, VllmIds};
+        fn with<D: IdsDecoder>(
+            mut d: D,
+            whole: bool,
+            events: &[&[u8]],
+        ) -> Vec<Result<(String, Vec<u32>, Vec<Option<f32>>, bool), BackendError>> {
+            events
+                .iter()
+                .filter_map(|e| {
+                    let chunk = if whole { d.whole(e).map(Some) } else { d.event(e) };
+                    chunk
+                        .transpose()
+                        .map(|c| c.map(|c| (c.text, c.tokens, c.logprobs, c.end.is_some())))
+                })
+                .collect()
+        }
+        match kind {
+            BackendKind::Llamacpp => with(LlamaCppIds.decoder(), whole, events),
+            BackendKind::Vllm => with(VllmIds.decoder(), whole, events),
+            BackendKind::Sglang => with(SglangIds.decoder(), whole, events),
+        }
+    }
+
     /// A whole answer's `message` (`whole`) or a stream chunk's `delta`, read as the
     /// decoders read it from an answer's bytes.
     pub fn delta(v: &Value, whole: bool) -> Delta {
