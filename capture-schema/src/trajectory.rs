@@ -103,6 +103,11 @@ pub struct Trace {
     pub index: u32,
     /// Why the trace begins here.
     pub started_by: SplitCause,
+    /// `--token-mode tito`: why tito rendered the trace's first call whole (`first`,
+    /// `edited`, `compacted`, …); null when that call extended an earlier one, or was not
+    /// built in tito.
+    #[serde(default)]
+    pub tito_branch: Option<crate::TitoBranchCause>,
     /// Context tokens: the first call's prompt exactly as the engine saw it.
     pub prompt_ids: Vec<u32>,
     /// Everything after the prompt: sampled tokens and, between calls, the tokens the next

@@ -20,8 +20,8 @@ use std::collections::{BTreeMap, HashSet};
 use serde_json::Value;
 use tokentap_schema::{
     AssistantMessage, CaptureRecord, ChatMessage, ConversationSource, FinishReason, Normalization,
-    RawJson, SessionStats, SplitCause, SplitPoint, Strategy, ToolSpec, Trace, TraceCall, WireApi,
-    TRAJECTORY_SCHEMA_VERSION,
+    RawJson, SessionStats, SplitCause, SplitPoint, Strategy, TitoBranchCause, TitoContinuation,
+    ToolSpec, Trace, TraceCall, WireApi, TRAJECTORY_SCHEMA_VERSION,
 };
 
 /// The traces of a session and how they were made.
@@ -51,6 +51,8 @@ pub struct SessionBuilder {
 struct Chain {
     index: u32,
     started_by: SplitCause,
+    /// The tito branch cause of the chain's first call.
+    tito_branch: Option<TitoBranchCause>,
     prompt_len: usize,
     /// First prompt ++ committed response: the tip's prompt.
     tokens: Vec<u32>,
@@ -65,6 +67,8 @@ struct Chain {
 /// The last call of a chain, its sampled tokens not yet committed.
 struct Tip {
     record_id: String,
+    /// Why tito rendered this call whole, if it did.
+    tito_branch: Option<TitoBranchCause>,
     completion: Option<Vec<u32>>,
     logprobs: Option<Vec<f32>>,
     finish_reason: Option<FinishReason>,
@@ -173,6 +177,10 @@ impl Tip {
         };
         Tip {
             record_id: r.record_id.clone(),
+            tito_branch: match r.token_in.as_ref().map(|t| &t.continuation) {
+                Some(TitoContinuation::Branch { cause, .. }) => Some(*cause),
+                _ => None,
+            },
             completion: r.completion_token_ids.clone(),
             logprobs,
             finish_reason: r.finish_reason,
@@ -213,6 +221,7 @@ impl Chain {
         Chain {
             index,
             started_by,
+            tito_branch: tip.tito_branch,
             prompt_len: prompt.len(),
             tokens: prompt,
             mask: Vec::new(),
@@ -291,6 +300,7 @@ impl Chain {
             strategy,
             index: self.index,
             started_by: self.started_by,
+            tito_branch: self.tito_branch,
             prompt_ids: self.tokens,
             response_ids,
             loss_mask: self.mask,
@@ -595,5 +605,46 @@ mod tests {
             .unwrap()
             .get("tito")
             .is_none());
+    }
+
+    /// Each trace names the tito branch its first call was rendered for; a call that extends
+    /// its trace's tip adds none.
+    #[test]
+    fn a_trace_names_the_tito_branch_that_started_it() {
+        let with_ids = |n: u64, continuation, prompt: Vec<u32>, sampled: Vec<u32>| {
+            let mut r = tito_record(n, continuation, 1, 0);
+            r.logprobs = Some(vec![-0.5; sampled.len()]);
+            r.prompt_token_ids = Some(prompt);
+            r.completion_token_ids = Some(sampled);
+            r
+        };
+        let first = TitoContinuation::Branch {
+            cause: TitoBranchCause::First,
+            detail: None,
+        };
+        let extends = TitoContinuation::Extends {
+            record_id: "r0".into(),
+            appended: 2,
+        };
+        let compacted = TitoContinuation::Branch {
+            cause: TitoBranchCause::Compacted,
+            detail: None,
+        };
+        let records = [
+            with_ids(0, first, vec![1, 2, 3], vec![4, 5]),
+            with_ids(1, extends, vec![1, 2, 3, 4, 5, 6, 7], vec![8]),
+            with_ids(2, compacted, vec![1, 9, 3], vec![10]),
+        ];
+        let sessions = build_all(&records, Strategy::PrefixMerge);
+        let traces = &sessions[0].traces;
+        assert_eq!(traces.len(), 2, "{traces:?}");
+        assert_eq!(traces[0].calls.len(), 2);
+        assert_eq!(traces[0].tito_branch, Some(TitoBranchCause::First));
+        assert_eq!(traces[1].tito_branch, Some(TitoBranchCause::Compacted));
+        // Outside tito there is no branch to name.
+        let mut text = records[1].clone();
+        text.token_in = None;
+        let plain = build_all(&[text], Strategy::PrefixMerge);
+        assert_eq!(plain[0].traces[0].tito_branch, None);
     }
 }

@@ -201,6 +201,9 @@ class Trace(_TraceBase, total=False):
     reward: Optional[float]
     group_id: Optional[str]
     gaps: List[str]
+    # `--token-mode tito`: why tito rendered the trace's first call whole (`first`, `edited`,
+    # `compacted`, ...); None when it extended an earlier call or was not built in tito.
+    tito_branch: Optional[str]
 
 
 class TraceArrays(TypedDict):
