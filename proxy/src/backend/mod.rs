@@ -81,6 +81,10 @@ pub mod decode {
         }
     }
 
+    /// One chunk of a tito answer as [`ids_answer`] reads it: its text, ids, logprob slots, and
+    /// whether it ends the answer.
+    pub type IdsAnswerChunk = (String, Vec<u32>, Vec<Option<f32>>, bool);
+
     /// `--token-mode tito`'s answer decoders (llama.cpp `/completion`, vLLM
     /// `/v1/completions`, SGLang `/generate`): a whole answer's body (`whole`), or each stream
     /// event's data in order. Per chunk: its text, ids, logprob slots, and whether it ends the
@@ -89,13 +93,13 @@ pub mod decode {
         kind: BackendKind,
         whole: bool,
         events: &[&[u8]],
-    ) -> Vec<Result<(String, Vec<u32>, Vec<Option<f32>>, bool), BackendError>> {
+    ) -> Vec<Result<IdsAnswerChunk, BackendError>> {
         use super::tito::{IdsDecoder, IdsEngine, LlamaCppIds, SglangIds, VllmIds};
         fn with<D: IdsDecoder>(
             mut d: D,
             whole: bool,
             events: &[&[u8]],
-        ) -> Vec<Result<(String, Vec<u32>, Vec<Option<f32>>, bool), BackendError>> {
+        ) -> Vec<Result<IdsAnswerChunk, BackendError>> {
             events
                 .iter()
                 .filter_map(|e| {
