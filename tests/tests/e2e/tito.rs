@@ -18,7 +18,7 @@ use tokentap_e2e::artefacts::Artefacts;
 use tokentap_e2e::llama::LlamaServer;
 use tokentap_e2e::sse;
 use tokentap_e2e::tee::TeeProxy;
-use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::tokentap::{tokentap_cli, Tokentap, TokentapConfig};
 use tokentap_e2e::traces::wait_session_reports;
 use tokentap_e2e::CaptureRecord;
 use tokentap_schema::{TitoBranchCause, TitoContinuation, TokenOrigin, TokenSource};
@@ -222,6 +222,22 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     }
     let tito_extends = extensions(&records);
     assert_eq!(tito_extends, 2);
+    // The same in `records summary`, verified calls included.
+    let summary = tokentap_cli(&[
+        "records",
+        "summary",
+        "--spool",
+        tito.spool.to_str().unwrap(),
+    ])
+    .await;
+    assert!(summary.success, "{}", summary.stderr);
+    assert!(
+        summary.stdout.contains(
+            "tito: calls 3  extended 2 of 2 (100%)  branches 1 (first 1)  verified 3 (boundary drift in 0)"
+        ),
+        "{}",
+        summary.stdout
+    );
     // Reconstruction: the session is one trace, faithful.
     let tito_report = session_report(&tito).await;
     assert_eq!(
