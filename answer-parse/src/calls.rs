@@ -64,7 +64,7 @@ pub(crate) fn function_of(tool: &Value) -> Option<(&str, Option<&Value>)> {
 }
 
 /// `"type": "string"`, `["string", "null"]`, or no type at all (anything goes: keep the text).
-fn declared_string(property: &Value) -> bool {
+pub(crate) fn declared_string(property: &Value) -> bool {
     match property.get("type") {
         None => true,
         Some(Value::String(t)) => t == "string",

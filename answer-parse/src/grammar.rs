@@ -38,11 +38,8 @@ impl CallGrammar {
 }
 
 /// The grammar of `family`'s calls to `tools` (any of the three wire APIs' shapes), or `None`
-/// when there are no tools or the family's calls are not constrained yet (only Hermes' are).
+/// when there are no tools.
 pub fn call_grammar(family: Family, tools: &[Value]) -> Option<CallGrammar> {
-    if family != Family::Hermes {
-        return None;
-    }
     let mut rules = Rules::default();
     let mut calls = Vec::new();
     for tool in tools {
@@ -52,25 +49,111 @@ pub fn call_grammar(family: Family, tools: &[Value]) -> Option<CallGrammar> {
         let schema = schema
             .cloned()
             .unwrap_or_else(|| serde_json::json!({"type": "object"}));
-        let args = rules.value(&schema, &format!("{}-args", rule_name(name)));
-        calls.push(format!(
-            "{} {args} {}",
-            literal(&format!(
-                "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": "
-            )),
-            literal("}\n</tool_call>")
-        ));
+        calls.push(call_rule(&mut rules, family, name, &schema));
     }
     if calls.is_empty() {
         return None;
     }
     rules.add("call", calls.join(" | "));
-    rules.add("root", "call (\"\\n\" call)*".into());
+    let (root, trigger, preserved): (&str, &str, &[&str]) = match family {
+        Family::Hermes | Family::Qwen3Coder | Family::Glm45 => (
+            "call (\"\\n\" call)*",
+            "<tool_call>",
+            &["<tool_call>", "</tool_call>"],
+        ),
+        Family::DeepSeekV3 => (
+            "\"<｜tool▁calls▁begin｜>\" call (\"\\n\" call)* \"<｜tool▁calls▁end｜>\"",
+            "<｜tool▁calls▁begin｜>",
+            &[
+                "<｜tool▁calls▁begin｜>",
+                "<｜tool▁call▁begin｜>",
+                "<｜tool▁sep｜>",
+                "<｜tool▁call▁end｜>",
+                "<｜tool▁calls▁end｜>",
+            ],
+        ),
+        Family::Llama3Json => ("call (\"; \" call)*", "{\"name\": \"", &[]),
+    };
+    rules.add("root", root.into());
     Some(CallGrammar {
         grammar: rules.text(),
-        trigger: "<tool_call>".into(),
-        preserved: vec!["<tool_call>".into(), "</tool_call>".into()],
+        trigger: trigger.into(),
+        preserved: preserved.iter().map(|p| p.to_string()).collect(),
     })
+}
+
+/// One call to tool `name`, as `family`'s template writes it (`calls.rs` reads each back).
+fn call_rule(rules: &mut Rules, family: Family, name: &str, schema: &Value) -> String {
+    let args = || format!("{}-args", rule_name(name));
+    match family {
+        Family::Hermes => {
+            let args = rules.value(schema, &args());
+            format!(
+                "{} {args} {}",
+                literal(&format!(
+                    "<tool_call>\n{{\"name\": \"{name}\", \"arguments\": "
+                )),
+                literal("}\n</tool_call>")
+            )
+        }
+        Family::Llama3Json => {
+            let args = rules.value(schema, &args());
+            format!(
+                "{} {args} \"}}\"",
+                literal(&format!("{{\"name\": \"{name}\", \"parameters\": "))
+            )
+        }
+        // V3's form (`function<｜tool▁sep｜>NAME` and a ```json fence), which R1 and V3-0324
+        // write; V3.1's templates write `NAME<｜tool▁sep｜>{…}` and the parser reads both.
+        Family::DeepSeekV3 => {
+            let args = rules.value(schema, &args());
+            format!(
+                "{} {args} {}",
+                literal(&format!(
+                    "<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n"
+                )),
+                literal("\n```<｜tool▁call▁end｜>")
+            )
+        }
+        Family::Qwen3Coder => {
+            let params = rules.bare_parameters(
+                schema,
+                &args(),
+                |key, value| {
+                    format!(
+                        "{} {value} {}",
+                        literal(&format!("<parameter={key}>\n")),
+                        literal("\n</parameter>\n")
+                    )
+                },
+                "</parameter>",
+            );
+            format!(
+                "{} {params} {}",
+                literal(&format!("<tool_call>\n<function={name}>\n")),
+                literal("</function>\n</tool_call>")
+            )
+        }
+        Family::Glm45 => {
+            let params = rules.bare_parameters(
+                schema,
+                &args(),
+                |key, value| {
+                    format!(
+                        "{} {value} {}",
+                        literal(&format!("<arg_key>{key}</arg_key>\n<arg_value>")),
+                        literal("</arg_value>\n")
+                    )
+                },
+                "</arg_value>",
+            );
+            format!(
+                "{} {params} {}",
+                literal(&format!("<tool_call>{name}\n")),
+                literal("</tool_call>")
+            )
+        }
+    }
 }
 
 #[derive(Default)]
@@ -209,6 +292,96 @@ impl Rules {
         self.add(name, body)
     }
 
+    /// The parameters of a family that writes each as bare text between markers (Qwen3-Coder,
+    /// GLM): required ones in order, then optional ones in order, each `item(key, value)`;
+    /// a string parameter's value is any text without `end` (the marker that closes it), any
+    /// other is JSON of its schema, as the templates write it (`tojson`).
+    fn bare_parameters(
+        &mut self,
+        schema: &Value,
+        name: &str,
+        item: impl Fn(&str, &str) -> String,
+        end: &str,
+    ) -> String {
+        let properties = schema
+            .get("properties")
+            .and_then(Value::as_object)
+            .cloned()
+            .unwrap_or_default();
+        let required: Vec<&str> = schema
+            .get("required")
+            .and_then(Value::as_array)
+            .map(|r| r.iter().filter_map(Value::as_str).collect())
+            .unwrap_or_default();
+        let mut parts = Vec::new();
+        for pass_required in [true, false] {
+            for (key, prop) in properties
+                .iter()
+                .filter(|(k, _)| required.contains(&k.as_str()) == pass_required)
+            {
+                let value = if crate::calls::declared_string(prop) {
+                    self.text_without(end)
+                } else {
+                    self.value(prop, &format!("{name}-{}", rule_name(key)))
+                };
+                let one = item(key, &value);
+                parts.push(if pass_required {
+                    one
+                } else {
+                    format!("({one})?")
+                });
+            }
+        }
+        if parts.is_empty() {
+            return "\"\"".into();
+        }
+        self.add(name, parts.join(" "))
+    }
+
+    /// Any text that does not contain `end` (whose first character occurs in it only once):
+    /// characters other than that first one, and runs of it each followed by either a partial
+    /// match of the rest of `end` that fails on a character that is neither the next one nor
+    /// the first (consumed), or a partial match followed by another run; at the text's end, a
+    /// run and partial matches of `end` without its last character.
+    fn text_without(&mut self, end: &str) -> String {
+        let chars: Vec<char> = end.chars().collect();
+        let (first, rest) = (chars[0], &chars[1..]);
+        debug_assert!(rest.len() >= 2 && !rest.contains(&first));
+        let words: String = end
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { ' ' })
+            .collect();
+        let base = format!(
+            "text-until-{}",
+            words.split_whitespace().collect::<Vec<_>>().join("-")
+        );
+        let lit = |c: char| literal(&c.to_string());
+        let not = |c: char| format!("[^{}{}]", class_char(c), class_char(first));
+        // A failing continuation: `rest[..i]` then a character other than `rest[i]`.
+        let mut failing = not(rest[rest.len() - 1]);
+        for i in (0..rest.len() - 1).rev() {
+            failing = format!("{} | {} ({failing})", not(rest[i]), lit(rest[i]));
+        }
+        // A nonempty partial match that stops short of `end`: `rest[..i]`, 1 ≤ i < len.
+        let mut partial = String::new();
+        for i in (0..rest.len() - 1).rev() {
+            partial = if partial.is_empty() {
+                lit(rest[i])
+            } else {
+                format!("{} ({partial})?", lit(rest[i]))
+            };
+        }
+        let f = lit(first);
+        let run = format!("{base}-run");
+        let tail = format!("{base}-end");
+        self.add(&run, format!("{f}+ (({failing}) | ({partial}) {run})"));
+        self.add(&tail, format!("{f}+ (({partial}) {tail}?)?"));
+        self.add(
+            &base,
+            format!("([^{}] | {run})* {tail}?", class_char(first)),
+        )
+    }
+
     fn string(&mut self) -> String {
         self.add(
             "string",
@@ -235,6 +408,15 @@ impl Rules {
 
 fn any_object_rule() -> String {
     r#""{" (string ": " value (", " string ": " value)*)? "}""#.into()
+}
+
+/// A character as it stands in a GBNF character class.
+fn class_char(c: char) -> String {
+    match c {
+        '\\' | ']' | '[' | '^' | '-' => format!("\\{c}"),
+        '\n' => "\\n".into(),
+        c => c.to_string(),
+    }
 }
 
 /// A GBNF string literal of `text`.

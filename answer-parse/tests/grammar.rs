@@ -73,25 +73,48 @@ fn defined_and_used(grammar: &str) -> (BTreeSet<String>, BTreeSet<String>) {
     (defined, used)
 }
 
+/// How each family's template opens a call to `name`.
+fn opening(family: Family, name: &str) -> String {
+    match family {
+        Family::Hermes => format!(r#""<tool_call>\n{{\"name\": \"{name}\", \"arguments\": ""#),
+        Family::Qwen3Coder => format!(r#""<tool_call>\n<function={name}>\n""#),
+        Family::Glm45 => format!(r#""<tool_call>{name}\n""#),
+        Family::DeepSeekV3 => {
+            format!(r#""<｜tool▁call▁begin｜>function<｜tool▁sep｜>{name}\n```json\n""#)
+        }
+        Family::Llama3Json => format!(r#""{{\"name\": \"{name}\", \"parameters\": ""#),
+    }
+}
+
 #[test]
-fn every_rule_named_is_defined_for_each_harness() {
+fn every_rule_named_is_defined_for_each_harness_and_family() {
     for harness in ["pi", "qwen", "codex", "claude"] {
         let tools = tools(harness);
         assert!(!tools.is_empty(), "{harness}");
-        let g = call_grammar(Family::Hermes, &tools).expect("a grammar");
-        let (defined, used) = defined_and_used(&g.grammar);
-        let missing: Vec<_> = used.difference(&defined).collect();
-        assert!(
-            missing.is_empty(),
-            "{harness}: undefined rules {missing:?}\n{}",
-            g.grammar
-        );
-        assert!(g.grammar.starts_with("root ::= "), "{harness}");
-        for tool in &tools {
-            let function = tool.get("function").unwrap_or(tool);
-            if let Some(name) = function.get("name").and_then(Value::as_str) {
-                let opening = format!(r#""<tool_call>\n{{\"name\": \"{name}\", \"arguments\": ""#);
-                assert!(g.grammar.contains(&opening), "{harness}: {name}");
+        for family in Family::ALL {
+            let g = call_grammar(family, &tools).expect("a grammar");
+            let (defined, used) = defined_and_used(&g.grammar);
+            let missing: Vec<_> = used.difference(&defined).collect();
+            assert!(
+                missing.is_empty(),
+                "{harness}, {family}: undefined rules {missing:?}\n{}",
+                g.grammar
+            );
+            assert!(g.grammar.starts_with("root ::= "), "{harness}, {family}");
+            assert!(
+                g.grammar
+                    .contains(&format!("\"{}", g.trigger.replace('"', "\\\""))),
+                "{harness}, {family}: the grammar starts at its trigger {:?}",
+                g.trigger
+            );
+            for tool in &tools {
+                let function = tool.get("function").unwrap_or(tool);
+                if let Some(name) = function.get("name").and_then(Value::as_str) {
+                    assert!(
+                        g.grammar.contains(&opening(family, name)),
+                        "{harness}, {family}: {name}"
+                    );
+                }
             }
         }
     }
@@ -105,7 +128,8 @@ fn the_checker_sees_an_undefined_rule() {
 }
 
 #[test]
-fn no_tools_or_another_family_no_grammar() {
-    assert!(call_grammar(Family::Hermes, &[]).is_none());
-    assert!(call_grammar(Family::Glm45, &tools("pi")).is_none());
+fn no_tools_no_grammar() {
+    for family in Family::ALL {
+        assert!(call_grammar(family, &[]).is_none());
+    }
 }

@@ -412,3 +412,78 @@ async fn heavy_tito_cut_offs_close_the_turn_and_a_compaction_branches() {
     );
     assert_eq!(report.faithfulness.violations, 0, "{report:?}");
 }
+
+/// Every family's call grammar, for each harness's real tool list, is accepted by the real
+/// llama-server (a grammar it cannot parse fails the whole call) and enforced: sent whole
+/// rather than lazy, the model's first tokens are the family's call opening. For a tool whose
+/// arguments the grammar pins to a few values, the forced answer reads back, through the
+/// family's own parser, as a call to it with arguments of its schema.
+#[tokio::test(flavor = "multi_thread")]
+async fn heavy_every_familys_call_grammar_is_accepted_and_read_back() {
+    use tokentap_answer_parse::{call_grammar, AnswerParser, Delta, Dialect, Family, ToolSchemas};
+    let llama = LlamaServer::shared_think_model().await;
+    let client = reqwest::Client::new();
+    let prompt = llama
+        .tokenizer()
+        .tokenize("<|im_start|>user\nHi.<|im_end|>\n<|im_start|>assistant\n")
+        .await;
+    let complete = |grammar: &str, n_predict: u32| {
+        let body = json!({"prompt": prompt, "grammar": grammar, "n_predict": n_predict,
+            "temperature": 0.0, "cache_prompt": false});
+        let r = client
+            .post(format!("{}/completion", llama.url))
+            .json(&body)
+            .send();
+        async move {
+            let r = r.await.unwrap();
+            let status = r.status();
+            let v: Value = r.json().await.unwrap();
+            assert!(status.is_success(), "{status}: {v}");
+            v["content"].as_str().unwrap().to_owned()
+        }
+    };
+    let harness_tools = |name: &str| -> Vec<Value> {
+        let path = format!(
+            "{}/../proxy/testdata/harness-wire/{name}.json",
+            env!("CARGO_MANIFEST_DIR")
+        );
+        let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+        v["body"]["tools"].as_array().cloned().unwrap()
+    };
+    let pinned = vec![
+        json!({"type": "function", "function": {"name": "pick", "parameters": {
+        "type": "object", "required": ["flag", "level"],
+        "properties": {"flag": {"type": "boolean"}, "level": {"type": "integer", "enum": [1, 2]}}}}}),
+    ];
+    for family in Family::ALL {
+        for harness in ["pi", "qwen", "codex", "claude"] {
+            let g = call_grammar(family, &harness_tools(harness)).unwrap();
+            let text = complete(&g.grammar, 8).await;
+            let trigger_start: String = g.trigger.chars().take(2).collect();
+            assert!(
+                text.starts_with(&trigger_start) || g.trigger.starts_with(&text),
+                "{family}, {harness}: the grammar holds the answer to a call: {text:?}"
+            );
+        }
+        let g = call_grammar(family, &pinned).unwrap();
+        let text = complete(&g.grammar, 200).await;
+        let mut parser = AnswerParser::new(Dialect::new(family), ToolSchemas::from_tools(&pinned));
+        let mut deltas = parser.push(&text);
+        deltas.extend(parser.finish());
+        let call = deltas
+            .iter()
+            .find_map(|d| match d {
+                Delta::ToolCall(c) => Some(c),
+                _ => None,
+            })
+            .unwrap_or_else(|| panic!("{family}: no call read back from {text:?}"));
+        assert_eq!(call.name, "pick", "{family}");
+        let args: Value = serde_json::from_str(&call.arguments).unwrap();
+        assert!(args["flag"].is_boolean(), "{family}: {args}");
+        assert!(
+            [json!(1), json!(2)].contains(&args["level"]),
+            "{family}: {args}"
+        );
+        eprintln!("{family}: {text:?} -> {}({})", call.name, call.arguments);
+    }
+}

@@ -198,7 +198,7 @@ async fn tito_harness(harness: &str, run: impl AsyncFn(&HarnessDirs, &str, &str)
     let traces: usize = reports.iter().map(|r| r.stats.traces as usize).sum();
     let violations: u64 = reports
         .iter()
-        .map(|r| r.faithfulness.violations as u64)
+        .map(|r| r.faithfulness.violations)
         .sum();
     eprintln!(
         "{harness}: {} calls in {} session(s), {traces} trace(s), {branches} branch(es), {violations} faithfulness violations",
