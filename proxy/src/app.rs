@@ -187,6 +187,36 @@ pub struct CaptureService {
     resolver: Option<Arc<dyn SessionResolver>>,
     /// `--token-mode observe`: each finished call rendered and tokenized by tokentap too.
     token_observer: Option<Arc<tokentap_token_mode::Observer>>,
+    /// Text mode for the sessions that ask for it, on a service built in a token mode.
+    text_mode: Option<TextMode>,
+}
+
+/// The sessions that run in text mode (as `--token-mode off` runs every call) on a service
+/// built in a token mode (`--token-mode observe|tito`): a rollout node's samples whose task
+/// asks for `"token_mode": "off"`.
+pub trait TextModeSessions: Send + Sync {
+    /// Asked as each call (or token count) of the session begins; the answer holds for that
+    /// call's whole life.
+    fn in_text_mode(&self, session: &str) -> bool;
+}
+
+/// What a service built in a token mode keeps to run some sessions in text mode.
+struct TextMode {
+    /// The engine called with text (a `tito` service's own backend sends ids).
+    backend: Arc<dyn Backend>,
+    /// The layout `Auto` resolved to for this backend (a tito backend renders prompts itself,
+    /// so the service's own resolution says nothing of the engine's template).
+    resolved_layout: std::sync::OnceLock<SystemLayout>,
+    sessions: Arc<dyn TextModeSessions>,
+}
+
+/// How one call reaches the engine, chosen once from its session ([`CaptureService::token_path`]):
+/// the backend, the system-message layout resolved for it, and tokentap's observer of the call
+/// (`--token-mode observe`).
+struct TokenPath<'a> {
+    backend: &'a Arc<dyn Backend>,
+    resolved_layout: &'a std::sync::OnceLock<SystemLayout>,
+    observer: Option<&'a Arc<tokentap_token_mode::Observer>>,
 }
 
 /// What a kept-alive connection carries from one request to the next.
@@ -286,6 +316,7 @@ impl CaptureService {
             connections,
             resolver: None,
             token_observer: None,
+            text_mode: None,
         }
     }
 
@@ -301,6 +332,40 @@ impl CaptureService {
     pub fn with_token_observer(mut self, observer: Arc<tokentap_token_mode::Observer>) -> Self {
         self.token_observer = Some(observer);
         self
+    }
+
+    /// Runs the calls of the sessions `sessions` names in text mode whatever token mode the
+    /// service was built in: to `backend` (the engine called with text, as `--token-mode off`
+    /// calls it), unobserved. Only a session the listener vouches for (fixed or resolved) can;
+    /// one a request names for itself runs in the service's own mode.
+    pub fn with_text_mode_sessions(
+        mut self,
+        backend: Arc<dyn Backend>,
+        sessions: Arc<dyn TextModeSessions>,
+    ) -> Self {
+        self.text_mode = Some(TextMode {
+            backend,
+            resolved_layout: std::sync::OnceLock::new(),
+            sessions,
+        });
+        self
+    }
+
+    /// The way a call of `session` (the one the listener fixed or resolved) reaches the engine:
+    /// in text mode when the service runs that session so, else in the service's own mode.
+    fn token_path(&self, session: Option<&str>) -> TokenPath<'_> {
+        match (&self.text_mode, session) {
+            (Some(text), Some(id)) if text.sessions.in_text_mode(id) => TokenPath {
+                backend: &text.backend,
+                resolved_layout: &text.resolved_layout,
+                observer: None,
+            },
+            _ => TokenPath {
+                backend: &self.backend,
+                resolved_layout: &self.resolved_layout,
+                observer: self.token_observer.as_ref(),
+            },
+        }
     }
 
     /// Requires `token` of every client (see [`ProxyConfig::client_token`]).
@@ -327,19 +392,20 @@ impl CaptureService {
         self
     }
 
-    /// The system-message layout for this engine; `Auto` asks the engine's template once.
-    async fn system_layout(&self, model: &str) -> SystemLayout {
+    /// The system-message layout for this engine on `path`; `Auto` asks the engine's template
+    /// once per path.
+    async fn system_layout(&self, path: &TokenPath<'_>, model: &str) -> SystemLayout {
         if self.config.system_layout != SystemLayout::Auto {
             return self.config.system_layout;
         }
-        if let Some(l) = self.resolved_layout.get() {
+        if let Some(l) = path.resolved_layout.get() {
             return *l;
         }
-        let outcome = self.backend.probe_template(&layout_probe(model)).await;
+        let outcome = path.backend.probe_template(&layout_probe(model)).await;
         match layout_from_probe(&outcome) {
             Some(l) => {
                 tracing::info!(?outcome, layout = ?l, "system-message layout chosen from the engine's chat template");
-                *self.resolved_layout.get_or_init(|| l)
+                *path.resolved_layout.get_or_init(|| l)
             }
             None => SystemLayout::AsSent,
         }
@@ -599,7 +665,8 @@ impl CaptureService {
         };
         let seq = self.sessions.next_seq(&session);
         call.session = Some((session, seq));
-        self.end_call(call).await;
+        // No request was read: nothing for an observer.
+        self.end_call(call, None).await;
     }
 
     /// The request body within the size limit and `--body-timeout` (counted when it times out).
@@ -639,7 +706,9 @@ impl CaptureService {
             Some(gate) => gate.hold(session).await,
             None => None,
         };
-        match self.backend.count_prompt_tokens(&request).await {
+        // The count of the prompt this session's calls send: tito's own ids, or the engine's.
+        let backend = self.token_path(session).backend;
+        match backend.count_prompt_tokens(&request).await {
             Ok(n) => write_json(http, 200, &json!({"input_tokens": n})).await,
             Err(e) => {
                 self.write_error(http, &MESSAGES, &CallError::from(&e))
@@ -660,16 +729,17 @@ impl CaptureService {
             return self.refuse_unwritable_spool(http, codec, &cause).await;
         }
         let mut call = self.begin_call(http, codec.api());
+        let path = self.token_path(session_id(&admitted));
         let inflight = self
             .metrics
             .inflight
             .with_label_values(&self.engine_labels());
         inflight.inc();
         let reusable = self
-            .run_call(http, codec, path_session, admitted, &mut call)
+            .run_call(http, codec, path_session, admitted, &path, &mut call)
             .await;
         inflight.dec();
-        self.end_call(call).await;
+        self.end_call(call, path.observer).await;
         reusable
     }
 
@@ -745,6 +815,7 @@ impl CaptureService {
         codec: &dyn WireCodec,
         path_session: Option<String>,
         admitted: Option<session::Session>,
+        path: &TokenPath<'_>,
         call: &mut CallCapture,
     ) -> bool {
         // Identify the session: the one the listener fixed or resolved, else from what the
@@ -891,7 +962,7 @@ impl CaptureService {
         }
         call.normalizations
             .extend(drop_orphan_tool_choice(&mut request));
-        if self.system_layout(&request.model).await == SystemLayout::Single {
+        if self.system_layout(path, &request.model).await == SystemLayout::Single {
             call.normalizations
                 .extend(fold_system_messages(&mut request));
         }
@@ -902,7 +973,7 @@ impl CaptureService {
         } else {
             CallMode::Whole
         };
-        let (mode, why_whole) = self.backend.call_mode(&request, wanted);
+        let (mode, why_whole) = path.backend.call_mode(&request, wanted);
         if let Some(reason) = why_whole {
             call.normalizations.push(Normalization {
                 kind: "synthetic_stream".into(),
@@ -937,7 +1008,7 @@ impl CaptureService {
 
         // Generate.
         let t = Instant::now();
-        let started = self
+        let started = path
             .backend
             .generate_call(
                 call.backend_request.as_ref().expect("set above"),
@@ -972,7 +1043,7 @@ impl CaptureService {
                 }
                 match relay_stream_holding_end(http, renderer, events, call).await {
                     (reusable, Some(end)) => {
-                        self.commit(call).await;
+                        self.commit(call, path.observer).await;
                         // The record stands as answered even if these last bytes find the
                         // harness gone: the engine generated it and it was sent.
                         http.send_body(end, true).await && reusable
@@ -980,7 +1051,10 @@ impl CaptureService {
                     (reusable, None) => reusable,
                 }
             }
-            (false, _) => self.respond_whole(http, codec, &meta, events, call).await,
+            (false, _) => {
+                self.respond_whole(http, codec, &meta, events, path.observer, call)
+                    .await
+            }
         }
     }
 
@@ -990,6 +1064,7 @@ impl CaptureService {
         codec: &dyn WireCodec,
         meta: &ResponseMeta,
         mut events: GenerationStream,
+        observer: Option<&Arc<tokentap_token_mode::Observer>>,
         call: &mut CallCapture,
     ) -> bool {
         for event in collect_events(&mut events, call).await {
@@ -1002,7 +1077,7 @@ impl CaptureService {
         call.first_content_at = Some(Instant::now());
         call.response_status = 200;
         if self.config.durable_answers {
-            self.commit(call).await;
+            self.commit(call, observer).await;
         }
         let ok = write_body(http, 200, "application/json", body).await;
         if !ok {
@@ -1071,21 +1146,22 @@ impl CaptureService {
         write_body(http, status, "application/json", body).await
     }
 
-    async fn end_call(&self, call: CallCapture) {
+    /// Records the call (unless committed already), observed by `observer` when given.
+    async fn end_call(
+        &self,
+        call: CallCapture,
+        observer: Option<&Arc<tokentap_token_mode::Observer>>,
+    ) {
         if call.committed {
             return;
         }
         let (harness, in_activity) = (call.harness, call.in_activity);
-        let request = self.observed_request(&call);
-        let record = self.observe_tokens(request, call.into_record()).await;
+        let request = observed_request(observer, &call);
+        let record = self
+            .observe_tokens(observer, request, call.into_record())
+            .await;
         self.count(&record, harness, in_activity);
         self.sink.send(record, &self.metrics).await;
-    }
-
-    /// The conversation the engine rendered, when tokentap observes token drift.
-    fn observed_request(&self, call: &CallCapture) -> Option<tokentap_schema::ChatRequest> {
-        self.token_observer.as_ref()?;
-        call.backend_request.clone()
     }
 
     /// `--token-mode observe`: the call rendered and tokenized by tokentap, compared with the
@@ -1094,10 +1170,11 @@ impl CaptureService {
     /// hold up the other calls this worker thread serves.
     async fn observe_tokens(
         &self,
+        observer: Option<&Arc<tokentap_token_mode::Observer>>,
         request: Option<tokentap_schema::ChatRequest>,
         mut record: CaptureRecord,
     ) -> CaptureRecord {
-        let (Some(observer), Some(request)) = (self.token_observer.clone(), request) else {
+        let (Some(observer), Some(request)) = (observer.cloned(), request) else {
             return record;
         };
         // The record stays here whatever happens to the observation: copies of what it needs
@@ -1134,10 +1211,16 @@ impl CaptureService {
     }
 
     /// Durable answers: the call's record, written before the harness gets its answer's end.
-    async fn commit(&self, call: &mut CallCapture) {
+    async fn commit(
+        &self,
+        call: &mut CallCapture,
+        observer: Option<&Arc<tokentap_token_mode::Observer>>,
+    ) {
         let (harness, in_activity) = (call.harness, call.in_activity);
-        let request = self.observed_request(call);
-        let record = self.observe_tokens(request, call.take_record()).await;
+        let request = observed_request(observer, call);
+        let record = self
+            .observe_tokens(observer, request, call.take_record())
+            .await;
         self.count(&record, harness, in_activity);
         // Under fail-closed this waits while the spool fails (the record is retried, never
         // dropped). Not written (fail-open, or the proxy stopping): the writer counted it
@@ -1159,6 +1242,15 @@ impl CaptureService {
     fn count(&self, record: &CaptureRecord, harness: Option<Harness>, in_activity: bool) {
         self.metrics.record_call(record, harness, in_activity);
     }
+}
+
+/// The conversation the engine rendered, when `observer` watches the call's token drift.
+fn observed_request(
+    observer: Option<&Arc<tokentap_token_mode::Observer>>,
+    call: &CallCapture,
+) -> Option<tokentap_schema::ChatRequest> {
+    observer?;
+    call.backend_request.clone()
 }
 
 enum BodyError {
@@ -1335,5 +1427,49 @@ mod tests {
             Some("a b+c".into()),
             "form encoding: + is a space"
         );
+    }
+
+    /// A service built in a token mode runs the sessions its owner names in text mode, on the
+    /// engine called with text; every other session, and a call no listener vouched for, in
+    /// the service's own mode.
+    #[test]
+    fn a_text_mode_session_takes_the_text_backend() {
+        struct Named(&'static str);
+        impl TextModeSessions for Named {
+            fn in_text_mode(&self, session: &str) -> bool {
+                session == self.0
+            }
+        }
+        let engine = |url: &str| -> Arc<dyn Backend> {
+            let config = crate::backend::BackendConfig {
+                kind: tokentap_schema::BackendKind::Llamacpp,
+                url: url.into(),
+                api_key: None,
+                ca_roots: Vec::new(),
+                connect_timeout: std::time::Duration::from_secs(1),
+                idle_timeout: std::time::Duration::from_secs(1),
+                max_answer_bytes: crate::backend::DEFAULT_MAX_ANSWER_BYTES,
+            };
+            Arc::from(crate::backend::build(config).unwrap())
+        };
+        let service = CaptureService::new(
+            ProxyConfig::default(),
+            engine("http://own:1"),
+            RecordSink::Discard,
+            Arc::new(Metrics::new()),
+        );
+        assert_eq!(service.token_path(Some("s")).backend.url(), "http://own:1");
+        let service =
+            service.with_text_mode_sessions(engine("http://text:2"), Arc::new(Named("off")));
+        let text = service.token_path(Some("off"));
+        assert_eq!(text.backend.url(), "http://text:2");
+        assert!(text.observer.is_none());
+        assert!(!std::ptr::eq(
+            text.resolved_layout,
+            service.token_path(Some("other")).resolved_layout
+        ));
+        for other in [Some("other"), None] {
+            assert_eq!(service.token_path(other).backend.url(), "http://own:1");
+        }
     }
 }

@@ -158,6 +158,32 @@ impl CaptureArgs {
         EngineOptionPolicy::from_flag_values(&self.engine_options).map_err(anyhow::Error::msg)
     }
 
+    /// `--token-mode`: the mode the service is built in.
+    pub fn token_mode(&self) -> tokentap_token_mode::TokenMode {
+        self.token_mode
+    }
+
+    /// The engine called with text, as `--token-mode off` calls it: what a service built in
+    /// another mode sends the sessions it runs in text mode to
+    /// ([`CaptureService::with_text_mode_sessions`]).
+    pub fn text_backend(&self) -> anyhow::Result<Arc<dyn backend::Backend>> {
+        let backend = backend::build(self.backend_config()?).context("configuring the backend")?;
+        Ok(Arc::from(backend))
+    }
+
+    /// How the engine is reached: `--backend`, its kind, key, CA and limits.
+    fn backend_config(&self) -> anyhow::Result<BackendConfig> {
+        Ok(BackendConfig {
+            kind: self.backend_kind.into(),
+            url: self.backend.clone(),
+            api_key: self.backend_api_key.clone(),
+            ca_roots: self.ca_roots()?,
+            connect_timeout: Duration::from_secs(5),
+            idle_timeout: Duration::from_secs(self.backend_timeout),
+            max_answer_bytes: self.max_answer_bytes,
+        })
+    }
+
     /// `--tokenizer`: the model's tokenizer and template, when given.
     pub fn tokenizer(&self) -> Option<&std::path::Path> {
         self.tokenizer.as_deref()
@@ -236,17 +262,7 @@ impl CaptureArgs {
         observer: Option<crate::capture::RecordObserver>,
     ) -> anyhow::Result<(CaptureService, Option<std::thread::JoinHandle<()>>)> {
         let args = self;
-        let backend_config = BackendConfig {
-            kind: args.backend_kind.into(),
-            url: args.backend.clone(),
-            api_key: args.backend_api_key.clone(),
-            ca_roots: args.ca_roots()?,
-            connect_timeout: Duration::from_secs(5),
-            idle_timeout: Duration::from_secs(args.backend_timeout),
-            max_answer_bytes: args.max_answer_bytes,
-        };
-        let mut backend: Arc<dyn backend::Backend> =
-            Arc::from(backend::build(backend_config.clone()).context("configuring the backend")?);
+        let mut backend = self.text_backend()?;
         let token_model = self.token_model(backend.as_ref())?;
         let token_observer = match (self.token_mode, token_model) {
             (tokentap_token_mode::TokenMode::Observe, Some(model)) => Some(Arc::new(
@@ -259,7 +275,7 @@ impl CaptureArgs {
                 );
                 tracing::info!(family = %tito.dialect().family, reasoning = tito.dialect().reasoning, "token mode tito: prompts built from the conversation's ids, answers read back by tokentap");
                 backend = Arc::from(
-                    backend::build_tito(backend_config, tito, self.token_verify)
+                    backend::build_tito(self.backend_config()?, tito, self.token_verify)
                         .context("configuring the backend")?,
                 );
                 None

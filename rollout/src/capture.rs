@@ -6,14 +6,17 @@
 //! what a request says about its session is ignored, and unknown secrets are refused. Records
 //! go to the
 //! node's spool as with `tokentap proxy`; the spool writer also hands each appended batch to an
-//! index of the samples running now, so POST_RUN gets a sample's records at once.
+//! index of the samples running now, so POST_RUN gets a sample's records at once. A sample whose
+//! task asks for `"token_mode": "off"` on a node started in a token mode has its calls sent to
+//! the engine as text ([`TextModeSamples`]).
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use tokentap_proxy::app::TextModeSessions;
 use tokentap_proxy::capture::RecordSink;
 use tokentap_proxy::session::SessionResolver;
 use tokentap_proxy::CaptureService;
@@ -117,20 +120,45 @@ impl SessionResolver for SampleSecrets {
     }
 }
 
+/// The sessions of the samples whose task runs in text mode (`"token_mode": "off"`): on a
+/// node started in a token mode, the capture sends their calls to the engine as text and
+/// observes none ([`CaptureService::with_text_mode_sessions`]). A session stays here until
+/// its records are collected, so a call still in flight when its agent ended keeps its mode.
+#[derive(Default)]
+pub struct TextModeSamples {
+    sessions: Mutex<HashSet<String>>,
+}
+
+impl TextModeSamples {
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashSet<String>> {
+        self.sessions.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl TextModeSessions for TextModeSamples {
+    fn in_text_mode(&self, session: &str) -> bool {
+        self.lock().contains(session)
+    }
+}
+
 /// A running capture endpoint.
 pub struct NodeCapture {
     pub service: Arc<CaptureService>,
     pub index: Arc<SessionIndex>,
     pub addr: SocketAddr,
     pub secrets: Arc<SampleSecrets>,
+    /// The samples running in text mode (wired into `service` when the node was built in a
+    /// token mode; on a node in text mode every sample is).
+    pub text_mode: Arc<TextModeSamples>,
 }
 
 impl NodeCapture {
     /// Serves `service` on 127.0.0.1 (an ephemeral port) on the current tokio runtime, each
-    /// call's session from its secret.
+    /// call's session from its secret; `text_mode`: the samples it runs in text mode.
     pub async fn start(
         service: CaptureService,
         index: Arc<SessionIndex>,
+        text_mode: Arc<TextModeSamples>,
     ) -> std::io::Result<NodeCapture> {
         let listener = tokio::net::TcpListener::bind(("127.0.0.1", 0)).await?;
         let addr = listener.local_addr()?;
@@ -157,7 +185,18 @@ impl NodeCapture {
             index,
             addr,
             secrets,
+            text_mode,
         })
+    }
+
+    /// Starts capturing `session` before its agent starts: its records collected for
+    /// [`Self::collect`], its calls in text mode when `text_mode` (its task's
+    /// `"token_mode": "off"`).
+    pub fn open_session(&self, session: &str, text_mode: bool) {
+        self.index.watch(session);
+        if text_mode {
+            self.text_mode.lock().insert(session.to_owned());
+        }
     }
 
     /// The capture root for a sample's `secret` (the Anthropic base URL; OpenAI's adds `/v1`).
@@ -181,6 +220,7 @@ impl NodeCapture {
             tokio::time::sleep(Duration::from_millis(20)).await;
         };
         let (records, all_read) = self.index.take(session);
+        self.text_mode.lock().remove(session);
         (records, complete && all_read)
     }
 }

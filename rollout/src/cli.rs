@@ -10,11 +10,12 @@ use anyhow::Context;
 use clap::Args;
 use tokentap_proxy::cli::{CaptureArgs, InterceptArgs, DEFAULT_SPOOL};
 
-use crate::capture::{observer, NodeCapture, SessionIndex};
+use crate::capture::{observer, NodeCapture, SessionIndex, TextModeSamples};
 use crate::gate::{Gate, NodeGate};
 use crate::pipeline::{Pipeline, PipelineConfig};
 use crate::sandbox::SandboxConfig;
 use crate::store::Store;
+use crate::task::TokenMode;
 use crate::transparent::TransparentConfig;
 
 /// A rollout node's pipeline and capture.
@@ -111,6 +112,7 @@ pub struct Node {
 pub struct NodeParts {
     service: tokentap_proxy::CaptureService,
     index: Arc<SessionIndex>,
+    text_mode: Arc<TextModeSamples>,
     gate: Arc<NodeGate>,
     store: Arc<Store>,
     pub spool_thread: Option<std::thread::JoinHandle<()>>,
@@ -156,6 +158,8 @@ impl NodeArgs {
             .with_engine_options(self.capture.engine_option_policy(
                 tokentap_proxy::engine_options::EngineOptionPolicy::rollout_default(),
             )?);
+        let text_mode = Arc::new(TextModeSamples::default());
+        let service = self.with_text_mode_tasks(service, &text_mode)?;
         let store = Arc::new(
             Store::open(&data.join("node.redb"))
                 .with_context(|| format!("opening the node's store in {}", data.display()))?,
@@ -163,14 +167,30 @@ impl NodeArgs {
         Ok(NodeParts {
             service,
             index,
+            text_mode,
             gate,
             store,
             spool_thread,
         })
     }
 
+    /// On a node started in a token mode, tasks asking for `"token_mode": "off"` run in text
+    /// mode: their samples' calls go to the engine called with text, unobserved. A node in
+    /// text mode runs every call so already.
+    fn with_text_mode_tasks(
+        &self,
+        service: tokentap_proxy::CaptureService,
+        samples: &Arc<TextModeSamples>,
+    ) -> anyhow::Result<tokentap_proxy::CaptureService> {
+        if TokenMode::from(self.capture.token_mode()) == TokenMode::Off {
+            return Ok(service);
+        }
+        Ok(service.with_text_mode_sessions(self.capture.text_backend()?, samples.clone()))
+    }
+
     pub async fn start(&self, parts: NodeParts) -> anyhow::Result<Node> {
-        let capture = Arc::new(NodeCapture::start(parts.service, parts.index).await?);
+        let capture =
+            Arc::new(NodeCapture::start(parts.service, parts.index, parts.text_mode).await?);
         let mut config = PipelineConfig::new(self.data_dir());
         config.init_workers = self.init_workers;
         config.run_workers = self.run_workers;
@@ -202,6 +222,7 @@ impl NodeArgs {
         config.ceilings = crate::task::NodeCeilings {
             max_samples: self.max_samples_per_task,
             max_budget_s: self.max_budget_s,
+            token_mode: self.capture.token_mode().into(),
         };
         config.sandbox =
             match crate::preset::on_path("bwrap", &std::env::var("PATH").unwrap_or_default()) {

@@ -33,7 +33,7 @@ use tokentap_schema::Trace;
 
 use crate::task::{
     AgentReport, CaptureMode, Harness, Incomplete, NodeCeilings, Outcome, Rollout, Sample, Stage,
-    TaskSpec, TrajectorySummary, Workspace,
+    TaskSpec, TokenMode, TrajectorySummary, Workspace,
 };
 
 /// How a node runs its stages.
@@ -652,13 +652,15 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
         (Some(c), None) => Some((c.clone(), c.secrets.issue(&session))),
         _ => None,
     });
+    // Absent, the node's own mode; it was checked against the node's at submission.
+    let text_mode = spec.token_mode == Some(TokenMode::Off);
     let server = match (&cfg.capture, &secret.0) {
         (Some(c), Some((_, s))) => {
-            c.index.watch(&session);
+            c.open_session(&session, text_mode);
             c.server(s)
         }
         (Some(c), None) => {
-            c.index.watch(&session);
+            c.open_session(&session, text_mode);
             c.server(&session)
         }
         (None, _) => preset::DEAD_PROXY.to_owned(),

@@ -48,6 +48,10 @@ pub struct TaskSpec {
     /// How the agent's model calls reach the capture.
     #[serde(default)]
     pub capture: CaptureMode,
+    /// The token mode of the samples' calls (`off`, `observe`, `tito`; absent: the node's
+    /// `--token-mode`). A node runs its own mode and `off`; other modes are refused.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_mode: Option<TokenMode>,
 }
 
 /// What a node lets one task ask for; its agent limits (the defaults of tasks that set none)
@@ -58,6 +62,9 @@ pub struct NodeCeilings {
     pub max_samples: u32,
     /// Longest budget of any kind (session, agent, evaluation), in seconds.
     pub max_budget_s: u64,
+    /// The node's `--token-mode`: what it loaded at start (the tokenizer, the ids backend)
+    /// decides which modes its tasks can ask for.
+    pub token_mode: TokenMode,
 }
 
 impl Default for NodeCeilings {
@@ -65,14 +72,19 @@ impl Default for NodeCeilings {
         NodeCeilings {
             max_samples: 1024,
             max_budget_s: 24 * 3600,
+            token_mode: TokenMode::Off,
         }
     }
 }
 
 impl TaskSpec {
     /// Refuses a task that asks for more than the node gives: more samples or longer budgets
-    /// than its ceilings, or more memory, CPU or processes than its agent `limits`.
+    /// than its ceilings, more memory, CPU or processes than its agent `limits`, or a token
+    /// mode it was not started ready for.
     pub fn over_ceilings(&self, ceilings: &NodeCeilings, limits: &Limits) -> Result<(), String> {
+        if let Some(asked) = self.token_mode {
+            asked.runs_on(ceilings.token_mode)?;
+        }
         if self.num_samples == 0 || self.num_samples > ceilings.max_samples {
             return Err(format!(
                 "num_samples must be between 1 and {} on this node (got {})",
@@ -114,6 +126,59 @@ impl TaskSpec {
             }
         }
         Ok(())
+    }
+}
+
+/// A task's token mode: `--token-mode`'s values, as a task names them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "kebab-case")]
+pub enum TokenMode {
+    /// Text mode: the engine renders the conversation; nothing of tokentap's own ids.
+    Off,
+    /// Text mode, and tokentap renders and tokenizes each call too, recording how its ids
+    /// compare with the engine's (`token_observation` on the records).
+    Observe,
+    /// Token in, token out: the engine gets tokentap's prompt ids, built from the session's
+    /// earlier ids (`token_in` on the records).
+    Tito,
+}
+
+impl TokenMode {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            TokenMode::Off => "off",
+            TokenMode::Observe => "observe",
+            TokenMode::Tito => "tito",
+        }
+    }
+
+    /// Whether a node started with `--token-mode node` can run a task in this mode: its own,
+    /// or `off`. `observe` and `tito` need the model's tokenizer loaded (and `tito` its ids
+    /// backend built) when the node starts, so a node cannot take them up per task; `off`
+    /// needs nothing more.
+    pub fn runs_on(self, node: TokenMode) -> Result<(), String> {
+        if self == node || self == TokenMode::Off {
+            return Ok(());
+        }
+        let can = match node {
+            TokenMode::Off => "only \"off\"".to_owned(),
+            other => format!("\"{}\" and \"off\"", other.as_str()),
+        };
+        Err(format!(
+            "token_mode \"{asked}\" needs a node started with --token-mode {asked}; this node was started with --token-mode {node} and runs {can}",
+            asked = self.as_str(),
+            node = node.as_str(),
+        ))
+    }
+}
+
+impl From<tokentap_token_mode::TokenMode> for TokenMode {
+    fn from(mode: tokentap_token_mode::TokenMode) -> Self {
+        match mode {
+            tokentap_token_mode::TokenMode::Off => TokenMode::Off,
+            tokentap_token_mode::TokenMode::Observe => TokenMode::Observe,
+            tokentap_token_mode::TokenMode::Tito => TokenMode::Tito,
+        }
     }
 }
 
@@ -447,6 +512,7 @@ mod tests {
         let ceilings = NodeCeilings {
             max_samples: 8,
             max_budget_s: 600,
+            token_mode: TokenMode::Off,
         };
         let node = Limits {
             memory_mb: Some(1024),
@@ -484,6 +550,83 @@ mod tests {
             let err = ok(e).unwrap_err();
             assert!(err.contains(says), "{bad}: {err}");
         }
+    }
+
+    /// A node runs tasks in its own token mode and in `off`; a task asking for another is
+    /// refused at submission, its message naming the flag the node would need.
+    #[test]
+    fn a_task_runs_in_its_nodes_token_mode_or_off() {
+        let spec = |mode: Option<&str>| -> TaskSpec {
+            let mut v = serde_json::json!({
+                "task_id": "t", "instruction": "x",
+                "workspace": {"dir": {"path": "/tmp"}},
+                "harness": {"name": "pi"},
+                "evaluator": {"kind": "session-completed"},
+                "budgets": {"session_s": 600, "agent_s": 300, "eval_s": 60}
+            });
+            if let Some(m) = mode {
+                v["token_mode"] = m.into();
+            }
+            serde_json::from_value(v).unwrap()
+        };
+        let on = |node: TokenMode, asked: Option<&str>| {
+            let ceilings = NodeCeilings {
+                token_mode: node,
+                ..NodeCeilings::default()
+            };
+            spec(asked).over_ceilings(&ceilings, &Limits::default())
+        };
+        use TokenMode::*;
+        for (node, accepted) in [
+            (Off, &[None, Some("off")][..]),
+            (Observe, &[None, Some("off"), Some("observe")][..]),
+            (Tito, &[None, Some("off"), Some("tito")][..]),
+        ] {
+            for asked in accepted {
+                assert_eq!(on(node, *asked), Ok(()), "{asked:?} on a {node:?} node");
+            }
+        }
+        for (node, asked, says) in [
+            (
+                Off,
+                "tito",
+                "token_mode \"tito\" needs a node started with --token-mode tito; this node was started with --token-mode off and runs only \"off\"",
+            ),
+            (
+                Off,
+                "observe",
+                "token_mode \"observe\" needs a node started with --token-mode observe; this node was started with --token-mode off and runs only \"off\"",
+            ),
+            (
+                Observe,
+                "tito",
+                "token_mode \"tito\" needs a node started with --token-mode tito; this node was started with --token-mode observe and runs \"observe\" and \"off\"",
+            ),
+            (
+                Tito,
+                "observe",
+                "token_mode \"observe\" needs a node started with --token-mode observe; this node was started with --token-mode tito and runs \"tito\" and \"off\"",
+            ),
+        ] {
+            assert_eq!(on(node, Some(asked)).unwrap_err(), says);
+        }
+        // Absent, it is not written back: a rollout stored (or sealed) before the field
+        // existed reads and serializes as it did.
+        let v = serde_json::to_value(spec(None)).unwrap();
+        assert!(v.get("token_mode").is_none(), "{v}");
+        assert_eq!(
+            serde_json::to_value(spec(Some("tito"))).unwrap()["token_mode"],
+            "tito"
+        );
+        let e = serde_json::from_value::<TaskSpec>(serde_json::json!({
+            "task_id": "t", "instruction": "x",
+            "workspace": {"dir": {"path": "/tmp"}},
+            "harness": {"name": "pi"},
+            "evaluator": {"kind": "session-completed"},
+            "token_mode": "replace"
+        }))
+        .unwrap_err();
+        assert!(e.to_string().contains("replace"), "{e}");
     }
 
     #[test]

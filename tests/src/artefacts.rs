@@ -76,8 +76,8 @@ fn newest_source_mtime() -> Option<SystemTime> {
     }
     let root = workspace_root();
     let mut newest = None;
-    for krate in ["capture-schema", "spool", "proxy", "sidecar"] {
-        walk(&root.join(krate).join("src"), &mut newest);
+    for krate in binary_crates(&root) {
+        walk(&root.join(&krate).join("src"), &mut newest);
         if let Ok(m) =
             std::fs::metadata(root.join(krate).join("Cargo.toml")).and_then(|m| m.modified())
         {
@@ -85,6 +85,22 @@ fn newest_source_mtime() -> Option<SystemTime> {
         }
     }
     newest
+}
+
+/// The workspace's members (its Cargo.toml's `members`) but this crate: every crate the binary
+/// may be built from (a change to any, the rollout node's or token mode's say, makes it stale).
+fn binary_crates(root: &Path) -> Vec<String> {
+    let manifest = std::fs::read_to_string(root.join("Cargo.toml")).unwrap_or_default();
+    let Some((_, after)) = manifest.split_once("members = [") else {
+        return Vec::new();
+    };
+    let list = after.split(']').next().unwrap_or_default();
+    list.split('"')
+        .skip(1)
+        .step_by(2)
+        .filter(|m| *m != "tests")
+        .map(str::to_owned)
+        .collect()
 }
 
 fn is_fresh(bin: &Path) -> bool {
@@ -220,5 +236,18 @@ impl Artefacts {
             .collect();
         parts.push(std::env::var("PATH").unwrap_or_else(|_| "/usr/local/bin:/usr/bin:/bin".into()));
         parts.join(":")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The binary's freshness covers every crate it is built from, not a hand-kept few.
+    #[test]
+    fn every_member_but_the_tests_makes_the_binary_stale() {
+        let crates = super::binary_crates(&super::workspace_root());
+        for member in ["sidecar", "proxy", "rollout", "token-mode", "ebpf/loader"] {
+            assert!(crates.iter().any(|c| c == member), "{member}: {crates:?}");
+        }
+        assert!(!crates.iter().any(|c| c == "tests"), "{crates:?}");
     }
 }

@@ -132,13 +132,24 @@ pub async fn start_cluster_node(
 }
 
 /// `tokentap serve` on `127.0.0.1:port` with `extra` arguments, its data under `dir/node` and
-/// `dir` as its working directory, `token` as its bearer token; returns once `/health`
-/// answers. Each start logs to a file of its own in `dir`, so a killed node's log stays beside
-/// its successor's.
+/// `dir` as its working directory, `token` as its bearer token, `engine` a vLLM API; returns
+/// once `/health` answers. Each start logs to a file of its own in `dir`, so a killed node's
+/// log stays beside its successor's.
 pub async fn start_serve(
     dir: &std::path::Path,
     port: u16,
     engine: &str,
+    token: &str,
+    extra: &[&str],
+) -> ChildGuard {
+    start_serve_on(dir, port, (engine, "vllm"), token, extra).await
+}
+
+/// [`start_serve`] on an engine of another kind: `engine` is (its URL, its `--backend-kind`).
+pub async fn start_serve_on(
+    dir: &std::path::Path,
+    port: u16,
+    (engine, kind): (&str, &str),
     token: &str,
     extra: &[&str],
 ) -> ChildGuard {
@@ -150,7 +161,7 @@ pub async fn start_serve(
         .arg(dir.join("node"))
         // No --spool: a node's spool is DATA/spool, never in the working directory.
         .current_dir(dir)
-        .args(["--backend", engine, "--backend-kind", "vllm"])
+        .args(["--backend", engine, "--backend-kind", kind])
         .env("TOKENTAP_NODE_TOKEN", token)
         .env("TOKENTAP_LOG", "info");
     let started = std::time::SystemTime::now()

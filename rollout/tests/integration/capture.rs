@@ -11,12 +11,13 @@ use tokentap_e2e::node_api::stored_results;
 use tokentap_e2e::scripted::{
     counting_replies, curl_agent, ScriptedBackend, Tokens, SCRIPTED_MODEL,
 };
+use tokentap_proxy::app::TextModeSessions;
 use tokentap_proxy::backend::{self, BackendConfig, BackendKind};
 use tokentap_proxy::metrics::Metrics;
 use tokentap_proxy::normalize::SystemLayout;
 use tokentap_proxy::{CaptureService, ProxyConfig};
 use tokentap_reconstruct::output::read_traces_jsonl;
-use tokentap_rollout::capture::{sink, NodeCapture, SessionIndex};
+use tokentap_rollout::capture::{sink, NodeCapture, SessionIndex, TextModeSamples};
 use tokentap_rollout::gate::{Gate, NodeGate};
 use tokentap_rollout::pipeline::{now_ms, Pipeline, PipelineConfig};
 use tokentap_rollout::store::Store;
@@ -35,20 +36,12 @@ fn task(project: &std::path::Path, id: &str, script: &str, agent_s: u64) -> Task
     .unwrap()
 }
 
-/// A node with in-process capture in front of `engine`, optionally behind `gate`.
-async fn node(
-    dir: &std::path::Path,
-    engine: &str,
-    gate: Option<Arc<NodeGate>>,
-) -> (Arc<Store>, Pipeline) {
-    let metrics = Arc::new(Metrics::new());
-    let index = Arc::new(SessionIndex::of_spool(&dir.join("spool")));
-    let writer = SpoolWriter::open(&dir.join("spool"), SpoolConfig::default()).unwrap();
-    let (record_sink, _spool_thread) = sink(writer, metrics.clone(), index.clone());
-    let backend: Arc<dyn backend::Backend> = Arc::from(
+/// The engine at `url`, as the capture calls it (vLLM's API).
+fn engine_backend(url: &str) -> Arc<dyn backend::Backend> {
+    Arc::from(
         backend::build(BackendConfig {
             kind: BackendKind::Vllm,
-            url: engine.to_owned(),
+            url: url.to_owned(),
             api_key: None,
             ca_roots: Vec::new(),
             connect_timeout: Duration::from_secs(5),
@@ -56,7 +49,32 @@ async fn node(
             max_answer_bytes: tokentap_proxy::backend::DEFAULT_MAX_ANSWER_BYTES,
         })
         .unwrap(),
-    );
+    )
+}
+
+/// A node with in-process capture in front of `engine`, optionally behind `gate`.
+async fn node(
+    dir: &std::path::Path,
+    engine: &str,
+    gate: Option<Arc<NodeGate>>,
+) -> (Arc<Store>, Pipeline) {
+    let (store, pipeline, _) = node_with_text_engine(dir, engine, None, gate).await;
+    (store, pipeline)
+}
+
+/// [`node`], and with `text_engine` the samples of tasks asking for `"token_mode": "off"` have
+/// their calls sent there, as a node started in a token mode sends them to the engine called
+/// with text; its capture too.
+async fn node_with_text_engine(
+    dir: &std::path::Path,
+    engine: &str,
+    text_engine: Option<&str>,
+    gate: Option<Arc<NodeGate>>,
+) -> (Arc<Store>, Pipeline, Arc<NodeCapture>) {
+    let metrics = Arc::new(Metrics::new());
+    let index = Arc::new(SessionIndex::of_spool(&dir.join("spool")));
+    let writer = SpoolWriter::open(&dir.join("spool"), SpoolConfig::default()).unwrap();
+    let (record_sink, _spool_thread) = sink(writer, metrics.clone(), index.clone());
     let mut service = CaptureService::new(
         ProxyConfig {
             max_body_bytes: 1 << 20,
@@ -67,26 +85,30 @@ async fn node(
             fixed_session: None,
             ..ProxyConfig::default()
         },
-        backend,
+        engine_backend(engine),
         record_sink,
         metrics,
     );
     if let Some(g) = &gate {
         service = service.with_gate(Arc::new(Gate(g.clone())));
     }
-    let capture = Arc::new(NodeCapture::start(service, index).await.unwrap());
+    let text_mode = Arc::new(TextModeSamples::default());
+    if let Some(url) = text_engine {
+        service = service.with_text_mode_sessions(engine_backend(url), text_mode.clone());
+    }
+    let capture = Arc::new(NodeCapture::start(service, index, text_mode).await.unwrap());
     let store = Arc::new(Store::open(&dir.join("node.redb")).unwrap());
     let config = PipelineConfig {
         init_workers: 1,
         run_workers: 2,
         post_workers: 1,
         max_attempts: 2,
-        capture: Some(capture),
+        capture: Some(capture.clone()),
         gate,
         ..PipelineConfig::new(dir.join("data"))
     };
     let pipeline = Pipeline::start(store.clone(), config).await.unwrap();
-    (store, pipeline)
+    (store, pipeline, capture)
 }
 
 /// An agent that holds two unrelated one-turn conversations (two traces).
@@ -290,4 +312,41 @@ async fn a_transparent_task_on_a_node_without_it_fails_with_the_reason() {
         other => panic!("{other:?}"),
     }
     assert!(engine.requests().is_empty(), "the agent never ran");
+}
+
+/// On a node started in a token mode, a task asking for `"token_mode": "off"` has its samples'
+/// calls sent to the engine called with text, and only those; a task that names no mode runs
+/// in the node's. A sample's session leaves the text-mode set once its records are collected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_text_mode_tasks_calls_go_to_the_text_engine_alone() {
+    let own = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let text = ScriptedBackend::start(Tokens::FakeChat, counting_replies()).await;
+    let dir = tempfile::tempdir().unwrap();
+    let project = dir.path().join("project");
+    std::fs::create_dir_all(&project).unwrap();
+    let (store, pipeline, capture) =
+        node_with_text_engine(dir.path(), &own.url, Some(&text.url), None).await;
+    let off = TaskSpec {
+        token_mode: Some(tokentap_rollout::task::TokenMode::Off),
+        ..task(&project, "text", &curl_agent(1, "true"), 60)
+    };
+    let node_mode = task(&project, "node-mode", &curl_agent(2, "true"), 60);
+    let mut sessions = Vec::new();
+    for spec in [off, node_mode] {
+        let (rollout, samples) = store.submit(spec, now_ms()).unwrap();
+        sessions.push(samples[0].capture_session());
+        pipeline.submit(rollout, samples);
+    }
+    let done = stored_results(&store, 2, Duration::from_secs(30)).await;
+    let calls = |task_id: &str| {
+        let s = done.iter().find(|s| s.task_id == task_id).unwrap();
+        assert_eq!(s.outcome, Some(Outcome::Completed { reward: 1.0 }), "{s:?}");
+        s.trajectory.as_ref().unwrap().calls
+    };
+    assert_eq!((calls("text"), calls("node-mode")), (1, 2));
+    assert_eq!(text.requests().len(), 1, "the text-mode sample's one call");
+    assert_eq!(own.requests().len(), 2, "the other sample's two calls");
+    for session in &sessions {
+        assert!(!capture.text_mode.in_text_mode(session), "{session}");
+    }
 }

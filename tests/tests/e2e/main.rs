@@ -31,6 +31,7 @@ mod reconstruction;
 mod records_cli;
 mod rollout;
 mod rollout_cluster;
+mod rollout_token_mode;
 mod scripts_deps_cache;
 mod scripts_module_cycles;
 mod sdk_types;
