@@ -107,7 +107,7 @@ pub struct Trace {
     /// `edited`, `compacted`, …); null when that call extended an earlier one, or was not
     /// built in tito.
     #[serde(default)]
-    pub tito_branch: Option<crate::TitoBranchCause>,
+    pub tito_branch: Option<crate::token_mode::TitoBranchCause>,
     /// Context tokens: the first call's prompt exactly as the engine saw it.
     pub prompt_ids: Vec<u32>,
     /// Everything after the prompt: sampled tokens and, between calls, the tokens the next

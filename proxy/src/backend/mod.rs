@@ -103,7 +103,11 @@ pub mod decode {
             events
                 .iter()
                 .filter_map(|e| {
-                    let chunk = if whole { d.whole(e).map(Some) } else { d.event(e) };
+                    let chunk = if whole {
+                        d.whole(e).map(Some)
+                    } else {
+                        d.event(e)
+                    };
                     chunk
                         .transpose()
                         .map(|c| c.map(|c| (c.text, c.tokens, c.logprobs, c.end.is_some())))

@@ -12,7 +12,7 @@ use serde_json::{json, Value};
 use tokentap_answer_parse::call_grammar;
 use tokentap_schema::{BackendKind, FinishReason};
 
-use super::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
+use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
 use crate::backend::error::BackendError;
 
 pub(crate) struct LlamaCppIds;
@@ -140,8 +140,8 @@ impl IdsDecoder for CompletionDecoder {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ids::tools_json;
     use super::*;
-    use crate::backend::tito::tools_json;
     use crate::canonical::ChatRequest;
     use tokentap_answer_parse::Family;
 

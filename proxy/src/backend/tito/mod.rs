@@ -12,6 +12,7 @@
 //! ids sent; otherwise the record carries a gap, never the ids, and nothing is kept for the
 //! session's next call.
 
+mod ids;
 mod llamacpp;
 mod sglang;
 mod vllm;
@@ -23,7 +24,7 @@ use async_stream::try_stream;
 use async_trait::async_trait;
 use futures::StreamExt;
 use serde_json::Value;
-use tokentap_answer_parse::{AnswerParser, Delta as AnswerDelta, Dialect, Family, ToolSchemas};
+use tokentap_answer_parse::{AnswerParser, Delta as AnswerDelta, Dialect, ToolSchemas};
 use tokentap_schema::{
     BackendKind, ChatMessage, ContentPart, FinishReason, Role, TitoVerify, TokenIn, ToolCall, Usage,
 };
@@ -37,107 +38,10 @@ use crate::canonical::{
     ChatRequest, Delta, GenerationEvent, TokenField, TokenGap, TokenSource, ToolCallDelta,
 };
 
+pub(crate) use ids::{tools_json, IdsCall, IdsChunk, IdsDecoder, IdsEngine, PromptAccount};
 pub(crate) use llamacpp::LlamaCppIds;
 pub(crate) use sglang::SglangIds;
 pub(crate) use vllm::VllmIds;
-
-/// One engine's ids-in endpoint: its request and a reader of its answer.
-pub(crate) trait IdsEngine: Send + Sync + 'static {
-    const KIND: BackendKind;
-    /// The endpoint that takes the prompt as ids.
-    const PATH: &'static str;
-    /// Whether the engine's default answer length is short (vLLM's `/v1/completions` stops at
-    /// 16 tokens, SGLang's `/generate` at 128): then a call that sets none gets what the chat
-    /// endpoint would allow, the rest of the context (`max_model_len` less the prompt).
-    const NEEDS_AN_EXPLICIT_LIMIT: bool;
-    /// Whether `/props` names the model's file (llama.cpp), tito's default `--tokenizer`.
-    const NAMES_ITS_MODEL_FILE: bool;
-    type Decoder: IdsDecoder + Send + 'static;
-
-    fn body(&self, call: &IdsCall<'_>) -> Value;
-    fn decoder(&self) -> Self::Decoder;
-}
-
-/// What the engine's request is made of.
-pub(crate) struct IdsCall<'a> {
-    pub request: &'a ChatRequest,
-    /// The request's tools as JSON ([`tools_json`]).
-    pub tools: &'a [Value],
-    pub family: Family,
-    pub ids: &'a [u32],
-    pub stream: bool,
-    /// The answer's length limit, when the call or the engine needs one.
-    pub max_tokens: Option<u64>,
-}
-
-/// Reads one call's answer, whole or streamed, into [`IdsChunk`]s.
-pub(crate) trait IdsDecoder {
-    /// A whole answer's body: one chunk with its end.
-    fn whole(&mut self, body: &[u8]) -> Result<IdsChunk, BackendError>;
-    /// One stream event's data: `None` for events with nothing for tito (`[DONE]`, a
-    /// usage-only chunk).
-    fn event(&mut self, data: &[u8]) -> Result<Option<IdsChunk>, BackendError>;
-}
-
-/// Part of an answer as every engine gives it: the text and ids it adds, and on the last one
-/// how it ended.
-#[derive(Debug, Default, PartialEq)]
-pub(crate) struct IdsChunk {
-    pub text: String,
-    pub tokens: Vec<u32>,
-    /// The sampled token's logprob for each of `tokens` (`None` where the engine gave none).
-    pub logprobs: Vec<Option<f32>>,
-    pub end: Option<IdsEnd>,
-}
-
-/// How the answer ended, and what the engine says it was prompted with.
-#[derive(Debug, PartialEq)]
-pub(crate) struct IdsEnd {
-    /// `Stop`, `Length` or `Abort` (tool calls are the reader's to see).
-    pub finish: FinishReason,
-    pub prompt: PromptAccount,
-}
-
-/// The engine's own account of the prompt it ran.
-#[derive(Debug, PartialEq)]
-pub(crate) enum PromptAccount {
-    /// The ids themselves (vLLM's `prompt_token_ids`).
-    Echoed(Vec<u32>),
-    /// How many it evaluated (llama.cpp's `tokens_evaluated`, SGLang's `prompt_tokens`).
-    Evaluated(u64),
-    Unreported,
-}
-
-impl PromptAccount {
-    /// `None` when it matches the ids sent, else why not.
-    fn mismatch(&self, sent: &[u32]) -> Option<String> {
-        let n = sent.len();
-        match self {
-            PromptAccount::Echoed(ids) if ids == sent => None,
-            PromptAccount::Echoed(ids) => {
-                let at = ids.iter().zip(sent).take_while(|(a, b)| a == b).count();
-                Some(format!(
-                    "tokentap sent {n} prompt ids but the engine echoed {} that differ from position {at}",
-                    ids.len()
-                ))
-            }
-            PromptAccount::Evaluated(e) if *e as usize == n => None,
-            PromptAccount::Evaluated(e) => Some(format!(
-                "tokentap sent {n} prompt ids but the engine evaluated {e}"
-            )),
-            PromptAccount::Unreported => Some(format!(
-                "tokentap sent {n} prompt ids but the engine evaluated an unreported number"
-            )),
-        }
-    }
-}
-
-pub(crate) fn protocol_error(engine: &str, e: impl std::fmt::Display, data: &[u8]) -> BackendError {
-    BackendError::Protocol(format!(
-        "unreadable {engine} answer ({e}): {}",
-        String::from_utf8_lossy(&data[..data.len().min(300)])
-    ))
-}
 
 /// `--token-mode tito` on one engine.
 pub(crate) struct TitoBackend<E: IdsEngine> {
@@ -225,16 +129,6 @@ impl<E: IdsEngine> TitoBackend<E> {
             left => Ok(Some(left)),
         }
     }
-}
-
-/// The request's tools as JSON, once per call: the grammar and the answer's parameter types
-/// both read them.
-pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
-    request
-        .tools
-        .iter()
-        .filter_map(|t| serde_json::to_value(t).ok())
-        .collect()
 }
 
 /// How to read the answer to `prompt`: the model's dialect, starting inside the reasoning if
@@ -536,6 +430,7 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
 
 #[cfg(test)]
 mod tests {
+    use super::ids::IdsEnd;
     use super::*;
     use serde_json::json;
     use tokentap_answer_parse::Family;

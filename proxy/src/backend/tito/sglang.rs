@@ -14,7 +14,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokentap_schema::{BackendKind, FinishReason};
 
-use super::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
+use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
 use crate::backend::error::BackendError;
 
 pub(crate) struct SglangIds;
@@ -167,8 +167,8 @@ impl IdsDecoder for GenerateDecoder {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ids::tools_json;
     use super::*;
-    use crate::backend::tito::tools_json;
     use crate::canonical::ChatRequest;
     use tokentap_answer_parse::Family;
 

@@ -16,7 +16,7 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokentap_schema::{BackendKind, FinishReason};
 
-use super::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
+use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
 use crate::backend::error::BackendError;
 use crate::backend::vllm::NO_LOGPROB;
 
@@ -184,8 +184,8 @@ impl IdsDecoder for CompletionsDecoder {
 
 #[cfg(test)]
 mod tests {
+    use super::super::ids::tools_json;
     use super::*;
-    use crate::backend::tito::tools_json;
     use crate::canonical::ChatRequest;
     use tokentap_answer_parse::Family;
 

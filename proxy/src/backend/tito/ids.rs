@@ -1,0 +1,119 @@
+//! What every engine's ids-in adapter shares with the tito backend: the request's parts
+//! ([`IdsCall`]), the answer as read ([`IdsChunk`]), and the engine's account of the prompt
+//! ([`PromptAccount`]). Apart from `mod.rs` so that the engine modules and the backend both
+//! depend on it, not on each other.
+
+use serde_json::Value;
+use tokentap_answer_parse::Family;
+use tokentap_schema::{BackendKind, FinishReason};
+
+use crate::backend::error::BackendError;
+use crate::canonical::ChatRequest;
+
+/// One engine's ids-in endpoint: its request and a reader of its answer.
+pub(crate) trait IdsEngine: Send + Sync + 'static {
+    const KIND: BackendKind;
+    /// The endpoint that takes the prompt as ids.
+    const PATH: &'static str;
+    /// Whether the engine's default answer length is short (vLLM's `/v1/completions` stops at
+    /// 16 tokens, SGLang's `/generate` at 128): then a call that sets none gets what the chat
+    /// endpoint would allow, the rest of the context (`max_model_len` less the prompt).
+    const NEEDS_AN_EXPLICIT_LIMIT: bool;
+    /// Whether `/props` names the model's file (llama.cpp), tito's default `--tokenizer`.
+    const NAMES_ITS_MODEL_FILE: bool;
+    type Decoder: IdsDecoder + Send + 'static;
+
+    fn body(&self, call: &IdsCall<'_>) -> Value;
+    fn decoder(&self) -> Self::Decoder;
+}
+
+/// What the engine's request is made of.
+pub(crate) struct IdsCall<'a> {
+    pub request: &'a ChatRequest,
+    /// The request's tools as JSON ([`tools_json`]).
+    pub tools: &'a [Value],
+    pub family: Family,
+    pub ids: &'a [u32],
+    pub stream: bool,
+    /// The answer's length limit, when the call or the engine needs one.
+    pub max_tokens: Option<u64>,
+}
+
+/// Reads one call's answer, whole or streamed, into [`IdsChunk`]s.
+pub(crate) trait IdsDecoder {
+    /// A whole answer's body: one chunk with its end.
+    fn whole(&mut self, body: &[u8]) -> Result<IdsChunk, BackendError>;
+    /// One stream event's data: `None` for events with nothing for tito (`[DONE]`, a
+    /// usage-only chunk).
+    fn event(&mut self, data: &[u8]) -> Result<Option<IdsChunk>, BackendError>;
+}
+
+/// Part of an answer as every engine gives it: the text and ids it adds, and on the last one
+/// how it ended.
+#[derive(Debug, Default, PartialEq)]
+pub(crate) struct IdsChunk {
+    pub text: String,
+    pub tokens: Vec<u32>,
+    /// The sampled token's logprob for each of `tokens` (`None` where the engine gave none).
+    pub logprobs: Vec<Option<f32>>,
+    pub end: Option<IdsEnd>,
+}
+
+/// How the answer ended, and what the engine says it was prompted with.
+#[derive(Debug, PartialEq)]
+pub(crate) struct IdsEnd {
+    /// `Stop`, `Length` or `Abort` (tool calls are the reader's to see).
+    pub finish: FinishReason,
+    pub prompt: PromptAccount,
+}
+
+/// The engine's own account of the prompt it ran.
+#[derive(Debug, PartialEq)]
+pub(crate) enum PromptAccount {
+    /// The ids themselves (vLLM's `prompt_token_ids`).
+    Echoed(Vec<u32>),
+    /// How many it evaluated (llama.cpp's `tokens_evaluated`, SGLang's `prompt_tokens`).
+    Evaluated(u64),
+    Unreported,
+}
+
+impl PromptAccount {
+    /// `None` when it matches the ids sent, else why not.
+    pub(crate) fn mismatch(&self, sent: &[u32]) -> Option<String> {
+        let n = sent.len();
+        match self {
+            PromptAccount::Echoed(ids) if ids == sent => None,
+            PromptAccount::Echoed(ids) => {
+                let at = ids.iter().zip(sent).take_while(|(a, b)| a == b).count();
+                Some(format!(
+                    "tokentap sent {n} prompt ids but the engine echoed {} that differ from position {at}",
+                    ids.len()
+                ))
+            }
+            PromptAccount::Evaluated(e) if *e as usize == n => None,
+            PromptAccount::Evaluated(e) => Some(format!(
+                "tokentap sent {n} prompt ids but the engine evaluated {e}"
+            )),
+            PromptAccount::Unreported => Some(format!(
+                "tokentap sent {n} prompt ids but the engine evaluated an unreported number"
+            )),
+        }
+    }
+}
+
+pub(crate) fn protocol_error(engine: &str, e: impl std::fmt::Display, data: &[u8]) -> BackendError {
+    BackendError::Protocol(format!(
+        "unreadable {engine} answer ({e}): {}",
+        String::from_utf8_lossy(&data[..data.len().min(300)])
+    ))
+}
+
+/// The request's tools as JSON, once per call: the grammar and the answer's parameter types
+/// both read them.
+pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
+    request
+        .tools
+        .iter()
+        .filter_map(|t| serde_json::to_value(t).ok())
+        .collect()
+}
