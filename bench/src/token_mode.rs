@@ -194,6 +194,63 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         v[((v.len() - 1) as f64 * q).round() as usize]
     };
 
+    // `--token-verify`: the appending call's full render compared with tito's ids.
+    let after_prompt = tito.prompt(&after).map_err(anyhow::Error::msg)?;
+    let mut verify = Vec::new();
+    for i in 0..2 * args.iterations {
+        let t = Instant::now();
+        std::hint::black_box(
+            tokentap_token_mode::verify(
+                tito.model(),
+                &after,
+                &after_prompt.ids,
+                &after_prompt.origins,
+            )
+            .map_err(anyhow::Error::msg)?,
+        );
+        if i >= args.iterations {
+            verify.push(t.elapsed().as_secs_f64() * 1e6);
+        }
+    }
+
+    // Reading an answer back: reasoning, text and a tool call, fed one token's text at a time
+    // as the engine streams it; per token.
+    let answer_text = format!(
+        "<think>\n{}\n</think>\n\n{}\n<tool_call>\n{{\"name\": \"bash\", \"arguments\": {{\"command\": \"ls -la /tmp && cat README.md\"}}}}\n</tool_call>",
+        "Let me look at the files first, then read the README to see what it says. ".repeat(6),
+        "I will list the directory."
+    );
+    let answer_ids = tito
+        .model()
+        .tokenizer()
+        .encode(&answer_text)
+        .map_err(|e| anyhow::anyhow!("{e}"))?;
+    let pieces: Vec<String> = answer_ids
+        .iter()
+        .map(|id| tito.model().text(std::slice::from_ref(id)))
+        .collect();
+    let mut read = Vec::new();
+    for i in 0..2 * args.iterations {
+        let t = Instant::now();
+        let mut parser = tokentap_answer_parse::AnswerParser::new(
+            tito.dialect(),
+            tokentap_answer_parse::ToolSchemas::default(),
+        );
+        let mut calls = 0;
+        for piece in &pieces {
+            calls += parser
+                .push(piece)
+                .iter()
+                .filter(|d| matches!(d, tokentap_answer_parse::Delta::ToolCall(_)))
+                .count();
+        }
+        parser.finish();
+        anyhow::ensure!(calls == 1, "the answer's call was not read back");
+        if i >= args.iterations {
+            read.push(t.elapsed().as_secs_f64() * 1e6 / pieces.len() as f64);
+        }
+    }
+
     println!(
         "tokentap bench token-mode — one thread, {} iterations after warm-up; model {}",
         args.iterations,
@@ -237,6 +294,18 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         "tito: keep the answered call",
         pct(&mut keep, 0.5),
         pct(&mut keep, 0.99)
+    );
+    println!(
+        "  {:<44} {:>10.1} {:>10.1}",
+        "tito: --token-verify the appending call",
+        pct(&mut verify, 0.5),
+        pct(&mut verify, 0.99)
+    );
+    println!(
+        "  {:<44} {:>10.2} {:>10.2}",
+        format!("tito: read the answer back, per token ({})", pieces.len()),
+        pct(&mut read, 0.5),
+        pct(&mut read, 0.99)
     );
     println!(
         "  ids held per open session: {:.0} KiB (prompt + sampled ids of its last call)",

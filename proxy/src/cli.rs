@@ -274,6 +274,10 @@ impl CaptureArgs {
                         .map_err(|e| anyhow::anyhow!("--token-mode tito: {e}"))?,
                 );
                 tracing::info!(family = %tito.dialect().family, reasoning = tito.dialect().reasoning, "token mode tito: prompts built from the conversation's ids, answers read back by tokentap");
+                // What the start-up probe found in the model's template, construct by construct.
+                for finding in tito.probe_report() {
+                    tracing::info!("token mode tito: the template: {finding}");
+                }
                 backend = Arc::from(
                     backend::build_tito(self.backend_config()?, tito, self.token_verify)
                         .context("configuring the backend")?,

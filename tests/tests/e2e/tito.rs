@@ -137,6 +137,15 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     )
     .await;
     let records = conversation(&tito, ["chat", "chat-stream", "messages-stream"]).await;
+    // The start-up probe's report, construct by construct, in the log.
+    let log = tito.log_tail(400);
+    for finding in [
+        "the template: a tool result after an answered call: appends",
+        "the template: a user message after an answered call: appends",
+        "the template: an earlier turn's reasoning: the template drops it",
+    ] {
+        assert!(log.contains(finding), "{finding} not in:\n{log}");
+    }
 
     let completions: Vec<_> = engine
         .exchanges()
