@@ -115,43 +115,39 @@ fn call_rule(rules: &mut Rules, family: Family, name: &str, schema: &Value) -> S
                 literal("\n```<｜tool▁call▁end｜>")
             )
         }
-        Family::Qwen3Coder => {
+        // Both write each parameter bare between their markers: (the call's opening, the
+        // parameter's opening, the marker that closes a value, the text after it, the call's
+        // close).
+        Family::Qwen3Coder | Family::Glm45 => {
+            let (open, key_open, value_end, after_value, close) = match family {
+                Family::Qwen3Coder => (
+                    format!("<tool_call>\n<function={name}>\n"),
+                    ("<parameter=", ">\n"),
+                    "</parameter>",
+                    "\n</parameter>\n",
+                    "</function>\n</tool_call>",
+                ),
+                _ => (
+                    format!("<tool_call>{name}\n"),
+                    ("<arg_key>", "</arg_key>\n<arg_value>"),
+                    "</arg_value>",
+                    "</arg_value>\n",
+                    "</tool_call>",
+                ),
+            };
             let params = rules.bare_parameters(
                 schema,
                 &args(),
                 |key, value| {
                     format!(
                         "{} {value} {}",
-                        literal(&format!("<parameter={key}>\n")),
-                        literal("\n</parameter>\n")
+                        literal(&format!("{}{key}{}", key_open.0, key_open.1)),
+                        literal(after_value)
                     )
                 },
-                "</parameter>",
+                value_end,
             );
-            format!(
-                "{} {params} {}",
-                literal(&format!("<tool_call>\n<function={name}>\n")),
-                literal("</function>\n</tool_call>")
-            )
-        }
-        Family::Glm45 => {
-            let params = rules.bare_parameters(
-                schema,
-                &args(),
-                |key, value| {
-                    format!(
-                        "{} {value} {}",
-                        literal(&format!("<arg_key>{key}</arg_key>\n<arg_value>")),
-                        literal("</arg_value>\n")
-                    )
-                },
-                "</arg_value>",
-            );
-            format!(
-                "{} {params} {}",
-                literal(&format!("<tool_call>{name}\n")),
-                literal("</tool_call>")
-            )
+            format!("{} {params} {}", literal(&open), literal(close))
         }
     }
 }

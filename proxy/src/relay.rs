@@ -148,8 +148,11 @@ async fn relay(
             return (false, None);
         }
     }
+    // An engine error ends the stream with the API's error event, and the response is as
+    // complete as any: the connection stays usable. Closing it unannounced (the head went out
+    // long ago, without `connection: close`) raced the harness's next request on it.
     if relayed.holding() {
-        return (call.error.is_none(), Some(Bytes::from(out)));
+        return (true, Some(Bytes::from(out)));
     }
     // The terminal event's frames go in a write of their own, before the stream's end marker:
     // a harness that closes once it has read them (Codex) had a complete call.
@@ -164,7 +167,7 @@ async fn relay(
         } // else: the engine's error stays the record's error
         return (false, None);
     }
-    (call.error.is_none(), None)
+    (true, None)
 }
 
 /// How far a streamed answer has got to the harness.

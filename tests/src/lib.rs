@@ -22,6 +22,7 @@ pub mod privileged;
 pub mod procs;
 pub mod repo_tasks;
 pub mod scripted;
+pub mod sdk;
 pub mod sse;
 pub mod tee;
 pub mod tls_front;

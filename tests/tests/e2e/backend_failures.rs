@@ -377,3 +377,78 @@ async fn heavy_llama_server_context_overflow_is_a_400_context_length_exceeded() 
     let (status, v) = post_chat(&tokentap, &[], &short).await;
     assert_eq!(status, 200, "{v}");
 }
+
+/// An engine that fails mid-stream ends the harness's stream with the API's error event, a
+/// complete response, and the connection stays usable: the harness's next request on it is
+/// answered. (Closing it unannounced, as tokentap once did, made a client that reused the
+/// kept-alive connection fail its next call: "server disconnected without sending a
+/// response".) Raw HTTP/1.1 on one connection, so the reuse is certain.
+#[tokio::test(flavor = "multi_thread")]
+async fn after_a_stream_the_engine_broke_the_connection_serves_the_next_request() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let (_backend, tokentap) = scripted_tokentap(
+        sequence(vec![
+            Reply::DropAfter {
+                text: "Hello there".into(),
+                chunks: 2,
+            },
+            Reply::text("Fine."),
+        ]),
+        &[],
+    )
+    .await;
+    let addr = tokentap.url.trim_start_matches("http://").to_string();
+    let mut conn = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let request = |stream: bool| {
+        let body = json!({"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": stream})
+            .to_string();
+        format!(
+            "POST /v1/chat/completions HTTP/1.1\r\nhost: {addr}\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    // The broken stream, read to its chunked end.
+    conn.write_all(request(true).as_bytes()).await.unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 8192];
+    while !seen.ends_with(b"0\r\n\r\n") {
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read(&mut buf))
+            .await
+            .expect("the stream ends")
+            .unwrap();
+        assert!(
+            n > 0,
+            "closed before the stream's end: {}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    let first = String::from_utf8_lossy(&seen);
+    assert!(first.starts_with("HTTP/1.1 200"), "{first}");
+    assert!(
+        first.contains("error"),
+        "the stream ends with an error event: {first}"
+    );
+    assert!(
+        !first.to_ascii_lowercase().contains("connection: close"),
+        "{first}"
+    );
+    // The next request on the same connection.
+    conn.write_all(request(false).as_bytes()).await.unwrap();
+    let mut second = Vec::new();
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(20), conn.read(&mut buf))
+            .await
+            .expect("an answer to the second request")
+            .unwrap();
+        second.extend_from_slice(&buf[..n]);
+        if n == 0 || String::from_utf8_lossy(&second).contains("Fine.") {
+            break;
+        }
+    }
+    let second = String::from_utf8_lossy(&second);
+    assert!(
+        second.starts_with("HTTP/1.1 200") && second.contains("Fine."),
+        "the kept-alive connection answered the next request: {second:?}"
+    );
+}

@@ -106,6 +106,16 @@ async fn conversation(tokentap: &Tokentap, apis: [&str; 3]) -> Vec<CaptureRecord
     records
 }
 
+/// The record's `--token-verify` verdict.
+fn verdict(r: &CaptureRecord) -> &tokentap_schema::TitoVerify {
+    r.token_in
+        .as_ref()
+        .unwrap()
+        .verify
+        .as_ref()
+        .expect("verified")
+}
+
 /// How many calls' prompts extend the previous call's prompt + sampled ids.
 fn extensions(records: &[CaptureRecord]) -> usize {
     records
@@ -219,13 +229,7 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     // --token-verify: the full render differs only inside the sampled tokens (the reasoning
     // Qwen3's template drops); tito wrote every frame token as the template does.
     for (i, r) in records.iter().enumerate() {
-        let v = r
-            .token_in
-            .as_ref()
-            .unwrap()
-            .verify
-            .as_ref()
-            .expect("verified");
+        let v = verdict(r);
         assert_eq!(v.boundary_spans, 0, "seq {}: {v:?}", r.seq);
         assert_eq!(v.content_spans > 0, i > 0, "seq {}: {v:?}", r.seq);
     }
@@ -366,13 +370,7 @@ async fn heavy_tito_cut_offs_close_the_turn_and_a_compaction_branches() {
         .map(|r| r.token_in.clone().unwrap())
         .collect();
     for r in &records {
-        let v = r
-            .token_in
-            .as_ref()
-            .unwrap()
-            .verify
-            .as_ref()
-            .expect("verified");
+        let v = verdict(r);
         eprintln!(
             "seq {}: {:?} {:?} verify content {} boundary {} {:?}",
             r.seq,
@@ -410,7 +408,7 @@ async fn heavy_tito_cut_offs_close_the_turn_and_a_compaction_branches() {
         token_in[3].continuation
     );
     for r in &records {
-        let v = r.token_in.as_ref().unwrap().verify.as_ref().unwrap();
+        let v = verdict(r);
         assert_eq!(v.boundary_spans, 0, "seq {}: {v:?}", r.seq);
     }
     let report = session_report(&tito).await;

@@ -306,7 +306,6 @@ fn sdk_scenarios() -> IdsScript {
 /// reasoning, two tool calls, a length cut.
 #[tokio::test(flavor = "multi_thread")]
 async fn tito_answers_pass_the_official_sdks_types_and_stream_helpers() {
-    let python = Artefacts::require_python();
     let model = Artefacts::require_think_model();
     let double =
         IdsEngineDouble::start(IdsEngine::Vllm, &model, "<|im_end|>", sdk_scenarios()).await;
@@ -317,36 +316,8 @@ async fn tito_answers_pass_the_official_sdks_types_and_stream_helpers() {
             .arg(model.display().to_string()),
     )
     .await;
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/sdk/validate.py");
-    let out = tokio::process::Command::new(&python)
-        .args([
-            script,
-            "--base",
-            &tokentap.url,
-            "--scenarios",
-            "text,reasoning,tools,length",
-        ])
-        .env("NO_PROXY", "*")
-        .env_remove("OPENAI_BASE_URL")
-        .env_remove("ANTHROPIC_BASE_URL")
-        .output()
-        .await
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    let report: Value = serde_json::from_str(&stdout)
-        .unwrap_or_else(|e| panic!("validate.py wrote no report ({e}):\n{stdout}\n{stderr}"));
-    let failures = report["failures"].as_array().unwrap();
-    assert!(
-        failures.is_empty() && out.status.success(),
-        "{} failure(s) against the SDKs' types:\n{}\n{stderr}",
-        failures.len(),
-        failures
-            .iter()
-            .map(|f| format!("- {}", f.as_str().unwrap_or_default()))
-            .collect::<Vec<_>>()
-            .join("\n"),
-    );
+    let report =
+        tokentap_e2e::sdk::validate(&tokentap.url, Some("text,reasoning,tools,length")).await;
     // The scenarios ran: reasoning, tool-call and length events were seen and validated.
     for model in [
         "ChatCompletionChunk",

@@ -117,3 +117,24 @@ pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
         .filter_map(|t| serde_json::to_value(t).ok())
         .collect()
 }
+
+/// An engine's body for a request given as JSON (the canonical request's shape), in tests.
+#[cfg(test)]
+pub(crate) fn body_for<E: IdsEngine>(
+    engine: &E,
+    request: Value,
+    ids: &[u32],
+    stream: bool,
+    max_tokens: Option<u64>,
+) -> Value {
+    let request: ChatRequest = serde_json::from_value(request).unwrap();
+    let tools = tools_json(&request);
+    engine.body(&IdsCall {
+        request: &request,
+        tools: &tools,
+        family: Family::Hermes,
+        ids,
+        stream,
+        max_tokens,
+    })
+}

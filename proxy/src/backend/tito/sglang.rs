@@ -167,26 +167,18 @@ impl IdsDecoder for GenerateDecoder {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ids::tools_json;
+    use super::super::ids::body_for;
     use super::*;
-    use crate::canonical::ChatRequest;
-    use tokentap_answer_parse::Family;
 
     #[test]
     fn the_body_is_input_ids_with_every_sampler() {
-        let request: ChatRequest = serde_json::from_value(
+        let body = body_for(
+            &SglangIds,
             json!({"model": "qwen", "messages": [], "sampling": {"seed": 5}}),
-        )
-        .unwrap();
-        let tools = tools_json(&request);
-        let body = SglangIds.body(&IdsCall {
-            request: &request,
-            tools: &tools,
-            family: Family::Hermes,
-            ids: &[7, 8],
-            stream: false,
-            max_tokens: Some(50),
-        });
+            &[7, 8],
+            false,
+            Some(50),
+        );
         assert_eq!(body["input_ids"], json!([7, 8]));
         assert_eq!(body["return_logprob"], true);
         let s = &body["sampling_params"];

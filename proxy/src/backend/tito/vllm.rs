@@ -184,26 +184,18 @@ impl IdsDecoder for CompletionsDecoder {
 
 #[cfg(test)]
 mod tests {
-    use super::super::ids::tools_json;
+    use super::super::ids::body_for;
     use super::*;
-    use crate::canonical::ChatRequest;
-    use tokentap_answer_parse::Family;
 
     #[test]
     fn the_body_is_ids_with_every_sampler_and_the_token_data() {
-        let request: ChatRequest = serde_json::from_value(
+        let body = body_for(
+            &VllmIds,
             json!({"model": "qwen", "messages": [], "sampling": {"temperature": 0.6}}),
-        )
-        .unwrap();
-        let tools = tools_json(&request);
-        let body = VllmIds.body(&IdsCall {
-            request: &request,
-            tools: &tools,
-            family: Family::Hermes,
-            ids: &[7, 8],
-            stream: true,
-            max_tokens: Some(100),
-        });
+            &[7, 8],
+            true,
+            Some(100),
+        );
         assert_eq!(body["prompt"], json!([7, 8]));
         assert_eq!(body["model"], "qwen");
         assert_eq!(body["max_tokens"], 100);
