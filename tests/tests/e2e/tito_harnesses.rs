@@ -196,10 +196,7 @@ async fn tito_harness(harness: &str, run: impl AsyncFn(&HarnessDirs, &str, &str)
         })
         .count();
     let traces: usize = reports.iter().map(|r| r.stats.traces as usize).sum();
-    let violations: u64 = reports
-        .iter()
-        .map(|r| r.faithfulness.violations)
-        .sum();
+    let violations: u64 = reports.iter().map(|r| r.faithfulness.violations).sum();
     eprintln!(
         "{harness}: {} calls in {} session(s), {traces} trace(s), {branches} branch(es), {violations} faithfulness violations",
         records.len(),
