@@ -106,6 +106,29 @@ async fn conversation(tokentap: &Tokentap, apis: [&str; 3]) -> Vec<CaptureRecord
     records
 }
 
+/// How many prompt tokens llama.cpp took from its cache for the exchange's call (`timings`
+/// of the whole answer or of the stream's last chunk).
+fn cache_n(exchange: &tokentap_e2e::tee::Exchange) -> u64 {
+    sse::response_objects(&exchange.response_body)
+        .iter()
+        .rev()
+        .find_map(|o| o["timings"]["cache_n"].as_u64())
+        .unwrap_or_else(|| {
+            panic!(
+                "no timings.cache_n in {}",
+                String::from_utf8_lossy(&exchange.response_body)
+            )
+        })
+}
+
+/// What of `earlier`'s call the engine's cache can hold for the next: its prompt and sampled
+/// ids but the last (sampled, never evaluated).
+fn reusable_prefix(earlier: &CaptureRecord) -> u64 {
+    (earlier.prompt_token_ids.as_ref().unwrap().len()
+        + earlier.completion_token_ids.as_ref().unwrap().len()
+        - 1) as u64
+}
+
 /// The record's `--token-verify` verdict.
 fn verdict(r: &CaptureRecord) -> &tokentap_schema::TitoVerify {
     r.token_in
@@ -143,7 +166,7 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
             .arg("--tokenizer")
             .arg(model.clone())
             .arg("--session-idle")
-            .arg("1"),
+            .arg("5"),
     )
     .await;
     let records = conversation(&tito, ["chat", "chat-stream", "messages-stream"]).await;
@@ -157,6 +180,7 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
         assert!(log.contains(finding), "{finding} not in:\n{log}");
     }
 
+    let mut tito_cache = Vec::new();
     let completions: Vec<_> = engine
         .exchanges()
         .into_iter()
@@ -214,17 +238,16 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
                 .count(),
             i
         );
-        // The engine reused its cache for the extended prefix.
-        let last = sse::response_objects(&completions[i].response_body)
-            .pop()
-            .unwrap();
-        let cached = last["tokens_cached"].as_u64().unwrap_or(0);
-        let earlier = records[i - 1].prompt_token_ids.as_ref().unwrap().len() as u64;
+        // The engine reused its cache for the whole extended prefix: the earlier prompt and
+        // every sampled id but the last (sampled, never evaluated).
+        let cached = cache_n(&completions[i]);
+        let reusable = reusable_prefix(&records[i - 1]);
         assert!(
-            cached >= earlier,
-            "seq {}: {cached} tokens cached, earlier prompt {earlier}",
+            cached >= reusable,
+            "seq {}: {cached} prompt tokens from the cache, {reusable} reusable",
             records[i].seq
         );
+        tito_cache.push((cached, reusable));
     }
     // --token-verify: the full render differs only inside the sampled tokens (the reasoning
     // Qwen3's template drops); tito wrote every frame token as the template does.
@@ -261,13 +284,31 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
     assert_eq!(tito_report.faithfulness.violations, 0, "{tito_report:?}");
 
     // Text mode, the same conversation.
+    let text_engine = TeeProxy::start(&llama.url).await;
     let text = Tokentap::start(
-        TokentapConfig::new(llama.url.clone(), "llamacpp")
+        TokentapConfig::new(text_engine.url.clone(), "llamacpp")
             .arg("--session-idle")
-            .arg("1"),
+            .arg("5"),
     )
     .await;
     let text_records = conversation(&text, ["chat", "chat-stream", "chat-stream"]).await;
+    // llama.cpp's prompt cache in text mode: the re-rendered turn parts from what was
+    // sampled, so the cache serves only up to there.
+    let chats: Vec<_> = text_engine
+        .exchanges()
+        .into_iter()
+        .filter(|e| e.path == "/v1/chat/completions")
+        .collect();
+    assert_eq!(chats.len(), 3);
+    let text_cache: Vec<(u64, u64)> = (1..3)
+        .map(|i| (cache_n(&chats[i]), reusable_prefix(&text_records[i - 1])))
+        .collect();
+    eprintln!(
+        "llama.cpp prompt tokens served from its cache (of the earlier call's prompt + sampled ids): tito {tito_cache:?}, text mode {text_cache:?}"
+    );
+    for (cached, reusable) in &text_cache {
+        assert!(cached < reusable, "text mode: {cached} of {reusable}");
+    }
     let text_extends = extensions(&text_records);
     let text_report = session_report(&text).await;
     eprintln!(
@@ -279,12 +320,14 @@ async fn heavy_tito_extends_every_turn_where_text_mode_splits() {
         "Qwen3's template drops the earlier reasoning in text mode"
     );
     assert_eq!(
-        text_report.stats.traces, 3,
+        (text_report.stats.calls, text_report.stats.traces),
+        (3, 3),
         "text mode: each call its own trace"
     );
 }
 
-/// The reconstruction's report of the one session (`--session-idle 1` closes it).
+/// The reconstruction's report of the one session (closed by `--session-idle`, which is
+/// longer than any pause between the conversation's calls, so one report holds them all).
 async fn session_report(t: &Tokentap) -> tokentap_schema::SessionReport {
     let out = t.spool.join("traces");
     let log = || t.log_tail(30);
@@ -308,7 +351,7 @@ async fn heavy_tito_cut_offs_close_the_turn_and_a_compaction_branches() {
             .arg("--tokenizer")
             .arg(model)
             .arg("--session-idle")
-            .arg("1"),
+            .arg("5"),
     )
     .await;
     let client = reqwest::Client::new();
