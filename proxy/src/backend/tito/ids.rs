@@ -118,6 +118,30 @@ pub(crate) fn tools_json(request: &ChatRequest) -> Vec<Value> {
         .collect()
 }
 
+/// The samplers vLLM and SGLang both take (the same names in `/v1/completions`' body and
+/// `/generate`'s `sampling_params`), every one explicit: the request's value, else the
+/// distribution itself (their own defaults come from the model's generation_config.json,
+/// which no harness asked for); special tokens kept in the text, where a family's call
+/// markers may be special tokens. Each engine adds its own fields.
+pub(crate) fn transformers_samplers(call: &IdsCall<'_>) -> serde_json::Map<String, Value> {
+    let s = &call.request.sampling;
+    let Value::Object(samplers) = serde_json::json!({
+        "temperature": s.temperature.unwrap_or(1.0),
+        "top_p": s.top_p.unwrap_or(1.0),
+        "top_k": s.top_k.unwrap_or(-1),
+        "min_p": s.min_p.unwrap_or(0.0),
+        "presence_penalty": s.presence_penalty.unwrap_or(0.0),
+        "frequency_penalty": s.frequency_penalty.unwrap_or(0.0),
+        "repetition_penalty": 1.0,
+        "stop": s.stop,
+        "skip_special_tokens": false,
+        "spaces_between_special_tokens": false,
+    }) else {
+        unreachable!("a JSON object literal")
+    };
+    samplers
+}
+
 /// An engine's body for a request given as JSON (the canonical request's shape), in tests.
 #[cfg(test)]
 pub(crate) fn body_for<E: IdsEngine>(

@@ -14,7 +14,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokentap_schema::{BackendKind, FinishReason};
 
-use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
+use super::ids::{
+    protocol_error, transformers_samplers, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine,
+    PromptAccount,
+};
 use crate::backend::error::BackendError;
 
 pub(crate) struct SglangIds;
@@ -26,26 +29,14 @@ impl IdsEngine for SglangIds {
     const NAMES_ITS_MODEL_FILE: bool = false;
     type Decoder = GenerateDecoder;
 
-    /// The ids, every sampler explicit (SGLang's defaults come from the model's
-    /// generation_config.json), the sampled tokens' logprobs asked for.
+    /// The ids, every sampler explicit ([`transformers_samplers`]), the sampled tokens'
+    /// logprobs asked for.
     fn body(&self, call: &IdsCall<'_>) -> Value {
-        let s = &call.request.sampling;
-        let mut sampling = json!({
-            "max_new_tokens": call.max_tokens,
-            "temperature": s.temperature.unwrap_or(1.0),
-            "top_p": s.top_p.unwrap_or(1.0),
-            "top_k": s.top_k.unwrap_or(-1),
-            "min_p": s.min_p.unwrap_or(0.0),
-            "presence_penalty": s.presence_penalty.unwrap_or(0.0),
-            "frequency_penalty": s.frequency_penalty.unwrap_or(0.0),
-            "repetition_penalty": 1.0,
-            "stop": s.stop,
-            "skip_special_tokens": false,
-            "spaces_between_special_tokens": false,
-            "no_stop_trim": false,
-        });
-        if let Some(seed) = s.seed {
-            sampling["sampling_seed"] = json!(seed);
+        let mut sampling = transformers_samplers(call);
+        sampling.insert("max_new_tokens".into(), json!(call.max_tokens));
+        sampling.insert("no_stop_trim".into(), json!(false));
+        if let Some(seed) = call.request.sampling.seed {
+            sampling.insert("sampling_seed".into(), json!(seed));
         }
         json!({
             "input_ids": call.ids,

@@ -16,7 +16,10 @@ use serde::Deserialize;
 use serde_json::{json, Value};
 use tokentap_schema::{BackendKind, FinishReason};
 
-use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
+use super::ids::{
+    protocol_error, transformers_samplers, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine,
+    PromptAccount,
+};
 use crate::backend::error::BackendError;
 use crate::backend::vllm::NO_LOGPROB;
 
@@ -29,33 +32,23 @@ impl IdsEngine for VllmIds {
     const NAMES_ITS_MODEL_FILE: bool = false;
     type Decoder = CompletionsDecoder;
 
-    /// The ids, every sampler explicit (vLLM's defaults come from the model's
-    /// generation_config.json, which no harness asked for), token data asked for.
+    /// The ids, every sampler explicit ([`transformers_samplers`]), token data asked for.
     fn body(&self, call: &IdsCall<'_>) -> Value {
-        let s = &call.request.sampling;
         let mut body = json!({
             "model": call.request.model,
             "prompt": call.ids,
             "stream": call.stream,
             "n": 1,
             "max_tokens": call.max_tokens,
-            "temperature": s.temperature.unwrap_or(1.0),
-            "top_p": s.top_p.unwrap_or(1.0),
-            "top_k": s.top_k.unwrap_or(-1),
-            "min_p": s.min_p.unwrap_or(0.0),
-            "presence_penalty": s.presence_penalty.unwrap_or(0.0),
-            "frequency_penalty": s.frequency_penalty.unwrap_or(0.0),
-            "repetition_penalty": 1.0,
-            "stop": s.stop,
             "logprobs": 0,
             "return_token_ids": true,
             "return_tokens_as_token_ids": true,
-            "skip_special_tokens": false,
-            "spaces_between_special_tokens": false,
             "include_stop_str_in_output": false,
         });
-        if let Some(seed) = s.seed {
-            body["seed"] = json!(seed);
+        let fields = body.as_object_mut().expect("an object");
+        fields.extend(transformers_samplers(call));
+        if let Some(seed) = call.request.sampling.seed {
+            fields.insert("seed".into(), json!(seed));
         }
         body
     }
