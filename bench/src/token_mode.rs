@@ -196,22 +196,18 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
 
     // `--token-verify`: the appending call's full render compared with tito's ids.
     let after_prompt = tito.prompt(&after).map_err(anyhow::Error::msg)?;
-    let mut verify = Vec::new();
-    for i in 0..2 * args.iterations {
-        let t = Instant::now();
-        std::hint::black_box(
-            tokentap_token_mode::verify(
-                tito.model(),
-                &after,
-                &after_prompt.ids,
-                &after_prompt.origins,
-            )
-            .map_err(anyhow::Error::msg)?,
-        );
-        if i >= args.iterations {
-            verify.push(t.elapsed().as_secs_f64() * 1e6);
-        }
-    }
+    let verify_once = || {
+        tokentap_token_mode::verify(
+            tito.model(),
+            &after,
+            &after_prompt.ids,
+            &after_prompt.origins,
+        )
+    };
+    verify_once().map_err(anyhow::Error::msg)?;
+    let verify = time(args.iterations, || {
+        std::hint::black_box(verify_once().ok());
+    });
 
     // Reading an answer back: reasoning, text and a tool call, fed one token's text at a time
     // as the engine streams it; per token.
@@ -229,9 +225,8 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         .iter()
         .map(|id| tito.model().text(std::slice::from_ref(id)))
         .collect();
-    let mut read = Vec::new();
-    for i in 0..2 * args.iterations {
-        let t = Instant::now();
+    // The calls read back from the whole answer.
+    let read_back = || {
         let mut parser = tokentap_answer_parse::AnswerParser::new(
             tito.dialect(),
             tokentap_answer_parse::ToolSchemas::default(),
@@ -245,11 +240,13 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
                 .count();
         }
         parser.finish();
-        anyhow::ensure!(calls == 1, "the answer's call was not read back");
-        if i >= args.iterations {
-            read.push(t.elapsed().as_secs_f64() * 1e6 / pieces.len() as f64);
-        }
-    }
+        calls
+    };
+    anyhow::ensure!(read_back() == 1, "the answer's call was not read back");
+    let read = time(args.iterations, || {
+        std::hint::black_box(read_back());
+    });
+    let per_token = |us: f64| us / pieces.len() as f64;
 
     println!(
         "tokentap bench token-mode — one thread, {} iterations after warm-up; model {}",
@@ -297,15 +294,13 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
     );
     println!(
         "  {:<44} {:>10.1} {:>10.1}",
-        "tito: --token-verify the appending call",
-        pct(&mut verify, 0.5),
-        pct(&mut verify, 0.99)
+        "tito: --token-verify the appending call", verify.0, verify.1
     );
     println!(
         "  {:<44} {:>10.2} {:>10.2}",
         format!("tito: read the answer back, per token ({})", pieces.len()),
-        pct(&mut read, 0.5),
-        pct(&mut read, 0.99)
+        per_token(read.0),
+        per_token(read.1)
     );
     println!(
         "  ids held per open session: {:.0} KiB (prompt + sampled ids of its last call)",
