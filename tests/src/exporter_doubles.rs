@@ -50,11 +50,7 @@ impl ExporterDouble {
                 async move { ([("content-type", "text/plain; version=0.0.4")], body) }
             }),
         );
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let addr = listener.local_addr().unwrap();
-        let task = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (addr, task) = crate::procs::serve_on_loopback(app, "the exporter double").await;
         ExporterDouble {
             exporter,
             addr,

@@ -11,7 +11,6 @@
 //! gets the engine's default (vLLM 16 tokens, SGLang 128) and a prompt that is not ids is a
 //! 400.
 
-use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -24,6 +23,8 @@ use axum::routing::{get, post};
 use axum::{Json, Router};
 use serde_json::{json, Value};
 use tokentap_chat_template::Tokenizer;
+
+use crate::procs::serve_on_loopback;
 
 /// The context length the doubles report.
 pub const MAX_MODEL_LEN: u64 = 4096;
@@ -132,13 +133,8 @@ impl IdsEngineDouble {
             .route(path, post(generate))
             .fallback(|| async { (StatusCode::NOT_FOUND, "ids engine double: no such route") })
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("binding the ids engine double");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (addr, server) = serve_on_loopback(app, "the ids engine double").await;
+        let url = format!("http://{addr}");
         IdsEngineDouble {
             url,
             shared,

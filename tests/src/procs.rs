@@ -252,6 +252,22 @@ pub fn loopback(port: u16) -> SocketAddr {
     SocketAddr::from(([127, 0, 0, 1], port))
 }
 
+/// Serves `app` on 127.0.0.1 at a port of the system's choosing, until the task is aborted
+/// (the test doubles abort it on drop); `what` names it if binding fails.
+pub async fn serve_on_loopback(
+    app: axum::Router,
+    what: &str,
+) -> (SocketAddr, tokio::task::JoinHandle<()>) {
+    let listener = tokio::net::TcpListener::bind(loopback(0))
+        .await
+        .unwrap_or_else(|e| panic!("binding {what}: {e}"));
+    let addr = listener.local_addr().expect("addr");
+    let task = tokio::spawn(async move {
+        let _ = axum::serve(listener, app).await;
+    });
+    (addr, task)
+}
+
 /// Polls `GET url` until it answers 200, the child exits, or `limit` passes.
 pub async fn wait_healthy(
     url: &str,

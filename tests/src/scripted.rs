@@ -9,7 +9,6 @@
 //! in its text form `<tool_call>\n{json}\n</tool_call>`) plus the end-of-turn id 2. Logprobs
 //! are a fixed fake value ([`FAKE_LOGPROB`]).
 
-use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -25,6 +24,7 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::llama::{LlamaTokenizer, END_OF_TURN};
+use crate::procs::serve_on_loopback;
 
 /// The logprob reported for every scripted token.
 pub const FAKE_LOGPROB: f32 = -0.1;
@@ -353,13 +353,8 @@ impl ScriptedBackend {
             .route("/tokenize", post(tokenize))
             .fallback(|| async { (StatusCode::NOT_FOUND, "scripted backend: no such route") })
             .with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("binding the scripted backend");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (addr, server) = serve_on_loopback(app, "the scripted backend").await;
+        let url = format!("http://{addr}");
         ScriptedBackend {
             url,
             shared,

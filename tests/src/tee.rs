@@ -2,7 +2,6 @@
 //! request and response byte for byte (streaming as it arrives) and keeps a copy of each, so a
 //! test can compare a capture record with what the engine itself said.
 
-use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 
 use axum::body::{Body, Bytes};
@@ -13,6 +12,7 @@ use axum::Router;
 use futures::StreamExt;
 use serde_json::Value;
 
+use crate::procs::serve_on_loopback;
 use crate::sse;
 
 /// One request/response pair that crossed the tee.
@@ -99,13 +99,8 @@ impl TeeProxy {
             exchanges: Mutex::new(Vec::new()),
         });
         let app = Router::new().fallback(forward).with_state(shared.clone());
-        let listener = tokio::net::TcpListener::bind(SocketAddr::from(([127, 0, 0, 1], 0)))
-            .await
-            .expect("binding the tee");
-        let url = format!("http://{}", listener.local_addr().expect("addr"));
-        let server = tokio::spawn(async move {
-            let _ = axum::serve(listener, app).await;
-        });
+        let (addr, server) = serve_on_loopback(app, "the tee").await;
+        let url = format!("http://{addr}");
         TeeProxy {
             url,
             shared,
