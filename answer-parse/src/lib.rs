@@ -17,6 +17,8 @@ mod stream;
 pub use answer::{Answer, Delta, ToolCall};
 pub use calls::ToolSchemas;
 pub use family::{Dialect, Family, THINK_CLOSE, THINK_OPEN};
-pub use grammar::{call_grammar, CallGrammar};
+pub use grammar::{
+    call_grammar, call_grammar_within, CallGrammar, GrammarBounds, GrammarLimit, NoGrammar,
+};
 pub use probe::{probe, probe_tools, Unreadable};
 pub use stream::{AnswerParser, DEFAULT_MAX_CALL_BYTES};

@@ -43,6 +43,10 @@ pub struct AnswerParser {
     /// The whitespace dropped before the call being read: handed back if it is not one.
     separator: String,
     max_call_bytes: usize,
+    /// The whitespace between `</think>` and the answer's text stays in the content (vLLM's
+    /// reasoning parsers keep it: `"\n\nDone."`); llama.cpp's drops it (`"Done."`). Before a
+    /// call it is the template's separator either way.
+    keep_space_after_reasoning: bool,
 }
 
 impl AnswerParser {
@@ -55,7 +59,15 @@ impl AnswerParser {
             buf: String::new(),
             separator: String::new(),
             max_call_bytes: DEFAULT_MAX_CALL_BYTES,
+            keep_space_after_reasoning: false,
         }
+    }
+
+    /// Parses as an engine whose reasoning parser leaves the whitespace after `</think>` in
+    /// the content (vLLM's), so that tito's answer equals that engine's own in text mode.
+    pub fn keeping_space_after_reasoning(mut self, keep: bool) -> AnswerParser {
+        self.keep_space_after_reasoning = keep;
+        self
     }
 
     pub fn with_max_call_bytes(mut self, max: usize) -> AnswerParser {
@@ -123,7 +135,9 @@ impl AnswerParser {
                 if let Some(i) = b.find(THINK_CLOSE) {
                     out.reasoning(&b[..i]);
                     self.drain(i + THINK_CLOSE.len());
-                    self.state = State::AnswerStart { drop_space: true };
+                    self.state = State::AnswerStart {
+                        drop_space: !self.keep_space_after_reasoning,
+                    };
                     return true;
                 }
                 let keep = if at_end {

@@ -303,3 +303,38 @@ fn a_call_longer_than_the_limit_is_text() {
     let refs: Vec<&str> = bytes.iter().map(String::as_str).collect();
     assert_eq!(limited(&refs), whole);
 }
+
+/// vLLM's qwen3 reasoning parser leaves `"\n\n"` after `</think>` in the content (its answers in
+/// `../shared/reference/vllm-0.32-cpu/responses/`: `"\n\nDone."` whole, a `"\n\n"` delta then
+/// `"Done"`, `"."` streamed), and with a call after it the content is none (the hermes parser's
+/// text before `<tool_call>`, whitespace only). llama.cpp's parser drops it: the default.
+#[test]
+fn the_space_after_reasoning_stays_in_the_content_for_an_engine_that_keeps_it() {
+    let think = |keep: bool, chunks: &[&str]| {
+        let mut parser = AnswerParser::new(qwen3(), schemas()).keeping_space_after_reasoning(keep);
+        let mut deltas: Vec<Delta> = chunks.iter().flat_map(|c| parser.push(c)).collect();
+        deltas.extend(parser.finish());
+        Answer::from_deltas(&deltas)
+    };
+    let text = ["<think>", "Check", "</think>", "\n\n", "Done", "."];
+    assert_eq!(think(true, &text).content, "\n\nDone.");
+    assert_eq!(think(true, &[&text.concat()]).content, "\n\nDone.");
+    // The control: llama.cpp's convention.
+    assert_eq!(think(false, &text).content, "Done.");
+    let call = [
+        "<think>",
+        "Check",
+        "</think>",
+        "\n\n",
+        "<tool_call>",
+        "\n",
+        "{\"name\": \"f\", \"arguments\": {}}\n",
+        "</tool_call>",
+    ];
+    for keep in [true, false] {
+        let answer = think(keep, &call);
+        assert_eq!(answer.content, "", "keep {keep}");
+        assert_eq!(answer.reasoning, "Check");
+        assert_eq!(answer.tool_calls.len(), 1);
+    }
+}

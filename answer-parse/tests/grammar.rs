@@ -7,7 +7,7 @@
 use std::collections::BTreeSet;
 
 use serde_json::Value;
-use tokentap_answer_parse::{call_grammar, Family};
+use tokentap_answer_parse::{call_grammar, Family, NoGrammar};
 
 fn tools(name: &str) -> Vec<Value> {
     let path = format!(
@@ -130,6 +130,6 @@ fn the_checker_sees_an_undefined_rule() {
 #[test]
 fn no_tools_no_grammar() {
     for family in Family::ALL {
-        assert!(call_grammar(family, &[]).is_none());
+        assert_eq!(call_grammar(family, &[]), Err(NoGrammar::NoTools));
     }
 }

@@ -47,6 +47,7 @@ pub fn run(args: MetricsBenchArgs) -> anyhow::Result<()> {
                     url: "http://127.0.0.1:1".into(),
                     model: "Qwen/Qwen3-8B".into(),
                     policy_version: Some("step-12".into()),
+                    engine_weight_version: None,
                     synthetic_stream: false,
                 },
             );
@@ -57,6 +58,7 @@ pub fn run(args: MetricsBenchArgs) -> anyhow::Result<()> {
                 prompt_tokens: 12_000,
                 completion_tokens: 400,
                 total_tokens: 12_400,
+                reasoning_tokens: None,
             });
             r.timings.backend_ms = 900.0;
             r.timings.proxy_overhead_ms = 0.8;

@@ -160,11 +160,14 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
     )
     .map_err(anyhow::Error::msg)?;
     let answer = after.messages[before.messages.len()].clone();
-    let before_prompt = tito.prompt(&before).map_err(anyhow::Error::msg)?;
+    let before_prompt = tito
+        .prompt(Some("bench"), &before)
+        .map_err(anyhow::Error::msg)?;
     let (mut build, mut keep) = (Vec::new(), Vec::new());
     for i in 0..2 * args.iterations {
         let t = Instant::now();
         tito.answered(
+            Some("bench"),
             &before,
             &before_prompt,
             sampled,
@@ -174,7 +177,10 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         );
         let kept = t.elapsed().as_secs_f64() * 1e6;
         let t = Instant::now();
-        let prompt = std::hint::black_box(tito.prompt(&after).map_err(anyhow::Error::msg)?);
+        let prompt = std::hint::black_box(
+            tito.prompt(Some("bench"), &after)
+                .map_err(anyhow::Error::msg)?,
+        );
         let built = t.elapsed().as_secs_f64() * 1e6;
         anyhow::ensure!(
             matches!(
@@ -195,7 +201,9 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
     };
 
     // `--token-verify`: the appending call's full render compared with tito's ids.
-    let after_prompt = tito.prompt(&after).map_err(anyhow::Error::msg)?;
+    let after_prompt = tito
+        .prompt(Some("bench"), &after)
+        .map_err(anyhow::Error::msg)?;
     let verify_once = || {
         tokentap_token_mode::verify(
             tito.model(),

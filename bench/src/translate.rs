@@ -110,6 +110,7 @@ fn generation(n: usize) -> Vec<GenerationEvent> {
             prompt_tokens: 4000,
             completion_tokens: n as u64 + 8,
             total_tokens: 4008 + n as u64,
+            reasoning_tokens: None,
         }),
     });
     ev

@@ -9,6 +9,13 @@
 //! - a mark for each session finished past `resume_seq` (its last sequence, its next trace
 //!   index), so a replay skips its records and late records continue its numbering.
 //!
+//! Each record's subject names its publisher (the bus user the server let publish there). A
+//! session belongs to the publisher of its first record read here (stream order, the same for
+//! every owner of the partition); a record of that session from any other publisher is dropped
+//! and counted (`tokentap_worker_bus_foreign_records_dropped_total`), so one agent host's
+//! credential cannot write into another's sessions. The owner is kept in the finished marks,
+//! so a session's late records are held to it too.
+//!
 //! The checkpoint is written with the revision it was read at: an owner that lost its lease
 //! without knowing (paused, partitioned) fails its next checkpoint and stops, instead of
 //! overwriting its successor's. Traces it published meanwhile are dropped by the stream as
@@ -28,7 +35,7 @@ use tokentap_reconstruct::{
 use tokentap_schema::CaptureRecord;
 use tokio::sync::watch;
 
-use crate::topology::{record_subject, trace_subject, Topology};
+use crate::topology::{partition_records, publisher_of, trace_subject, Topology};
 
 /// How often a partition checkpoints (and syncs this worker's output).
 const CHECKPOINT_EVERY: Duration = Duration::from_secs(2);
@@ -51,6 +58,18 @@ struct FinishedMark {
     session_id: String,
     upto: u64,
     next_index: u32,
+    /// The publisher the session belongs to (absent in checkpoints of earlier versions).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    publisher: Option<String>,
+}
+
+/// A session finished past the checkpoint's `resume_seq`.
+#[derive(Debug, Clone)]
+struct Finished {
+    /// Its last record's sequence.
+    upto: u64,
+    next_index: u32,
+    publisher: Option<String>,
 }
 
 pub fn checkpoint_key(partition: u32) -> String {
@@ -67,6 +86,8 @@ pub struct GroupMetrics {
     pub traces: prometheus::IntCounter,
     pub traces_already_published: prometheus::IntCounter,
     pub violations: prometheus::IntCounter,
+    /// Records dropped because their session belongs to another publisher.
+    pub foreign_records: prometheus::IntCounter,
     /// Members of the group this worker sees.
     pub members: prometheus::IntGauge,
     /// Partitions this worker holds.
@@ -107,6 +128,10 @@ impl GroupMetrics {
             violations: counter(
                 "tokentap_worker_faithfulness_violations_total",
                 "Faithfulness violations found in written traces (should stay 0)",
+            ),
+            foreign_records: counter(
+                "tokentap_worker_bus_foreign_records_dropped_total",
+                "Records dropped because their session belongs to another publisher (the bus user that published its first record)",
             ),
             members: gauge(
                 "tokentap_worker_bus_members",
@@ -164,7 +189,7 @@ pub async fn run_partition(
         p.w.topology
             .records
             .create_consumer(pull::OrderedConfig {
-                filter_subject: record_subject(partition),
+                filter_subject: partition_records(partition),
                 deliver_policy: if p.resume_seq > 1 {
                     DeliverPolicy::ByStartSequence {
                         start_sequence: p.resume_seq,
@@ -193,7 +218,7 @@ pub async fn run_partition(
                 Some(Ok(message)) => {
                     let info = message.info().map_err(|e| bus(anyhow::anyhow!(e)))?;
                     let (seq, pending) = (info.stream_sequence, info.pending);
-                    p.push(seq, &message.payload);
+                    p.push(seq, &message.subject, &message.payload);
                     p.caught_up = pending == 0;
                 }
                 Some(Err(e)) => {
@@ -220,8 +245,10 @@ struct Partition {
     recent: RecentIds,
     /// Open sessions' first record's sequence.
     first_seq: HashMap<String, u64>,
-    /// Sessions finished past `resume_seq`: (last sequence, next trace index).
-    finished: HashMap<String, (u64, u32)>,
+    /// Sessions finished past `resume_seq`.
+    finished: HashMap<String, Finished>,
+    /// Open sessions' publisher (that of their first record).
+    owners: HashMap<String, String>,
     resume_seq: u64,
     last_seq: u64,
     newest_record_ms: u64,
@@ -243,7 +270,14 @@ impl Partition {
         let mut finished = HashMap::new();
         for m in checkpoint.finished {
             recon.continue_session(&m.session_id, m.next_index);
-            finished.insert(m.session_id, (m.upto, m.next_index));
+            finished.insert(
+                m.session_id,
+                Finished {
+                    upto: m.upto,
+                    next_index: m.next_index,
+                    publisher: m.publisher,
+                },
+            );
         }
         Ok(Partition {
             w,
@@ -252,6 +286,7 @@ impl Partition {
             recent: RecentIds::with_window(RECENT_IDS),
             first_seq: HashMap::new(),
             finished,
+            owners: HashMap::new(),
             resume_seq: checkpoint.resume_seq,
             last_seq: checkpoint.resume_seq.saturating_sub(1),
             newest_record_ms: 0,
@@ -260,8 +295,18 @@ impl Partition {
         })
     }
 
-    fn push(&mut self, seq: u64, payload: &[u8]) {
+    fn push(&mut self, seq: u64, subject: &str, payload: &[u8]) {
         self.last_seq = self.last_seq.max(seq);
+        let Some(publisher) = publisher_of(subject) else {
+            self.w.metrics.unreadable.inc();
+            tracing::warn!(
+                partition = self.partition,
+                seq,
+                subject,
+                "a message on the records stream names no publisher; skipped"
+            );
+            return;
+        };
         let record: CaptureRecord = match serde_json::from_slice(payload) {
             Ok(r) => r,
             Err(e) => {
@@ -271,11 +316,25 @@ impl Partition {
             }
         };
         // Already in a finished session's traces (a replay after a takeover).
-        if self
-            .finished
+        let finished = self.finished.get(&record.session_id);
+        if finished.is_some_and(|f| seq <= f.upto) {
+            return;
+        }
+        let owner = self
+            .owners
             .get(&record.session_id)
-            .is_some_and(|(upto, _)| seq <= *upto)
-        {
+            .or(finished.and_then(|f| f.publisher.as_ref()));
+        if let Some(owner) = owner.filter(|o| *o != publisher) {
+            self.w.metrics.foreign_records.inc();
+            let dropped = self.w.metrics.foreign_records.get();
+            // Said for the first ones, then now and then: the publisher decides how many.
+            if dropped <= 16 || dropped.is_power_of_two() {
+                tracing::warn!(
+                    partition = self.partition, seq, session = %record.session_id,
+                    record = %record.record_id, publisher, owner = %owner, dropped,
+                    "a record for a session another publisher owns: dropped (a forged record, or one session shared between bus users)"
+                );
+            }
             return;
         }
         if !self.recent.insert(record.record_id.clone()) {
@@ -287,6 +346,9 @@ impl Partition {
         self.first_seq
             .entry(record.session_id.clone())
             .or_insert(seq);
+        self.owners
+            .entry(record.session_id.clone())
+            .or_insert_with(|| publisher.to_owned());
         self.recon.push(&record);
     }
 
@@ -349,7 +411,15 @@ impl Partition {
                 .map_err(|e| self.bus(e.into()))?;
         }
         self.first_seq.remove(&session);
-        self.finished.insert(session, (self.last_seq, next_index));
+        let publisher = self.owners.remove(&session);
+        self.finished.insert(
+            session,
+            Finished {
+                upto: self.last_seq,
+                next_index,
+                publisher,
+            },
+        );
         Ok(())
     }
 
@@ -377,20 +447,21 @@ impl Partition {
             .copied()
             .unwrap_or(self.last_seq + 1);
         if self.finished.len() > FINISHED_KEPT {
-            let mut uptos: Vec<u64> = self.finished.values().map(|(upto, _)| *upto).collect();
+            let mut uptos: Vec<u64> = self.finished.values().map(|f| f.upto).collect();
             uptos.sort_unstable();
             let oldest_kept = uptos[uptos.len() - FINISHED_KEPT].min(resume_seq);
-            self.finished.retain(|_, (upto, _)| *upto >= oldest_kept);
+            self.finished.retain(|_, f| f.upto >= oldest_kept);
         }
         let checkpoint = Checkpoint {
             resume_seq,
             finished: self
                 .finished
                 .iter()
-                .map(|(s, &(upto, next_index))| FinishedMark {
+                .map(|(s, f)| FinishedMark {
                     session_id: s.clone(),
-                    upto,
-                    next_index,
+                    upto: f.upto,
+                    next_index: f.next_index,
+                    publisher: f.publisher.clone(),
                 })
                 .collect(),
             owner: self.w.member.clone(),

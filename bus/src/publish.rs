@@ -1,11 +1,12 @@
 //! A spool's records → the records stream, at least once: each record goes to its session's
-//! partition subject with its record id as `Nats-Msg-Id` (the stream drops a republished one as
+//! partition under this publisher's name (`tokentap.records.<bus user>.<partition>`, the only
+//! records subjects the bus lets that user publish to) with its record id as `Nats-Msg-Id` (the stream drops a republished one as
 //! a duplicate), up to [`MAX_IN_FLIGHT`] unacknowledged at a time, and the cursor file next to
 //! the spool moves only past records the server acknowledged. A bus that is down holds the
 //! records in the spool, where they were written anyway; they go out when it is back.
 //!
 //! What the bus will never take (a record over the server's `max_payload`, a spool line that is
-//! not a record) goes to [`DEAD_LETTER_FILE`] next to the cursor, loudly and counted, before
+//! not a record, one over the records stream's `max_msg_size`) goes to [`DEAD_LETTER_FILE`] next to the cursor, loudly and counted, before
 //! the cursor moves past it.
 
 use std::collections::VecDeque;
@@ -22,7 +23,7 @@ use tokentap_schema::ndjson::encode_line;
 use tokentap_spool::downstream::{self, DownstreamMetrics};
 use tokentap_spool::{SpoolItem, SpoolPosition, SpoolReader};
 
-use crate::topology::{record_subject, PublishTopology};
+use crate::topology::{publisher_name, record_subject, PublishTopology};
 
 /// Next to the spool's segments (the spool reader ignores other files).
 pub const CURSOR_FILE: &str = "bus-cursor.json";
@@ -65,6 +66,7 @@ pub async fn publish_spool(
     metrics: DownstreamMetrics,
 ) -> anyhow::Result<PublishTotals> {
     let url = bus.url.as_str();
+    let publisher = publisher_name(bus)?;
     let cursor_path = spool.join(CURSOR_FILE);
     let start = downstream::load_cursor(&cursor_path, url);
     let mut totals = PublishTotals::default();
@@ -160,7 +162,25 @@ pub async fn publish_spool(
                     continue;
                 }
             };
-            let subject = record_subject(topology.partition_of(&session));
+            let subject = record_subject(&publisher, topology.partition_of(&session));
+            // What the stream stores is the payload and the header carrying the message id.
+            let stored = line.len() + "NATS/1.0\r\nNats-Msg-Id: \r\n\r\n".len() + id.len();
+            if let Some(limit) = topology.max_msg_size.filter(|&limit| stored > limit) {
+                let reason = format!(
+                    "the record is {stored} bytes with its header, over the records stream's max_msg_size of {limit} (TOKENTAP_BUS_RECORDS_MAX_MSG_SIZE where the worker group runs)"
+                );
+                dead_letter(
+                    &dead_letters,
+                    url,
+                    position,
+                    &reason,
+                    Some(line.as_slice()),
+                    &metrics,
+                    &mut totals,
+                )?;
+                in_flight.push_back(InFlight { end, ack: None });
+                continue;
+            }
             // Shared, not copied: kept for the dead-letter file should the bus refuse it.
             let line = Bytes::from(line);
             let message = PublishMessage::build()
@@ -210,7 +230,11 @@ pub async fn publish_spool(
                         backoff = Duration::from_millis(200);
                     }
                     Err(e) => {
-                        tracing::warn!(error = %e, "the bus did not acknowledge a record");
+                        if stream_is_full(&e.to_string()) {
+                            tracing::error!(bus = %url, error = %e, "the records stream is full (its max_bytes or max_msgs, or its account's JetStream limit): records wait in the spool and go out once it has room (docs/scale-out.md, \"Limits\")");
+                        } else {
+                            tracing::warn!(error = %e, "the bus did not acknowledge a record");
+                        }
                         failed = true;
                         break;
                     }
@@ -253,6 +277,17 @@ pub async fn publish_spool(
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
     }
+}
+
+/// Whether an acknowledgement's error says the stream (or its account) has no room: the
+/// server's "maximum bytes/messages exceeded" of a stream that discards new messages, or
+/// "insufficient resources" (10023) of an account at its JetStream limit.
+pub fn stream_is_full(error: &str) -> bool {
+    let e = error.to_ascii_lowercase();
+    e.contains("maximum bytes exceeded")
+        || e.contains("maximum messages exceeded")
+        || e.contains("insufficient resources")
+        || e.contains("resource limits exceeded")
 }
 
 /// Keeps a record the bus will never take: said in the log, written to the dead-letter file,

@@ -229,4 +229,9 @@ pub struct Usage {
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
     pub total_tokens: u64,
+    /// Of the completion, the tokens of its reasoning, where the engine counts them (vLLM's
+    /// `completion_tokens_details.reasoning_tokens`, with a reasoning parser); passed on to
+    /// the harness in the APIs that carry it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_tokens: Option<u64>,
 }

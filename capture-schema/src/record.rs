@@ -252,9 +252,31 @@ pub struct BackendInfo {
     /// The policy (weights) version serving the call, as configured on the proxy.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_version: Option<String>,
+    /// The engine's own weight version, as the engine reported it around the call (vLLM's
+    /// `GET /weight_info`; `tokentap proxy --engine-weight-version`): beside `policy_version`,
+    /// which is what the trainer told tokentap, this is what the engine says it served.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_weight_version: Option<EngineWeightVersion>,
     /// True when the backend was called non-streaming and its answer replayed as a stream.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub synthetic_stream: bool,
+}
+
+/// The engine's weight version when tokentap sent the call and when its answer ended. They
+/// differ when the weights changed while the call ran: its tokens may come from two policies.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize, JsonSchema)]
+pub struct EngineWeightVersion {
+    /// Read just before the call went to the engine (`None`: the engine did not say).
+    pub at_start: Option<String>,
+    /// Read once the answer ended: the weights that sampled its last tokens.
+    pub at_end: Option<String>,
+}
+
+impl EngineWeightVersion {
+    /// The weights changed while the call ran (both reads answered, and differ).
+    pub fn straddles_update(&self) -> bool {
+        matches!((&self.at_start, &self.at_end), (Some(a), Some(b)) if a != b)
+    }
 }
 
 /// How a list of token ids was obtained.

@@ -88,6 +88,13 @@ pub struct TraceCall {
     pub finish_reason: Option<FinishReason>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub policy_version: Option<String>,
+    /// The engine's weight version when the call's answer ended (its record's
+    /// `backend.engine_weight_version.at_end`), when tokentap read it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub engine_weight_version: Option<String>,
+    /// The engine's weights changed while the call ran: its tokens may come from two policies.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub straddles_weight_update: bool,
 }
 
 /// One trainable token sequence (a row of `traces.jsonl` / `traces.parquet`).
@@ -121,6 +128,10 @@ pub struct Trace {
     pub calls: Vec<TraceCall>,
     /// True when the calls were served by more than one policy version.
     pub spans_policy_versions: bool,
+    /// True when the engine reported more than one weight version for the calls, or a call
+    /// straddled a weight update (`TraceCall::straddles_weight_update`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub spans_engine_weight_versions: bool,
     /// The last call's conversation plus its answer, as JSON text, for reference.
     pub messages_json: String,
     /// The tools offered in the last call, as JSON text (`[]` when none).

@@ -19,7 +19,7 @@ use tokentap_schema::{
     BackendInfo, CaptureRecord, ErrorKind, HarnessRequest, Normalization, SessionSource, WireApi,
 };
 
-use crate::backend::{Backend, BackendError, CallMode, GenerationStream};
+use crate::backend::{Backend, BackendError, CallMode, CallScope, GenerationStream};
 use crate::canonical::GenerationEvent;
 use crate::capture::{CallCapture, RecordSink};
 use crate::engine_options::{self, EngineOptionPolicy};
@@ -137,6 +137,39 @@ fn route<'p>(method: &str, path: &'p str) -> (Route, Option<&'p str>) {
         _ => Route::NotFound,
     };
     (r, session)
+}
+
+/// The session a request names (header, path prefix, query, the harness's own id, the API
+/// key), on a listener that neither fixes nor resolves sessions; else `fresh`, a session of
+/// this request alone.
+fn attribute_session(
+    head: &pingora::http::RequestHeader,
+    path_session: Option<&str>,
+    fresh: impl FnOnce() -> String,
+) -> Result<session::Session, CallError> {
+    let header_session = head
+        .headers
+        .get(SESSION_HEADER)
+        .and_then(|v| v.to_str().ok());
+    let query_session = head.uri.query().and_then(query_param_session);
+    let api_key = api_key(head);
+    let harness = HARNESS_SESSION_HEADERS.iter().find_map(|(name, prefix)| {
+        let v = head.headers.get(*name)?.to_str().ok()?;
+        Some((*prefix, v))
+    });
+    let hints = SessionHints {
+        header: header_session,
+        path_prefix: path_session,
+        query: query_session.as_deref(),
+        harness,
+        api_key: api_key.as_deref(),
+    };
+    session::attribute(&hints, fresh).map_err(CallError::from)
+}
+
+/// The session tito may keep a call's conversation in: none for a session of one call.
+fn token_session(session: &session::Session) -> Option<&str> {
+    (session.source != SessionSource::Generated).then_some(session.id.as_str())
 }
 
 /// The id of the session a request was admitted under, if any.
@@ -436,7 +469,10 @@ impl CaptureService {
                 let hints = path_session.map(str::to_owned);
                 self.handle_call(http, codec, hints, session).await
             }
-            Route::CountTokens => self.count_tokens(http, session_id(&session)).await,
+            Route::CountTokens => {
+                let hints = path_session.map(str::to_owned);
+                self.count_tokens(http, hints, session).await
+            }
             Route::Health => write_json(http, 200, &json!({"status": "ok"})).await,
             Route::Hello => write_body(http, 200, "application/json", Vec::new()).await,
             Route::WebSocketRefused => {
@@ -486,9 +522,6 @@ impl CaptureService {
         fixed: Option<&str>,
         path_session: Option<&str>,
     ) -> Result<Option<session::Session>, CallError> {
-        if matches!(route, Route::Health) {
-            return Ok(None);
-        }
         let limit = self.config.limits.max_header_bytes;
         let size = header_bytes(head);
         if size > limit {
@@ -498,6 +531,11 @@ impl CaptureService {
                 431,
                 format!("the request's head is {size} bytes; this listener takes at most {limit}"),
             ));
+        }
+        // `/health` needs no token (probes have none) and names no session, but its head is
+        // bounded like every other route's.
+        if matches!(route, Route::Health) {
+            return Ok(None);
         }
         if !self.client_admitted(head) {
             self.closed_by("client_token");
@@ -680,8 +718,34 @@ impl CaptureService {
     }
 
     /// Anthropic token counting: the engine's own count of the prompt it would see. Not a model
-    /// call, so no record; errors come back in the Messages shape.
-    async fn count_tokens(&self, http: &mut ServerSession, session: Option<&str>) -> bool {
+    /// call, so no record; errors come back in the Messages shape. Work done for the session
+    /// all the same (tito renders and tokenizes the whole request): it counts against the
+    /// session's budget like a call, its bytes as they are read.
+    async fn count_tokens(
+        &self,
+        http: &mut ServerSession,
+        path_session: Option<String>,
+        admitted: Option<session::Session>,
+    ) -> bool {
+        // The session the listener vouches for (fixed or resolved) picks the token path and
+        // the gate's hold, as for a call.
+        let admitted_id = admitted.as_ref().map(|s| s.id.clone());
+        let attributed = match admitted {
+            Some(s) => Ok(s),
+            None => attribute_session(http.req_header(), path_session.as_deref(), || {
+                format!("count-{}", uuid::Uuid::now_v7())
+            }),
+        };
+        let session = match attributed {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = http.drain_request_body().await;
+                return self.write_error(http, &MESSAGES, &e).await;
+            }
+        };
+        if session.source != SessionSource::Generated {
+            self.sessions.add_token_count(&session.id);
+        }
         let body = match self.read_body(http).await {
             Ok(b) => b,
             Err(BodyError::TooLarge) => {
@@ -691,6 +755,10 @@ impl CaptureService {
             }
             Err(BodyError::TimedOut(_)) | Err(BodyError::Io(_)) => return false,
         };
+        if session.source != SessionSource::Generated {
+            self.sessions
+                .add_request_bytes(&session.id, body.len() as u64);
+        }
         let screened = MESSAGES
             .parse_count_tokens(&body)
             .map_err(CallError::from)
@@ -702,13 +770,18 @@ impl CaptureService {
         if let Some(model) = &self.config.backend_model {
             request.model = model.clone();
         }
+        let admitted_id = admitted_id.as_deref();
         let _held = match &self.gate {
-            Some(gate) => gate.hold(session).await,
+            Some(gate) => gate.hold(admitted_id).await,
             None => None,
         };
-        // The count of the prompt this session's calls send: tito's own ids, or the engine's.
-        let backend = self.token_path(session).backend;
-        match backend.count_prompt_tokens(&request).await {
+        // The count of the prompt this session's calls send: tito's own ids (from this
+        // session's conversations only), or the engine's.
+        let backend = self.token_path(admitted_id).backend;
+        match backend
+            .count_prompt_tokens(&request, token_session(&session))
+            .await
+        {
             Ok(n) => write_json(http, 200, &json!({"input_tokens": n})).await,
             Err(e) => {
                 self.write_error(http, &MESSAGES, &CallError::from(&e))
@@ -805,6 +878,7 @@ impl CaptureService {
             url: self.backend.url().to_owned(),
             model: String::new(),
             policy_version: self.config.policy_version.clone(),
+            engine_weight_version: None,
             synthetic_stream: self.config.synthetic_stream,
         }
     }
@@ -822,29 +896,9 @@ impl CaptureService {
         // request says.
         let attributed = match admitted {
             Some(s) => Ok(s),
-            None => {
-                let head = http.req_header();
-                let header_session = head
-                    .headers
-                    .get(SESSION_HEADER)
-                    .and_then(|v| v.to_str().ok())
-                    .map(str::to_owned);
-                let query_session = head.uri.query().and_then(query_param_session);
-                let api_key = api_key(head);
-                let harness = HARNESS_SESSION_HEADERS.iter().find_map(|(name, prefix)| {
-                    let v = head.headers.get(*name)?.to_str().ok()?;
-                    Some((*prefix, v))
-                });
-                let hints = SessionHints {
-                    header: header_session.as_deref(),
-                    path_prefix: path_session.as_deref(),
-                    query: query_session.as_deref(),
-                    harness,
-                    api_key: api_key.as_deref(),
-                };
-                session::attribute(&hints, || format!("call-{}", call.record_id))
-                    .map_err(CallError::from)
-            }
+            None => attribute_session(http.req_header(), path_session.as_deref(), || {
+                format!("call-{}", call.record_id)
+            }),
         };
         let session = match attributed {
             Ok(s) => s,
@@ -1013,7 +1067,10 @@ impl CaptureService {
             .generate_call(
                 call.backend_request.as_ref().expect("set above"),
                 mode,
-                &call.record_id,
+                CallScope {
+                    record_id: &call.record_id,
+                    session: call.session.as_ref().and_then(|(s, _)| token_session(s)),
+                },
             )
             .await;
         call.backend_time += t.elapsed();

@@ -27,6 +27,9 @@ pub enum GenerationEvent {
     Gap(TokenGap),
     /// `--token-mode tito`: how tokentap built the prompt ids it sent (before any other event).
     TokenIn(tokentap_schema::TokenIn),
+    /// `--engine-weight-version`: the engine's weight version before and after the call
+    /// (after `Finished`: bookkeeping).
+    EngineWeightVersion(tokentap_schema::EngineWeightVersion),
     /// Generation ended. Further `PromptTokens`/`Gap` events may follow (bookkeeping that
     /// does not delay the harness).
     Finished {
@@ -73,6 +76,7 @@ pub struct GenerationAccumulator {
     pub gaps: Vec<TokenGap>,
     pub finish: Option<(FinishReason, Option<Usage>)>,
     pub token_in: Option<tokentap_schema::TokenIn>,
+    pub engine_weight_version: Option<tokentap_schema::EngineWeightVersion>,
     /// Whether any content reached the accumulator (first-token timing).
     pub started: bool,
 }
@@ -91,6 +95,7 @@ impl GenerationAccumulator {
             GenerationEvent::PromptSize(_) => {}
             GenerationEvent::Gap(g) => self.gaps.push(g),
             GenerationEvent::TokenIn(t) => self.token_in = Some(t),
+            GenerationEvent::EngineWeightVersion(v) => self.engine_weight_version = Some(v),
             GenerationEvent::Finished {
                 finish_reason,
                 usage,

@@ -190,7 +190,10 @@ impl CallCapture {
             backend_request: backend_request.map(crate::redact::recorded_request),
             backend_conversation,
             normalizations: self.normalizations,
-            backend: self.backend,
+            backend: BackendInfo {
+                engine_weight_version: g.engine_weight_version.clone(),
+                ..self.backend
+            },
             prompt_token_ids,
             completion_token_ids,
             logprobs,
@@ -683,6 +686,7 @@ mod tests {
                 url: "http://127.0.0.1:1".into(),
                 model: "m".into(),
                 policy_version: None,
+                engine_weight_version: None,
                 synthetic_stream: false,
             },
         );

@@ -101,6 +101,12 @@ pub struct CaptureArgs {
     /// Policy (weights) version to record with each call.
     #[arg(long)]
     pub policy_version: Option<String>,
+    /// Read the engine's own weight version (vLLM's `GET /weight_info`) just before each call
+    /// and once its answer ends, and record both (`backend.engine_weight_version`): the
+    /// weights the engine served beside `--policy-version`, and a call they changed under
+    /// (`straddles_weight_update` on its trace call). vLLM only; two small reads per call.
+    #[arg(long)]
+    engine_weight_version: bool,
     /// How system and developer messages reach the engine: `single` folds them into one
     /// leading system message (what most chat templates take), `as-sent` keeps them where the
     /// harness put them, `auto` asks the engine's template once (llama.cpp, vLLM) and folds
@@ -168,7 +174,18 @@ impl CaptureArgs {
     /// ([`CaptureService::with_text_mode_sessions`]).
     pub fn text_backend(&self) -> anyhow::Result<Arc<dyn backend::Backend>> {
         let backend = backend::build(self.backend_config()?).context("configuring the backend")?;
-        Ok(Arc::from(backend))
+        self.engine_versioned(Arc::from(backend))
+    }
+
+    /// `backend` as `--engine-weight-version` asks: read around each call, or as it is.
+    fn engine_versioned(
+        &self,
+        backend: Arc<dyn backend::Backend>,
+    ) -> anyhow::Result<Arc<dyn backend::Backend>> {
+        if !self.engine_weight_version {
+            return Ok(backend);
+        }
+        Ok(backend::with_engine_weight_version(backend, &self.backend_config()?)?)
     }
 
     /// How the engine is reached: `--backend`, its kind, key, CA and limits.
@@ -278,10 +295,10 @@ impl CaptureArgs {
                 for finding in tito.probe_report() {
                     tracing::info!("token mode tito: the template: {finding}");
                 }
-                backend = Arc::from(
+                backend = self.engine_versioned(Arc::from(
                     backend::build_tito(self.backend_config()?, tito, self.token_verify)
                         .context("configuring the backend")?,
-                );
+                ))?;
                 None
             }
             _ => None,

@@ -335,6 +335,7 @@ mod tests {
             url: "http://127.0.0.1:9".into(),
             model: "m".into(),
             policy_version: None,
+            engine_weight_version: None,
             synthetic_stream: false,
         };
         CallCapture::new(WireApi::ChatCompletions, request, backend)

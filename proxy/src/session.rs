@@ -134,10 +134,13 @@ fn validate(id: &str, origin: &str) -> Result<(), WireError> {
 /// `seq` 0 (its records stay in arrival order in the spool).
 pub const SESSION_COUNTERS_CAP: usize = 65_536;
 
-/// What a session has used so far: the calls it began and the request body bytes it sent.
+/// What a session has used so far: the calls it began, the token counts it asked for
+/// (`count_tokens`: no record, but the same work for the node), and the request body bytes it
+/// sent with either.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct SessionUse {
     pub calls: u64,
+    pub token_counts: u64,
     pub request_bytes: u64,
     /// Calls refused since its budget was spent.
     pub refused: u64,
@@ -156,11 +159,18 @@ pub struct SessionBudget {
 impl SessionBudget {
     /// Why a session that has used `used` may begin no more calls, if it may not.
     pub fn spent(&self, used: SessionUse) -> Option<String> {
-        if let Some(max) = self.max_calls.filter(|&m| used.calls >= m) {
-            return Some(format!(
-                "this session's capture budget is spent: it has made {} calls, of at most {max}",
-                used.calls
-            ));
+        let calls = used.calls.saturating_add(used.token_counts);
+        if let Some(max) = self.max_calls.filter(|&m| calls >= m) {
+            return Some(match used.token_counts {
+                0 => format!(
+                    "this session's capture budget is spent: it has made {} calls, of at most {max}",
+                    used.calls
+                ),
+                n => format!(
+                    "this session's capture budget is spent: it has made {} calls and {n} token counts, of at most {max}",
+                    used.calls
+                ),
+            });
         }
         if let Some(max) = self.max_request_bytes.filter(|&m| used.request_bytes >= m) {
             return Some(format!(
@@ -212,6 +222,14 @@ impl SessionCounters {
         if let Some(used) = self.lock().get_mut(id) {
             used.request_bytes = used.request_bytes.saturating_add(bytes);
         }
+    }
+
+    /// Counts a token count (`count_tokens`) of the session `id` against its call budget; its
+    /// sequence numbers are left alone (a count makes no record).
+    pub fn add_token_count(&self, id: &str) {
+        let mut map = self.lock();
+        let used = map.get_or_insert_mut(id.to_owned(), SessionUse::default);
+        used.token_counts += 1;
     }
 
     /// Counts a call of the session `id` refused for its budget; returns how many so far.

@@ -73,6 +73,7 @@ struct Tip {
     logprobs: Option<Vec<f32>>,
     finish_reason: Option<FinishReason>,
     policy_version: Option<String>,
+    engine_weight_version: Option<tokentap_schema::EngineWeightVersion>,
     failed: bool,
     conversation: TipConversation,
     gaps: Vec<String>,
@@ -185,6 +186,7 @@ impl Tip {
             logprobs,
             finish_reason: r.finish_reason,
             policy_version: r.backend.policy_version.clone(),
+            engine_weight_version: r.backend.engine_weight_version.clone(),
             failed: r.error.is_some(),
             conversation: TipConversation::of(r),
             gaps,
@@ -257,6 +259,14 @@ impl Chain {
             trainable,
             finish_reason: tip.finish_reason,
             policy_version: tip.policy_version.clone(),
+            engine_weight_version: tip
+                .engine_weight_version
+                .as_ref()
+                .and_then(|v| v.at_end.clone()),
+            straddles_weight_update: tip
+                .engine_weight_version
+                .as_ref()
+                .is_some_and(|v| v.straddles_update()),
         });
         self.tokens.extend_from_slice(sampled);
         match (&tip.logprobs, trainable) {
@@ -293,6 +303,13 @@ impl Chain {
             .iter()
             .filter_map(|c| c.policy_version.as_deref())
             .collect();
+        let engine_versions: HashSet<&str> = self
+            .calls
+            .iter()
+            .filter_map(|c| c.engine_weight_version.as_deref())
+            .collect();
+        let spans_engine_weight_versions =
+            engine_versions.len() > 1 || self.calls.iter().any(|c| c.straddles_weight_update);
         Trace {
             schema_version: TRAJECTORY_SCHEMA_VERSION,
             trace_id: format!("{session_id}/{}", self.index),
@@ -306,6 +323,7 @@ impl Chain {
             loss_mask: self.mask,
             logprobs: self.logprobs,
             spans_policy_versions: versions.len() > 1,
+            spans_engine_weight_versions,
             calls: self.calls,
             messages_json,
             tools_json,

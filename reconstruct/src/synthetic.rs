@@ -24,6 +24,7 @@ pub fn record(session: &str, record_id: &str, n: u64) -> CaptureRecord {
             url: "http://127.0.0.1:1".into(),
             model: "m".into(),
             policy_version: None,
+            engine_weight_version: None,
             synthetic_stream: false,
         },
         prompt_token_ids: None,

@@ -73,9 +73,19 @@ pub struct NodeArgs {
     /// has bubblewrap.
     #[arg(long)]
     sandbox: bool,
-    /// The host uid (and gid) sandboxed task code runs as when the node runs as root.
-    #[arg(long, default_value_t = 65534)]
-    sandbox_uid: u32,
+    /// The host uids (and gids) sandboxed task code runs as when the node runs as root, one
+    /// per sample at a time (FIRST-LAST): the kernel counts inotify instances, processes and
+    /// more per uid, so samples sharing one would starve each other. A sample leases the
+    /// lowest free uid at INIT and gives it back at its end, once no process of it is left;
+    /// with all in use, the next sample's INIT waits. The nodes of one host lease through
+    /// locks in /run/tokentap/sandbox-uids, so they never share a uid whatever their ranges.
+    /// Keep the range free of other users.
+    #[arg(long, default_value = "200000-200999", value_parser = crate::uids::UidPool::parse_range)]
+    sandbox_uid_range: (u32, u32),
+    /// Run every sample's sandboxed task code as this one uid instead of a uid per sample
+    /// (what nodes did before --sandbox-uid-range; samples then share per-uid limits).
+    #[arg(long, conflicts_with = "sandbox_uid_range")]
+    sandbox_uid: Option<u32>,
     /// Most model calls one sample's agent may make; past it its calls are refused (400,
     /// counted in tokentap_calls_refused_total{reason="session_budget"}, not recorded).
     #[arg(long, default_value_t = 4096)]
@@ -224,21 +234,40 @@ impl NodeArgs {
             max_budget_s: self.max_budget_s,
             token_mode: self.capture.token_mode().into(),
         };
+        // SAFETY: geteuid(2) cannot fail.
+        let euid = unsafe { libc::geteuid() };
         config.sandbox =
-            match crate::preset::on_path("bwrap", &std::env::var("PATH").unwrap_or_default()) {
+            match crate::runner::on_path("bwrap", &std::env::var("PATH").unwrap_or_default()) {
                 Some(bwrap) => Some(SandboxConfig {
                     bwrap,
                     shim: std::env::current_exe()?,
                     always: self.sandbox,
                     data_dir: self.data_dir(),
-                    // SAFETY: geteuid(2) cannot fail.
-                    run_as: SandboxConfig::run_as_for(unsafe { libc::geteuid() }, self.sandbox_uid),
+                    run_as: SandboxConfig::run_as_for(
+                        euid,
+                        self.sandbox_uid.unwrap_or(self.sandbox_uid_range.0),
+                    ),
                 }),
                 None if self.sandbox => {
                     anyhow::bail!("--sandbox needs bubblewrap (`bwrap`) on PATH")
                 }
                 None => None,
             };
+        let root_sandbox = config.sandbox.as_ref().is_some_and(|s| s.run_as.is_some());
+        if root_sandbox && self.sandbox_uid.is_none() {
+            let (first, last) = self.sandbox_uid_range;
+            let pool = crate::uids::UidPool::new(first, last)?;
+            let held = self.run_workers.max(1) + self.prewarm;
+            if (last - first + 1) as usize <= held {
+                tracing::warn!(first, last, held, "the sandbox uid range is no larger than the samples a node holds at once; samples will wait for a uid");
+            }
+            tracing::info!(
+                first,
+                last,
+                "each sample's sandboxed task code runs as a uid of its own"
+            );
+            config.uids = Some(pool);
+        }
         config.transparent = match tokentap_ebpf::preflight(true) {
             Ok(_) => {
                 tokentap_ebpf::remove_stale_interception();

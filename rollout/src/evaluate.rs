@@ -11,6 +11,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
+use crate::runner;
 use crate::sample_files::{create_fresh, read_limited, write_fresh};
 use crate::sandbox::{Mounts, TaskJail};
 pub use crate::task::Evaluation;
@@ -79,7 +80,7 @@ pub async fn evaluate(
             fail_to_pass
                 .iter()
                 .chain(pass_to_pass)
-                .map(|t| with_test(test_command, t))
+                .map(|t| runner::with_test(test_command, t))
                 .collect(),
             test_files,
             None,
@@ -94,9 +95,57 @@ pub async fn evaluate(
         budget,
     )
     .await?;
+    // What each command runs, as the node decides it (crate::runner): a form that runs a
+    // file of the agent's tree was refused at submission; one stored before then fails here.
+    let analyses = commands
+        .iter()
+        .map(|c| runner::analyse(c, test_files))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|why| anyhow::anyhow!("{why}"))?;
+    if analyses.iter().any(runner::runs_pytest) {
+        // pytest loads every conftest.py it passes: only the task's own (restored) stay.
+        let (dir, keep) = (eval_dir.clone(), test_files.clone());
+        let removed =
+            tokio::task::spawn_blocking(move || remove_unlisted_conftests(&dir, &keep)).await??;
+        if !removed.is_empty() {
+            tracing::info!(
+                ?removed,
+                "removed conftest.py files the task does not list from an evaluation copy"
+            );
+        }
+    }
+    let config = match runner::pytest_config(test_files) {
+        Some(c) => eval_dir.join(c),
+        None => PathBuf::from("/dev/null"),
+    };
+    let mut resolver = runner::Resolver::new(&jail.path);
+    let mut scripts = Vec::new();
+    let mut shadowable = None;
+    for (command, analysis) in commands.iter().zip(&analyses) {
+        scripts.push(match analysis {
+            runner::Analysis::Pinned(p) => {
+                resolver.resolve_all(p).await;
+                Some(p.render(&|n| resolver.get(n), &config, &eval_dir))
+            }
+            runner::Analysis::Unanalysed(why) => {
+                shadowable.get_or_insert_with(|| {
+                    format!("the node ran `{command}` as written: {why}; the agent's tree may have chosen what it ran (docs/security.md)")
+                });
+                None
+            }
+        });
+    }
     fresh_dir(&io_dir).await?;
-    let env: Vec<(&str, &std::ffi::OsStr)> =
-        vec![("HOME", io_dir.as_os_str()), ("TMPDIR", io_dir.as_os_str())];
+    // No Python the evaluation starts puts the working directory (the agent's tree) or a
+    // script's directory ahead of the standard library, nor reads a user site; the rewritten
+    // runners are isolated (-I) besides.
+    let one = std::ffi::OsStr::new("1");
+    let env: Vec<(&str, &std::ffi::OsStr)> = vec![
+        ("HOME", io_dir.as_os_str()),
+        ("TMPDIR", io_dir.as_os_str()),
+        ("PYTHONSAFEPATH", one),
+        ("PYTHONNOUSERSITE", one),
+    ];
     jail.give(&[&eval_dir, &io_dir], budget).await?;
     let out = create_fresh(&log)?;
     let run = EvalRun {
@@ -112,11 +161,12 @@ pub async fn evaluate(
         budget,
     };
     let mut codes = Vec::new();
-    for command in &commands {
-        codes.push(run.command(command).await?);
+    for (command, script) in commands.iter().zip(&scripts) {
+        codes.push(run.command(command, script.as_deref()).await?);
     }
     let mut e = Evaluation {
         log: Some(log.display().to_string()),
+        shadowable,
         ..Evaluation::default()
     };
     match evaluator {
@@ -153,6 +203,28 @@ pub async fn evaluate(
         }
     }
     Ok(e)
+}
+
+/// Removes every `conftest.py` under `root` that `test_files` did not restore (links are
+/// not followed; a linked directory is pytest's to skip or the tree's own); what it removed,
+/// relative to `root`.
+fn remove_unlisted_conftests(root: &Path, test_files: &[String]) -> std::io::Result<Vec<PathBuf>> {
+    let mut removed = Vec::new();
+    let mut dirs = vec![PathBuf::new()];
+    while let Some(rel) = dirs.pop() {
+        for entry in std::fs::read_dir(root.join(&rel))? {
+            let entry = entry?;
+            let (kind, name) = (entry.file_type()?, entry.file_name());
+            let path = rel.join(&name);
+            if kind.is_dir() {
+                dirs.push(path);
+            } else if name == "conftest.py" && !runner::restored(&path, test_files) {
+                std::fs::remove_file(root.join(&path))?;
+                removed.push(path);
+            }
+        }
+    }
+    Ok(removed)
 }
 
 /// `dir` removed if it was there (links in it not followed) and made empty.
@@ -223,7 +295,7 @@ impl RewardPhase<'_> {
             out,
             budget,
         };
-        match run.command(command).await? {
+        match run.command(command, None).await? {
             Some(0) => {}
             Some(c) => anyhow::bail!("the reward command exited {c} (see eval.log)"),
             None => anyhow::bail!(
@@ -271,16 +343,6 @@ fn finite(r: f64) -> anyhow::Result<f64> {
     Ok(r)
 }
 
-/// `test_command` for one test: `{test}` replaced by the shell-quoted id, or the id appended.
-pub fn with_test(test_command: &str, test: &str) -> String {
-    let quoted = format!("'{}'", test.replace('\'', r"'\''"));
-    if test_command.contains("{test}") {
-        test_command.replace("{test}", &quoted)
-    } else {
-        format!("{test_command} {quoted}")
-    }
-}
-
 /// One evaluation's commands, run one after the other into its log.
 struct EvalRun<'a> {
     jail: &'a TaskJail,
@@ -293,15 +355,24 @@ struct EvalRun<'a> {
 }
 
 impl EvalRun<'_> {
-    /// Runs `command` with `sh -c`, appending its output to the log; `None` when killed at
-    /// the budget. A sandbox that did not start is an error, not a score.
-    async fn command(&self, command: &str) -> anyhow::Result<Option<i32>> {
+    /// Runs `command` with `sh -c` (as `pinned` when the node rewrote it: see
+    /// [`crate::runner`]), appending its output to the log; `None` when killed at the budget.
+    /// A sandbox that did not start is an error, not a score.
+    async fn command(&self, command: &str, pinned: Option<&str>) -> anyhow::Result<Option<i32>> {
         use std::io::Write;
         let mut out = &self.out;
         writeln!(out, "$ {command}")?;
+        if let Some(p) = pinned.filter(|p| *p != command) {
+            writeln!(
+                out,
+                "# run by the node as: {}",
+                p.replace(&runner::quote(runner::PYTHON_BOOTSTRAP), "BOOTSTRAP")
+            )?;
+        }
+        let script = pinned.unwrap_or(command);
         let mut confined = self
             .jail
-            .shell("eval", command, self.dir, self.env, &self.mounts)?;
+            .shell("eval", script, self.dir, self.env, &self.mounts)?;
         let mut child = confined
             .cmd
             .stdin(Stdio::null())
@@ -342,18 +413,6 @@ impl EvalRun<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn a_test_id_is_quoted_into_the_command() {
-        assert_eq!(
-            with_test("python3 -m unittest", "test_a.T.test_x"),
-            "python3 -m unittest 'test_a.T.test_x'"
-        );
-        assert_eq!(
-            with_test("pytest {test} -q", "t.py::it's"),
-            r"pytest 't.py::it'\''s' -q"
-        );
-    }
 
     #[test]
     fn a_reward_file_holds_a_number_or_rewards_per_trace() {
@@ -561,7 +620,17 @@ exit 1"#;
             keys.sort();
             keys
         };
-        assert_eq!(names("eval/seen"), ["HOME", "LANG", "PATH", "TMPDIR"]);
+        assert_eq!(
+            names("eval/seen"),
+            [
+                "HOME",
+                "LANG",
+                "PATH",
+                "PYTHONNOUSERSITE",
+                "PYTHONSAFEPATH",
+                "TMPDIR"
+            ]
+        );
         assert_eq!(
             names("reward-io/env"),
             [

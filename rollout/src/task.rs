@@ -80,8 +80,10 @@ impl Default for NodeCeilings {
 impl TaskSpec {
     /// Refuses a task that asks for more than the node gives: more samples or longer budgets
     /// than its ceilings, more memory, CPU or processes than its agent `limits`, or a token
-    /// mode it was not started ready for.
+    /// mode it was not started ready for; and one whose evaluator runs a file of the agent's
+    /// tree as its test runner ([`Evaluator::shadowing`]).
     pub fn over_ceilings(&self, ceilings: &NodeCeilings, limits: &Limits) -> Result<(), String> {
+        self.evaluator.shadowing()?;
         if let Some(asked) = self.token_mode {
             asked.runs_on(ceilings.token_mode)?;
         }
@@ -329,6 +331,35 @@ pub enum Evaluator {
 }
 
 impl Evaluator {
+    /// Why a node refuses it: a command that plainly runs a file of the agent's tree as its
+    /// test runner (`sh run_tests.sh` without `run_tests.sh` in `test_files`, `make` without
+    /// its `Makefile`, …): see [`crate::runner`].
+    pub fn shadowing(&self) -> Result<(), String> {
+        let (commands, test_files) = match self {
+            Evaluator::Command {
+                command,
+                test_files,
+                ..
+            } => (vec![command.clone()], test_files),
+            Evaluator::Swebench {
+                test_command,
+                test_files,
+                ..
+            } => (
+                vec![crate::runner::with_test(
+                    test_command,
+                    crate::runner::SOME_TEST_ID,
+                )],
+                test_files,
+            ),
+            Evaluator::SessionCompleted => return Ok(()),
+        };
+        for c in commands {
+            crate::runner::analyse(&c, test_files)?;
+        }
+        Ok(())
+    }
+
     /// Whether it is shown the sample's traces (`$TOKENTAP_TRACES`) to reward them one by one.
     pub fn reads_traces(&self) -> bool {
         matches!(
@@ -662,4 +693,11 @@ pub struct Evaluation {
     /// Where the evaluation's output is.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
+    /// Set when the node ran an evaluation command as written, without pinning what it runs
+    /// (shell syntax it does not analyse: pipes, redirections, variables, `sh -c`): why. The
+    /// reward may then be the agent's tree's doing (a planted module or script standing in
+    /// for the test runner); absent, every program the evaluation started was the node's
+    /// choice. See docs/security.md, "Rewards the agent's tree cannot shadow".
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadowable: Option<String>,
 }

@@ -6,7 +6,7 @@ use std::sync::OnceLock;
 use std::time::SystemTime;
 
 const SETUP_HINT: &str =
-    "run scripts/setup (it installs llama-server, the test models and the harnesses into ~/.cache/tokentap)";
+    "run scripts/setup (it installs llama-server, vLLM, the test models and the harnesses into ~/.cache/tokentap)";
 
 /// The workspace root (parent of this crate).
 pub fn workspace_root() -> PathBuf {
@@ -137,6 +137,30 @@ pub struct Artefacts {
     pub path_dirs: Vec<PathBuf>,
 }
 
+/// What `scripts/setup`'s `vllm` step installed ([`Artefacts::require_vllm`]).
+#[derive(Debug, Clone)]
+pub struct VllmArtefacts {
+    /// The vLLM venv's interpreter (`python -m vllm.entrypoints.openai.api_server`).
+    pub python: PathBuf,
+    /// `tiny-qwen3-tools.gguf` as a Hugging Face directory.
+    pub tools_hf: PathBuf,
+    /// `tiny-qwen3-think.gguf` as a Hugging Face directory.
+    pub think_hf: PathBuf,
+    /// `TORCHINDUCTOR_CACHE_DIR` of the tests' vLLM servers (`vllm-inductor` in the cache, not
+    /// the system temporary directory): the kernel its first logprobs request compiles is kept,
+    /// so a later start warms up in 4-9 s instead of 17-38.
+    pub inductor_cache: PathBuf,
+}
+
+/// What `scripts/setup`'s `trl` step installed ([`Artefacts::require_trl`]).
+#[derive(Debug, Clone)]
+pub struct TrlArtefacts {
+    /// The TRL venv's interpreter (over the vLLM venv's torch and transformers).
+    pub python: PathBuf,
+    /// The tiny model GRPO can teach, as a Hugging Face directory.
+    pub learn_hf: PathBuf,
+}
+
 fn cache_dir() -> PathBuf {
     std::env::var_os("TOKENTAP_CACHE")
         .map(PathBuf::from)
@@ -200,6 +224,62 @@ impl Artefacts {
             .unwrap_or_else(|| cache_dir().join("models/tiny-qwen3-think.gguf"));
         require_file(&model, "the tiny reasoning test model");
         model
+    }
+
+    /// The real vLLM (`scripts/setup`'s `vllm` step): the Python of its venv
+    /// (`$TOKENTAP_VLLM_PYTHON`, else `vllm-venv/bin/python` in the cache) and the tiny Qwen3
+    /// models as Hugging Face directories (`$TOKENTAP_MODEL_TINY_{TOOLS,THINK}_HF`, else
+    /// `models/tiny-qwen3-{tools,think}-hf`). Fails the test if any is missing.
+    pub fn require_vllm() -> VllmArtefacts {
+        let cache = cache_dir();
+        let from_env = |var: &str, default: &str| {
+            std::env::var_os(var)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| cache.join(default))
+        };
+        let python = from_env("TOKENTAP_VLLM_PYTHON", "vllm-venv/bin/python");
+        let tools_hf = from_env("TOKENTAP_MODEL_TINY_TOOLS_HF", "models/tiny-qwen3-tools-hf");
+        let think_hf = from_env("TOKENTAP_MODEL_TINY_THINK_HF", "models/tiny-qwen3-think-hf");
+        require_file(&python, "the vLLM venv's python");
+        for dir in [&tools_hf, &think_hf] {
+            for file in [
+                "config.json",
+                "model.safetensors",
+                "tokenizer.json",
+                "chat_template.jinja",
+            ] {
+                require_file(
+                    &dir.join(file),
+                    "a tiny Qwen3 model as a Hugging Face directory",
+                );
+            }
+        }
+        VllmArtefacts {
+            python,
+            tools_hf,
+            think_hf,
+            inductor_cache: cache.join("vllm-inductor"),
+        }
+    }
+
+    /// TRL (`scripts/setup`'s `trl` step): its venv's Python (`$TOKENTAP_TRL_PYTHON`, else
+    /// `trainers/trl-venv/bin/python` in the cache) and the model it trains
+    /// (`$TOKENTAP_MODEL_TINY_LEARN_HF`, else `models/tiny-qwen3-learn-hf`). Fails the test if
+    /// either is missing.
+    pub fn require_trl() -> TrlArtefacts {
+        let cache = cache_dir();
+        let from_env = |var: &str, default: &str| {
+            std::env::var_os(var)
+                .map(PathBuf::from)
+                .unwrap_or_else(|| cache.join(default))
+        };
+        let python = from_env("TOKENTAP_TRL_PYTHON", "trainers/trl-venv/bin/python");
+        let learn_hf = from_env("TOKENTAP_MODEL_TINY_LEARN_HF", "models/tiny-qwen3-learn-hf");
+        require_file(&python, "the TRL venv's python (scripts/setup --only trl)");
+        for file in ["config.json", "model.safetensors", "tokenizer.json"] {
+            require_file(&learn_hf.join(file), "the tiny model GRPO can teach");
+        }
+        TrlArtefacts { python, learn_hf }
     }
 
     /// Like [`Self::require_llama`], plus the named harness executable (`pi`, `qwen`, ...).

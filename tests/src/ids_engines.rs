@@ -142,6 +142,24 @@ impl IdsEngineDouble {
         }
     }
 
+    /// A double of `engine` sampling with `model`'s tokenizer (Qwen3's `<|im_end|>` ends a
+    /// turn), and a `tokentap proxy --token-mode tito` in front of it with the same tokenizer.
+    pub async fn behind_tito(
+        engine: IdsEngine,
+        model: &Path,
+        script: IdsScript,
+    ) -> (IdsEngineDouble, crate::tokentap::Tokentap) {
+        let double = IdsEngineDouble::start(engine, model, "<|im_end|>", script).await;
+        let tokentap = crate::tokentap::Tokentap::start(
+            crate::tokentap::TokentapConfig::new(double.url.clone(), engine.backend())
+                .arg("--token-mode=tito")
+                .arg("--tokenizer")
+                .arg(model.display().to_string()),
+        )
+        .await;
+        (double, tokentap)
+    }
+
     /// Every generation request body received, in arrival order.
     pub fn requests(&self) -> Vec<Value> {
         self.shared.requests.lock().unwrap().clone()

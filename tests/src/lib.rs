@@ -1,6 +1,6 @@
 //! Support for tokentap's end-to-end tests: the real `tokentap` binary, a real llama-server,
-//! real agent harnesses, and two test-side servers (the [`tee::TeeProxy`] pass-through and the
-//! [`scripted::ScriptedBackend`] test double).
+//! a real vLLM ([`vllm::VllmServer`]), real agent harnesses, and two test-side servers (the
+//! [`tee::TeeProxy`] pass-through and the [`scripted::ScriptedBackend`] test double).
 //!
 //! Tests whose names start with `heavy_` spawn llama-server or a harness and run one at a time
 //! (`.config/nextest.toml`); the others are light and run in parallel.
@@ -30,6 +30,7 @@ pub mod tmpfs;
 pub mod tokentap;
 pub mod traces;
 pub mod transparent;
+pub mod vllm;
 pub mod worker;
 
 pub use tokentap_schema::{CaptureRecord, ErrorKind, SessionSource, TokenSource};

@@ -17,6 +17,11 @@ pub struct NatsServer {
     pub token: String,
     /// Started from deploy/kubernetes/components/bus/nats.conf: users, not a token.
     roles: bool,
+    /// With roles: (text of deploy's nats.conf, what the test puts in its place).
+    edits: Vec<(String, String)>,
+    /// Without roles: JetStream's `max_file_store` (else the server's default, 75% of the
+    /// disk's free space).
+    max_file_store: Option<String>,
     child: Option<ChildGuard>,
 }
 
@@ -31,12 +36,27 @@ pub fn deployed_conf() -> PathBuf {
 impl NatsServer {
     /// Starts `nats-server -js` storing under `dir`, requiring `token`.
     pub async fn start(dir: &Path, token: &str) -> NatsServer {
+        Self::start_token(dir, token, None).await
+    }
+
+    /// [`NatsServer::start`] with JetStream's file storage limited to `max_file_store` (`1GB`).
+    pub async fn start_with_file_store(
+        dir: &Path,
+        token: &str,
+        max_file_store: &str,
+    ) -> NatsServer {
+        Self::start_token(dir, token, Some(max_file_store.to_owned())).await
+    }
+
+    async fn start_token(dir: &Path, token: &str, max_file_store: Option<String>) -> NatsServer {
         let mut n = NatsServer {
             port: free_port(),
             monitor_port: free_port(),
             dir: dir.to_owned(),
             token: token.to_owned(),
             roles: false,
+            edits: Vec::new(),
+            max_file_store,
             child: None,
         };
         n.first_start().await;
@@ -47,12 +67,20 @@ impl NatsServer {
     /// deployed; only the listen and monitoring addresses and the store directory are the
     /// test's), each role's password [`NatsServer::password`] from the server's environment.
     pub async fn start_with_roles(dir: &Path) -> NatsServer {
+        Self::start_with_roles_edited(dir, Vec::new()).await
+    }
+
+    /// [`NatsServer::start_with_roles`] with `edits` to deploy's `nats.conf`: each (a text it
+    /// must contain, what replaces it), such as [`agent_host_user`].
+    pub async fn start_with_roles_edited(dir: &Path, edits: Vec<(String, String)>) -> NatsServer {
         let mut n = NatsServer {
             port: free_port(),
             monitor_port: free_port(),
             dir: dir.to_owned(),
             token: String::new(),
             roles: true,
+            edits,
+            max_file_store: None,
             child: None,
         };
         n.first_start().await;
@@ -140,7 +168,10 @@ impl NatsServer {
                     format!("http: 127.0.0.1:{}", self.monitor_port),
                 ),
                 ("store_dir: /data", format!("store_dir: {:?}", self.dir)),
-            ] {
+            ]
+            .into_iter()
+            .chain(self.edits.iter().map(|(l, o)| (l.as_str(), o.clone())))
+            {
                 assert!(conf.contains(line), "deploy's nats.conf has no `{line}`");
                 conf = conf.replace(line, &ours);
             }
@@ -160,6 +191,12 @@ impl NatsServer {
                 .arg("-sd")
                 .arg(&self.dir)
                 .args(["--auth", &self.token]);
+            if let Some(limit) = &self.max_file_store {
+                let path = self.dir.with_extension("conf");
+                std::fs::write(&path, format!("jetstream {{ max_file_store: {limit} }}\n"))
+                    .expect("nats.conf");
+                cmd.arg("-c").arg(&path);
+            }
         }
         let mut child = spawn_guarded(
             cmd,
@@ -195,4 +232,31 @@ impl NatsServer {
             .as_ref()
             .map_or_else(String::new, |c| c.log_tail(n))
     }
+}
+
+/// The edit to deploy's `nats.conf` its comment describes for another agent host: a user
+/// `name` (password `password`, in the file: for tests only) in the publishers' account, who
+/// may publish records under its own name only.
+pub fn agent_host_user(name: &str, password: &str) -> (String, String) {
+    let anchor = "        # More agent hosts: one user each";
+    let user = format!(
+        r#"        {{
+          user: {name}
+          password: "{password}"
+          permissions: {{
+            publish: {{
+              allow: [
+                "tokentap.records.{name}.*",
+                "$JS.API.STREAM.INFO.TOKENTAP_RECORDS",
+                "tokentap.jsapi.STREAM.INFO.TOKENTAP_RECORDS",
+                "tokentap.jsapi.STREAM.INFO.KV_tokentap_progress",
+                "tokentap.jsapi.DIRECT.GET.KV_tokentap_progress.$KV.tokentap_progress.partitions"
+              ]
+            }}
+            subscribe: {{ allow: ["_INBOX.{name}.>"] }}
+          }}
+        }}
+"#
+    );
+    (anchor.to_owned(), format!("{user}{anchor}"))
 }

@@ -48,6 +48,19 @@ pub fn root_with_cgroup2() -> Result<(), String> {
     Ok(())
 }
 
+/// Root (the sandbox's uid drop) and bubblewrap on PATH: what a sandboxed rollout node needs.
+pub fn root_with_bwrap() -> Result<(), String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Err("needs root (the sandbox's uid drop)".to_owned());
+    }
+    let path = std::env::var("PATH").unwrap_or_default();
+    if tokentap_rollout::runner::on_path("bwrap", &path).is_none() {
+        return Err("needs bubblewrap (bwrap) on PATH".to_owned());
+    }
+    Ok(())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -2,9 +2,12 @@
 //! saw and sampled before, so every later turn conditions on exactly the tokens the policy
 //! sampled, and an append-only conversation is one trace.
 //!
-//! Conversations are found by meaning, not by session: each answered call leaves a *tip*
-//! (the ids the engine saw and sampled, and the conversation they stand for, the assistant
-//! message as tokentap answered it included), keyed by that conversation. A request whose
+//! Conversations are found by meaning within a session: each answered call leaves a *tip* in
+//! its session (the ids the engine saw and sampled, and the conversation they stand for, the
+//! assistant message as tokentap answered it included), keyed by that conversation. A call
+//! only ever extends a tip of its own session: two samples of one GRPO group often make the
+//! same first call and get the same tool call back (with different reasoning), and matched
+//! across sessions the later one's sampled ids would become the earlier one's context. A request whose
 //! messages are a tip's conversation followed by new non-assistant messages (tool results, a
 //! user turn) extends it: the tip's ids, the template's end of the assistant turn if the
 //! model did not sample it, then the new messages rendered after a stand-in for the turn.
@@ -35,13 +38,18 @@ use crate::TokenModel;
 /// follows.
 const STAND_IN: &str = "\u{E000}tokentap-answered-turn\u{E001}";
 
-/// Bounds on what tito keeps.
+/// Bounds on what tito keeps, per session and in all.
 #[derive(Debug, Clone, Copy)]
 pub struct TitoLimits {
-    /// Conversations (tips) kept; the least recently used go first.
+    /// Conversations (tips) kept in all sessions together.
     pub tips: usize,
     /// Token ids kept in all tips together (4 bytes each).
     pub held_tokens: usize,
+    /// Conversations one session keeps; its least recently used go first. A harness keeps
+    /// one conversation per agent (subagents, compaction branches), far fewer than this.
+    pub session_tips: usize,
+    /// Token ids one session's tips hold together.
+    pub session_held_tokens: usize,
 }
 
 impl Default for TitoLimits {
@@ -50,6 +58,9 @@ impl Default for TitoLimits {
             tips: 4096,
             // 256 MiB of ids.
             held_tokens: 64 << 20,
+            session_tips: 256,
+            // 64 MiB of ids: 256 tips of a 64k-token conversation.
+            session_held_tokens: 16 << 20,
         }
     }
 }
@@ -111,7 +122,8 @@ struct Tip {
     end: SampledEnd,
 }
 
-struct State {
+/// One session's conversations, and what its branches' causes are read from.
+struct SessionTips {
     tips: LruCache<u64, Arc<Tip>>,
     held: usize,
     /// The latest (system, tools) per first user message, and the (system, tools) pairs seen:
@@ -122,9 +134,82 @@ struct State {
     /// whose first user message changed but whose first answer is one tokentap gave is edited,
     /// not compacted.
     first_answers: LruCache<(u64, u64, u64), ()>,
+    /// When the session last answered a call ([`State::clock`]): the global bound's tie-break.
+    used_at: u64,
 }
 
-/// `--token-mode tito`'s state and prompt building, shared by all calls.
+impl SessionTips {
+    fn new(limits: &TitoLimits) -> SessionTips {
+        let cap = || std::num::NonZeroUsize::new(limits.session_tips.max(1)).expect("max(1)");
+        SessionTips {
+            tips: LruCache::unbounded(),
+            held: 0,
+            starts: LruCache::new(cap()),
+            frames: LruCache::new(cap()),
+            first_answers: LruCache::new(cap()),
+            used_at: 0,
+        }
+    }
+
+    fn pop_lru(&mut self) -> Option<Arc<Tip>> {
+        let (_, old) = self.tips.pop_lru()?;
+        self.held -= old.ids.len();
+        Some(old)
+    }
+}
+
+/// Every session's tips. Sessions without a tip are not kept.
+#[derive(Default)]
+struct State {
+    sessions: std::collections::HashMap<String, SessionTips>,
+    /// Tips and ids in all sessions.
+    tips: usize,
+    held: usize,
+    clock: u64,
+}
+
+impl State {
+    /// Evicts until every bound holds: first within `session` (its own least recently used
+    /// tips), then, past the global bounds, from the session holding the most ids that has
+    /// more than one tip; only when every session is down to one tip does the least recently
+    /// answered session lose it. So one session's flood of calls costs only its own tips, and
+    /// never takes another session's only conversation while any session has more.
+    fn enforce(&mut self, session: &str, limits: &TitoLimits) {
+        if let Some(own) = self.sessions.get_mut(session) {
+            while own.tips.len() > limits.session_tips.max(1)
+                || (own.held > limits.session_held_tokens && !own.tips.is_empty())
+            {
+                let Some(old) = own.pop_lru() else { break };
+                self.tips -= 1;
+                self.held -= old.ids.len();
+            }
+            if own.tips.is_empty() {
+                self.sessions.remove(session);
+            }
+        }
+        while self.tips > limits.tips.max(1) || self.held > limits.held_tokens {
+            let victim = self
+                .sessions
+                .iter()
+                .filter(|(_, s)| s.tips.len() > 1)
+                .max_by_key(|(_, s)| (s.held, s.tips.len()))
+                .or_else(|| self.sessions.iter().min_by_key(|(_, s)| s.used_at))
+                .map(|(id, _)| id.clone());
+            let Some(victim) = victim else { break };
+            let s = self.sessions.get_mut(&victim).expect("just found");
+            if let Some(old) = s.pop_lru() {
+                self.tips -= 1;
+                self.held -= old.ids.len();
+            }
+            if s.tips.is_empty() {
+                self.sessions.remove(&victim);
+            }
+        }
+    }
+}
+
+/// `--token-mode tito`'s state and prompt building, for all calls; its state is kept per
+/// session.
 pub struct Tito {
     model: TokenModel,
     dialect: Dialect,
@@ -178,13 +263,7 @@ impl Tito {
             short_suffix: false,
             stop_texts,
             keys: std::hash::RandomState::new(),
-            state: Mutex::new(State {
-                tips: LruCache::unbounded(),
-                held: 0,
-                starts: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
-                frames: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
-                first_answers: LruCache::new(limits.tips.max(1).try_into().expect("max(1)")),
-            }),
+            state: Mutex::new(State::default()),
             probe_report: Vec::new(),
         };
         tito.short_suffix = tito.check_appends()?;
@@ -235,10 +314,19 @@ impl Tito {
         self.short_suffix
     }
 
-    /// Conversations kept and their ids, for metrics.
+    /// Conversations kept and their ids, in all sessions, for metrics.
     pub fn held(&self) -> (usize, usize) {
         let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        (state.tips.len(), state.held)
+        (state.tips, state.held)
+    }
+
+    /// Conversations kept and their ids in `session`.
+    pub fn held_by(&self, session: &str) -> (usize, usize) {
+        let state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state
+            .sessions
+            .get(session)
+            .map_or((0, 0), |s| (s.tips.len(), s.held))
     }
 
     /// The template must write, after an answered turn with a call, an end of turn the engine
@@ -285,8 +373,14 @@ impl Tito {
         Ok(short_agrees)
     }
 
-    /// The prompt for `request`: extending the conversation it continues, or a full render.
-    pub fn prompt(&self, request: &ChatRequest) -> Result<TitoPrompt, String> {
+    /// The prompt for `request` of `session`: extending the conversation of that session it
+    /// continues, or a full render. `None`: a call that belongs to no session (nothing to
+    /// extend, and [`Tito::answered`] keeps nothing of it).
+    pub fn prompt(
+        &self,
+        session: Option<&str>,
+        request: &ChatRequest,
+    ) -> Result<TitoPrompt, String> {
         let started = std::time::Instant::now();
         let meaning = self.meaning(request);
         let tools = meaning.tools;
@@ -294,10 +388,10 @@ impl Tito {
             .messages
             .iter()
             .rposition(|m| m.role == Role::Assistant);
-        let found = last_assistant.and_then(|k| {
+        let found = last_assistant.zip(session).and_then(|(k, session)| {
             let key = self.conversation_key(&meaning.messages[..=k], tools);
             let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-            let tip = state.tips.get(&key)?.clone();
+            let tip = state.sessions.get_mut(session)?.tips.get(&key)?.clone();
             (tip.meaning[..] == meaning.messages[..=k] && tip.tools == tools).then_some((k, tip))
         });
         let mut prompt = match found {
@@ -321,7 +415,7 @@ impl Tito {
             None => {
                 let cause = match last_assistant {
                     None => TitoBranchCause::First,
-                    Some(_) => self.cause(request, &meaning),
+                    Some(_) => self.cause(session, request, &meaning),
                 };
                 self.full(request, cause, None)?
             }
@@ -427,7 +521,12 @@ impl Tito {
     }
 
     /// Why a conversation with assistant turns matches no tip.
-    fn cause(&self, request: &ChatRequest, meaning: &Meaning) -> TitoBranchCause {
+    fn cause(
+        &self,
+        session: Option<&str>,
+        request: &ChatRequest,
+        meaning: &Meaning,
+    ) -> TitoBranchCause {
         let tools = meaning.tools;
         let system = self.system_key(request, meaning);
         let Some(start) = first_of(request, meaning, Role::User) else {
@@ -435,6 +534,9 @@ impl Tito {
         };
         let first_answer = first_of(request, meaning, Role::Assistant);
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let Some(state) = session.and_then(|s| state.sessions.get_mut(s)) else {
+            return TitoBranchCause::UnknownHistory;
+        };
         match state.starts.get(&start).copied() {
             Some((s, _)) if s != system => TitoBranchCause::NewSystem,
             Some((_, t)) if t != tools => TitoBranchCause::ToolsChanged,
@@ -464,9 +566,11 @@ impl Tito {
     }
 
     /// Keeps the call's conversation, with the assistant message as tokentap answered it, as a
-    /// tip for the next call to extend.
+    /// tip for `session`'s next call to extend (nothing for a call of no session).
+    #[allow(clippy::too_many_arguments)]
     pub fn answered(
         &self,
+        session: Option<&str>,
         request: &ChatRequest,
         prompt: &TitoPrompt,
         sampled: &[u32],
@@ -474,6 +578,7 @@ impl Tito {
         answer: &ChatMessage,
         record_id: &str,
     ) {
+        let Some(session) = session else { return };
         let request_meaning = match &prompt.meaning {
             Some(m) if m.messages.len() == request.messages.len() => m.clone(),
             _ => self.meaning(request),
@@ -498,22 +603,30 @@ impl Tito {
         let system = self.system_key(request, &request_meaning);
         let first_answer =
             first_of(request, &request_meaning, Role::Assistant).unwrap_or(answer_hash);
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
-        if let Some(start) = first_of(request, &request_meaning, Role::User) {
-            state.starts.put(start, (system, tools));
+        let start = first_of(request, &request_meaning, Role::User);
+        let mut guard = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let state = &mut *guard;
+        state.clock += 1;
+        let own = state
+            .sessions
+            .entry(session.to_owned())
+            .or_insert_with(|| SessionTips::new(&self.limits));
+        own.used_at = state.clock;
+        if let Some(start) = start {
+            own.starts.put(start, (system, tools));
         }
-        state.frames.put((system, tools), ());
-        state.first_answers.put((system, tools, first_answer), ());
-        state.held += tip.ids.len();
-        if let Some(old) = state.tips.put(key, Arc::new(tip)) {
+        own.frames.put((system, tools), ());
+        own.first_answers.put((system, tools, first_answer), ());
+        let added = tip.ids.len();
+        own.held += added;
+        state.held += added;
+        state.tips += 1;
+        if let Some(old) = own.tips.put(key, Arc::new(tip)) {
+            own.held -= old.ids.len();
             state.held -= old.ids.len();
+            state.tips -= 1;
         }
-        while state.tips.len() > self.limits.tips || state.held > self.limits.held_tokens {
-            match state.tips.pop_lru() {
-                Some((_, old)) => state.held -= old.ids.len(),
-                None => break,
-            }
-        }
+        state.enforce(session, &self.limits);
     }
 }
 

@@ -547,13 +547,23 @@ pub(crate) struct Usage {
     pub(crate) prompt_tokens: Int,
     pub(crate) completion_tokens: Int,
     pub(crate) total_tokens: Int,
+    pub(crate) completion_tokens_details: CompletionTokensDetails,
 }
 
 object_fields!(Usage, 'de, {
     "prompt_tokens" => prompt_tokens,
     "completion_tokens" => completion_tokens,
     "total_tokens" => total_tokens,
+    "completion_tokens_details" => completion_tokens_details,
 });
+
+/// `usage.completion_tokens_details` (vLLM with a reasoning parser counts the reasoning part).
+#[derive(Debug, Default)]
+pub(crate) struct CompletionTokensDetails {
+    pub(crate) reasoning_tokens: Int,
+}
+
+object_fields!(CompletionTokensDetails, 'de, { "reasoning_tokens" => reasoning_tokens });
 
 /// An `error` object in a stream chunk.
 #[derive(Debug, Default)]

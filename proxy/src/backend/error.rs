@@ -15,6 +15,11 @@ pub enum BackendError {
     /// The engine's answer could not be understood.
     #[error("backend protocol error: {0}")]
     Protocol(String),
+    /// tokentap itself refuses the call before the engine sees it (a conversation the model's
+    /// template cannot render, tools past the call grammar's bounds): the harness's request is
+    /// at fault, so it gets the API's own invalid-request error, not an engine's.
+    #[error("{0}")]
+    Refused(String),
 }
 
 impl BackendError {
@@ -24,6 +29,7 @@ impl BackendError {
             BackendError::Timeout(_) => ErrorKind::BackendTimeout,
             BackendError::ContextLengthExceeded { .. } => ErrorKind::ContextLengthExceeded,
             BackendError::Status { .. } | BackendError::Protocol(_) => ErrorKind::BackendError,
+            BackendError::Refused(_) => ErrorKind::InvalidRequest,
         }
     }
 

@@ -23,6 +23,14 @@ pub enum CallMode {
     Whole,
 }
 
+/// Which call a generation is for: its record, and its session (`None`: a call no session
+/// claims, which shares nothing with any other call).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct CallScope<'a> {
+    pub record_id: &'a str,
+    pub session: Option<&'a str>,
+}
+
 /// An inference engine that can generate with token-level data.
 #[async_trait]
 pub trait Backend: Send + Sync {
@@ -51,21 +59,26 @@ pub trait Backend: Send + Sync {
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError>;
 
-    /// [`Backend::generate`] for the call whose record is `record_id` (an adapter that keeps
-    /// state per call, tito's, names the record it came from).
+    /// [`Backend::generate`] for the call `call` names (an adapter that keeps state per
+    /// session, tito's, keeps it in the call's session and names the record it came from).
     async fn generate_call(
         &self,
         request: &ChatRequest,
         mode: CallMode,
-        _record_id: &str,
+        _call: CallScope<'_>,
     ) -> Result<GenerationStream, BackendError> {
         self.generate(request, mode).await
     }
 
-    /// How many prompt tokens the engine would see for `request` (Anthropic `count_tokens`).
-    /// By default a one-token generation whose reported prompt size is the answer; engines
-    /// with a tokenizer endpoint override this with something cheaper.
-    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+    /// How many prompt tokens the engine would see for `request` (Anthropic `count_tokens`) as
+    /// a call of `session` would send it. By default a one-token generation whose reported
+    /// prompt size is the answer; engines with a tokenizer endpoint override this with
+    /// something cheaper.
+    async fn count_prompt_tokens(
+        &self,
+        request: &ChatRequest,
+        _session: Option<&str>,
+    ) -> Result<u64, BackendError> {
         let mut probe = request.clone();
         probe.stream = false;
         probe.sampling.max_tokens = Some(1);
@@ -106,7 +119,9 @@ pub(crate) fn probe_failure(e: BackendError) -> ProbeOutcome {
             ..
         } => ProbeOutcome::Unsupported,
         BackendError::Status { message, .. } => ProbeOutcome::Rejected(message),
-        BackendError::ContextLengthExceeded { message } => ProbeOutcome::Rejected(message),
+        BackendError::ContextLengthExceeded { message } | BackendError::Refused(message) => {
+            ProbeOutcome::Rejected(message)
+        }
         BackendError::Unavailable(_) | BackendError::Timeout(_) | BackendError::Protocol(_) => {
             ProbeOutcome::Unreachable
         }

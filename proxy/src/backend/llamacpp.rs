@@ -178,7 +178,11 @@ impl Backend for LlamaCppBackend {
         }
     }
 
-    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+    async fn count_prompt_tokens(
+        &self,
+        request: &ChatRequest,
+        _session: Option<&str>,
+    ) -> Result<u64, BackendError> {
         let body = template_body(request)?;
         Ok(template_prompt_ids(self.client.clone(), body).await?.len() as u64)
     }

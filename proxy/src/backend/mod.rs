@@ -25,10 +25,11 @@ mod sglang;
 mod sse_reader_tests;
 mod tito;
 mod vllm;
+mod weight_version;
 
 pub use answer_body::DEFAULT_MAX_ANSWER_BYTES;
 pub use error::{error_chain, BackendError};
-pub use interface::{Backend, BackendConfig, CallMode, GenerationStream};
+pub use interface::{Backend, BackendConfig, CallMode, CallScope, GenerationStream};
 pub use llamacpp::LlamaCppBackend;
 /// Public for the wire round-trip property tests (proxy/tests/properties_wire.rs): the
 /// engine request every wire API's canonical request becomes.
@@ -183,6 +184,24 @@ pub fn build(config: BackendConfig) -> Result<Box<dyn Backend>, BackendError> {
         BackendKind::Sglang => Box::new(SglangBackend::new(client)),
         BackendKind::Llamacpp => Box::new(LlamaCppBackend::new(client)),
     })
+}
+
+/// `--engine-weight-version`: `backend` with the engine's weight version read around each
+/// call (vLLM's `/weight_info`; the other engines name none).
+pub fn with_engine_weight_version(
+    backend: std::sync::Arc<dyn Backend>,
+    config: &BackendConfig,
+) -> Result<std::sync::Arc<dyn Backend>, BackendError> {
+    if config.kind != BackendKind::Vllm {
+        return Err(BackendError::Protocol(format!(
+            "--engine-weight-version reads vLLM's /weight_info; a {} engine names no weight version",
+            config.kind.as_str()
+        )));
+    }
+    let client = openai_compat::EngineClient::new(config)?;
+    Ok(std::sync::Arc::new(weight_version::EngineVersioned::new(
+        backend, client,
+    )))
 }
 
 /// Runs one start-up question to the engine, bounded by 5 s, on a runtime of its own (call

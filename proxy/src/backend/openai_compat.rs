@@ -488,6 +488,7 @@ pub(crate) fn parse_usage(u: &answer::Usage) -> Option<Usage> {
             .total_tokens
             .0
             .unwrap_or_else(|| prompt_tokens.saturating_add(completion_tokens)),
+        reasoning_tokens: u.completion_tokens_details.reasoning_tokens.0,
     })
 }
 

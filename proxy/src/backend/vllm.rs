@@ -110,7 +110,11 @@ impl Backend for VllmBackend {
     }
 
     /// vLLM's `POST /tokenize` renders chat messages with the served template and counts them.
-    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
+    async fn count_prompt_tokens(
+        &self,
+        request: &ChatRequest,
+        _session: Option<&str>,
+    ) -> Result<u64, BackendError> {
         let answer = self.tokenize_chat(request).await?;
         answer
             .get("count")

@@ -355,7 +355,12 @@ fn tool_call_json(c: &ToolCall) -> Value {
 }
 
 fn usage_json(u: Usage) -> Value {
-    json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens})
+    let mut v = json!({"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens, "total_tokens": u.total_tokens});
+    // Only where the engine counted them: a harness reads an absent count as unknown, a 0 as none.
+    if let Some(n) = u.reasoning_tokens {
+        v["completion_tokens_details"] = json!({"reasoning_tokens": n});
+    }
+    v
 }
 
 /// OpenAI's error body: `{"error": {"message", "type", "param", "code"}}`.
@@ -672,6 +677,7 @@ mod tests {
                 prompt_tokens: 3,
                 completion_tokens: 2,
                 total_tokens: 5,
+                reasoning_tokens: None,
             }),
             &mut out,
         );

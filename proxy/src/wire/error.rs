@@ -82,7 +82,7 @@ impl From<&BackendError> for CallError {
         let status = match e {
             BackendError::Unavailable(_) | BackendError::Protocol(_) => 502,
             BackendError::Timeout(_) => 504,
-            BackendError::ContextLengthExceeded { .. } => 400,
+            BackendError::ContextLengthExceeded { .. } | BackendError::Refused(_) => 400,
             BackendError::Status { status, .. } if *status == 429 => 429,
             BackendError::Status { status, .. } if (400..500).contains(status) => 400,
             BackendError::Status { .. } => 502,

@@ -1854,6 +1854,7 @@ mod tests {
                     prompt_tokens: 11,
                     completion_tokens: 4,
                     total_tokens: 15,
+                    reasoning_tokens: None,
                 }),
             },
         ]);
@@ -1960,6 +1961,7 @@ mod tests {
                 prompt_tokens: 9,
                 completion_tokens: 3,
                 total_tokens: 12,
+                reasoning_tokens: None,
             }),
             &mut out,
         );
@@ -2027,6 +2029,7 @@ mod tests {
             prompt_tokens: 42,
             completion_tokens: 2,
             total_tokens: 44,
+            reasoning_tokens: None,
         };
         // The prompt ids come with the engine's first chunk (vLLM, SGLang).
         let mut r = Messages.stream_renderer(meta(), true);

@@ -1064,7 +1064,8 @@ fn usage_json(u: Usage) -> Value {
         "input_tokens": u.prompt_tokens,
         "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
         "output_tokens": u.completion_tokens,
-        "output_tokens_details": {"reasoning_tokens": 0},
+        // The SDK's type requires the field; 0 where the engine did not count them.
+        "output_tokens_details": {"reasoning_tokens": u.reasoning_tokens.unwrap_or(0)},
         "total_tokens": u.total_tokens,
     })
 }
@@ -1937,6 +1938,7 @@ mod tests {
                     prompt_tokens: 3,
                     completion_tokens: 4,
                     total_tokens: 7,
+                    reasoning_tokens: None,
                 }),
             },
         ]);

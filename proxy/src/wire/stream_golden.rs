@@ -47,6 +47,7 @@ pub(crate) fn every_event_shape(codec: &dyn WireCodec, meta: ResponseMeta) -> Ve
         prompt_tokens: 7,
         completion_tokens: 3,
         total_tokens: 10,
+        reasoning_tokens: None,
     };
     r.finish(FinishReason::ToolCalls, Some(usage), &mut out);
     let mut r = codec.stream_renderer(meta.clone(), false);

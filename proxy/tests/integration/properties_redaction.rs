@@ -279,6 +279,7 @@ fn record_of(
         url: "http://engine:8000".into(),
         model: String::new(),
         policy_version: None,
+        engine_weight_version: None,
         synthetic_stream: false,
     };
     let mut call = CallCapture::new(api, request, backend);
@@ -322,6 +323,7 @@ fn record_of(
                 prompt_tokens: 3,
                 completion_tokens: 2,
                 total_tokens: 5,
+                reasoning_tokens: None,
             }),
         },
     ] {

@@ -519,6 +519,7 @@ fn generation() -> impl Strategy<Value = Generation> {
                 prompt_tokens: p,
                 completion_tokens: c,
                 total_tokens: p + c,
+                reasoning_tokens: None,
             },
         })
 }

@@ -31,6 +31,7 @@ fn spooled(api: WireApi, body: &[u8], fold: bool) -> (CaptureRecord, tokentap_sc
         url: "http://engine:8000".into(),
         model: String::new(),
         policy_version: None,
+        engine_weight_version: None,
         synthetic_stream: false,
     };
     let mut call = CallCapture::new(api, HarnessRequest::bare("POST", "/v1/x"), backend);

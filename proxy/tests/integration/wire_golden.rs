@@ -67,6 +67,7 @@ fn streamed_answer_matches_the_sequence_harnesses_accepted() {
             prompt_tokens: 10,
             completion_tokens: 5,
             total_tokens: 15,
+            reasoning_tokens: None,
         }),
         &mut out,
     );

@@ -82,6 +82,7 @@ fn render_hello() -> Vec<(String, Value)> {
             prompt_tokens: 10,
             completion_tokens: 5,
             total_tokens: 15,
+            reasoning_tokens: None,
         }),
         &mut out,
     );

@@ -88,6 +88,7 @@ fn usage() -> Option<Usage> {
         prompt_tokens: 10,
         completion_tokens: 5,
         total_tokens: 15,
+        reasoning_tokens: None,
     })
 }
 

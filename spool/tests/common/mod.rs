@@ -40,6 +40,7 @@ pub fn record(i: u64, payload: usize) -> CaptureRecord {
             url: "http://127.0.0.1:8000".into(),
             model: "test-model".into(),
             policy_version: None,
+            engine_weight_version: None,
             synthetic_stream: false,
         },
         prompt_token_ids: Some(vec![1, 2, 3]),

@@ -24,17 +24,7 @@ const ENGINE_KEY: &str = "attack-engine-key-9c2d";
 
 /// Root and bubblewrap: what the sandboxed attacks need.
 fn sandbox_available() -> bool {
-    tokentap_e2e::privileged::runs((|| {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("needs root (the sandbox's uid drop)".to_owned());
-        }
-        let path = std::env::var("PATH").unwrap_or_default();
-        if tokentap_rollout::preset::on_path("bwrap", &path).is_none() {
-            return Err("needs bubblewrap (bwrap) on PATH".to_owned());
-        }
-        Ok(())
-    })())
+    tokentap_e2e::privileged::runs(tokentap_e2e::privileged::root_with_bwrap())
 }
 
 /// A `tokentap serve` node started in its own directory with a relative `--data ./node`, the
@@ -443,9 +433,16 @@ async fn heavy_sandboxed_task_code_cannot_touch_the_node_or_other_samples() {
         "writable",
         "its HOME and TMPDIR are its own"
     );
+    // A uid of the node's pool (--sandbox-uid-range, 200000-200999 by default): each sample
+    // its own, never root.
+    let uid: u32 = probes
+        .lines()
+        .find_map(|l| l.strip_prefix("uid: "))
+        .and_then(|u| u.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no uid line:\n{probes}"));
     assert!(
-        probes.contains("uid: 65534"),
-        "the agent runs as the sandbox uid:\n{probes}"
+        (200_000..=200_999).contains(&uid),
+        "the agent runs as a sandbox uid of the pool:\n{probes}"
     );
     assert_eq!(
         a["outcome"],
@@ -555,7 +552,17 @@ PY"#;
     while node.read(&flooder, "work/opened.txt").is_empty() {
         assert!(
             std::time::Instant::now() < deadline,
-            "the flood never ended"
+            "the flood never ended: {}\n{}",
+            node_api::get_json(
+                &format!(
+                    "{}/v1/rollouts/{}",
+                    node.base,
+                    flooder.rsplit_once('-').unwrap().0
+                ),
+                TOKEN
+            )
+            .await,
+            node.read(&flooder, "agent.log")
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
@@ -610,7 +617,7 @@ PY"#;
 /// wrong one, are refused (403) before the engine is asked, counted in
 /// `tokentap_calls_refused_total{reason="unknown_session"}` and never recorded (100 of them
 /// with 30 KB headers leave the spool as it was); a head over 64 KiB is refused (431) even
-/// with the secret. With the secret, `/v1/models` and `count_tokens` are answered, and the
+/// with the secret, and on `/health`, which needs none. With the secret, `/v1/models` and `count_tokens` are answered, and the
 /// sample's record keeps its path without the secret.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_capture_route_needs_the_samples_secret() {
@@ -639,6 +646,10 @@ async fn every_capture_route_needs_the_samples_secret() {
         // A head over the limit, even with the secret.
         "printf 'x-pad: %070000d\\n' 0 > pad.h; ".to_owned(),
         code("$OPENAI_BASE_URL/models", "-H @pad.h"),
+        // `/health` needs no secret, but its head is bounded too (a 200 KB head was answered
+        // 200 before).
+        code(&format!("{root}/health"), ""),
+        code(&format!("{root}/health"), "-H @pad.h"),
         // 100 refused calls with 30 KB headers: nothing recorded.
         format!("for i in $(seq 100); do curl -s -m 10 -o /dev/null \"{root}/v1/chat/completions\" -H 'x-pad: {pad}' -H 'content-type: application/json' -d '{{}}'; done; "),
         curl_agent(1, "true"),
@@ -658,7 +669,7 @@ async fn every_capture_route_needs_the_samples_secret() {
     let codes = node.read(&id, "work/codes.txt");
     assert_eq!(
         codes.lines().collect::<Vec<_>>(),
-        ["200", "200", "403", "403", "403", "403", "403", "431"],
+        ["200", "200", "403", "403", "403", "403", "403", "431", "200", "431"],
         "{codes}\n{}",
         node.read(&id, "agent.log")
     );
@@ -701,7 +712,8 @@ async fn every_capture_route_needs_the_samples_secret() {
 /// sample, meanwhile, makes six calls against `--sample-max-calls 4`: four are answered, two
 /// refused. Refusals are counted, never recorded. The spool's growth and the node's peak RSS
 /// are printed (the bound is a benchmark's, not this test's). Seen failing with the excerpt
-/// off (the spool held the three bodies whole, 60 MB) and with no budget (all six answered).
+/// off (the spool held the three bodies whole, 60 MB), with no budget (all six answered) and
+/// with `count_tokens` not charged (its five counts and the call after them all answered 200).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sample_is_bounded_in_calls_and_bytes_and_failed_bodies_are_excerpts() {
     let node = Node::start(
@@ -726,6 +738,44 @@ async fn a_sample_is_bounded_in_calls_and_bytes_and_failed_bodies_are_excerpts()
             .to_owned(),
         "for i in 1 2 3; do ".to_owned(),
         post("--data-binary @big.json", "/dev/null"),
+        "done; ".to_owned(),
+        post(
+            r#"-d '{"model":"m","messages":[{"role":"user","content":"hi"}]}'"#,
+            "refused.json",
+        ),
+    ]
+    .concat();
+    // `count_tokens` does a call's work for the node (tito renders and tokenizes it all): it is
+    // charged like one. Four counts spend the call budget; three 20 MB counts the bytes.
+    let count = |body: &str, out: &str| {
+        format!(
+            "curl -sS -m 60 -o {out} -w '%{{http_code}}\\n' \"$ANTHROPIC_BASE_URL/v1/messages/count_tokens\" -H 'content-type: application/json' -H \"x-api-key: $ANTHROPIC_API_KEY\" {body} >> codes.txt; "
+        )
+    };
+    let counter = [
+        "for i in 1 2 3 4; do ".to_owned(),
+        count(
+            r#"-d '{"model":"m","messages":[{"role":"user","content":"hi"}]}'"#,
+            "/dev/null",
+        ),
+        "done; ".to_owned(),
+        count(
+            r#"-d '{"model":"m","messages":[{"role":"user","content":"hi"}]}'"#,
+            "refused-count.json",
+        ),
+        post(
+            r#"-d '{"model":"m","messages":[{"role":"user","content":"hi"}]}'"#,
+            "refused.json",
+        ),
+    ]
+    .concat();
+    let fat_counter = [
+        "printf '{\"model\":\"m\",\"messages\":[{\"role\":\"user\",\"content\":\"' > big.json; "
+            .to_owned(),
+        "head -c 20000000 /dev/zero | tr '\\0' x >> big.json; printf '\"}]}' >> big.json; "
+            .to_owned(),
+        "for i in 1 2 3; do ".to_owned(),
+        count("--data-binary @big.json", "count-$i.json"),
         "done; ".to_owned(),
         post(
             r#"-d '{"model":"m","messages":[{"role":"user","content":"hi"}]}'"#,
@@ -760,7 +810,63 @@ async fn a_sample_is_bounded_in_calls_and_bytes_and_failed_bodies_are_excerpts()
         ))
         .await
         .remove(0);
-    let done = node.finished(2).await;
+    let counter_id = node
+        .run(&task(
+            &project,
+            "counter",
+            &counter,
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let fat_counter_id = node
+        .run(&task(
+            &project,
+            "fat-counter",
+            &fat_counter,
+            json!({"kind": "session-completed"}),
+        ))
+        .await
+        .remove(0);
+    let done = node.finished(4).await;
+
+    let codes = node.read(&counter_id, "work/codes.txt");
+    assert_eq!(
+        codes.lines().collect::<Vec<_>>(),
+        ["200", "200", "200", "200", "400", "400"],
+        "counts are charged to the call budget: {codes}\n{}",
+        node.read(&counter_id, "agent.log")
+    );
+    let refused = node.read(&counter_id, "work/refused-count.json");
+    assert!(
+        refused.contains("4 token counts") && refused.contains("at most 4"),
+        "{refused}"
+    );
+    assert!(
+        refused.contains("\"type\":\"error\""),
+        "refused in the Messages error shape: {refused}"
+    );
+    // The three 20 MB counts are admitted: each reaches the scripted engine's /tokenize, which
+    // answers a body that size with a 413 (relayed as a 400) or by closing the connection
+    // (a 502), whichever comes first; the call after them finds the bytes spent.
+    let codes = node.read(&fat_counter_id, "work/codes.txt");
+    let codes: Vec<&str> = codes.lines().collect();
+    assert_eq!(codes.len(), 4, "{codes:?}");
+    for i in 1..=3 {
+        let answer = node.read(&fat_counter_id, &format!("work/count-{i}.json"));
+        assert!(
+            answer.contains("backend") && !answer.contains("50000000"),
+            "count {i} was admitted and reached the engine: {codes:?} {answer}"
+        );
+    }
+    assert_eq!(
+        codes[3],
+        "400",
+        "count bytes are charged to the byte budget: {codes:?}\n{}",
+        node.read(&fat_counter_id, "agent.log")
+    );
+    let refused = node.read(&fat_counter_id, "work/refused.json");
+    assert!(refused.contains("50000000"), "{refused}");
 
     let codes = node.read(&fat_id, "work/codes.txt");
     assert_eq!(
@@ -821,7 +927,7 @@ async fn a_sample_is_bounded_in_calls_and_bytes_and_failed_bodies_are_excerpts()
         .lines()
         .find(|l| l.starts_with("tokentap_calls_refused_total{reason=\"session_budget\"}"))
         .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok());
-    assert_eq!(refusals, Some(3.0), "{metrics}");
+    assert_eq!(refusals, Some(6.0), "{metrics}");
 }
 
 /// Set-up (task code, sandboxed) plants links where the node then writes the harness's
@@ -1176,7 +1282,7 @@ fn a_sandbox_running_as(uid: u32) -> (tempfile::TempDir, tokentap_rollout::sandb
     std::fs::create_dir_all(&data).unwrap();
     let path = std::env::var("PATH").unwrap_or_default();
     let cfg = SandboxConfig {
-        bwrap: tokentap_rollout::preset::on_path("bwrap", &path).unwrap(),
+        bwrap: tokentap_rollout::runner::on_path("bwrap", &path).unwrap(),
         shim: tokentap_bin(),
         always: true,
         data_dir: data,

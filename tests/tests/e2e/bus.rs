@@ -520,3 +520,57 @@ async fn heavy_a_drained_publisher_sends_its_whole_backlog_and_a_republish_store
     );
     assert_eq!(records.info().await.unwrap().state.messages, written);
 }
+
+/// A server with less JetStream storage than the defaults reserve (the 2 GB here; a development
+/// server keeps 75% of its disk's free space) still gets every stream and bucket, the two large
+/// streams without a `max_bytes` of their own (bounded by the server's limit), and a second
+/// worker starts on them too. The
+/// control: a size the operator set (`TOKENTAP_BUS_RECORDS_MAX_BYTES=40G`) is never shrunk,
+/// and the start fails saying so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn heavy_the_default_limits_fit_a_server_with_little_storage() {
+    use tokentap_bus::topology::BusLimits;
+    let dir = tempfile::tempdir().unwrap();
+    let nats = NatsServer::start_with_file_store(&dir.path().join("nats"), TOKEN, "2GB").await;
+    let connect = |server: &NatsServer| {
+        let bus = BusConnect {
+            url: server.url(),
+            token: Some(TOKEN.into()),
+            user: None,
+            ca: None,
+        };
+        async move {
+            let client = tokentap_bus::connect(&bus, "test").await.unwrap();
+            tokentap_bus::jetstream(client)
+        }
+    };
+    let t = Topology::ensure_with(connect(&nats).await, 16, &BusLimits::default())
+        .await
+        .expect("the defaults fit the server");
+    let (records, traces) = (
+        t.records.cached_info().config.max_bytes,
+        t.traces.cached_info().config.max_bytes,
+    );
+    eprintln!("fitted: records {records} B, traces {traces} B");
+    assert_eq!((records, traces), (-1, -1));
+    let again = Topology::ensure_with(connect(&nats).await, 16, &BusLimits::default())
+        .await
+        .expect("a second worker starts on them");
+    assert_eq!(again.records.cached_info().config.max_bytes, -1);
+
+    let set = BusLimits::from_vars(|name| {
+        (name == "TOKENTAP_BUS_RECORDS_MAX_BYTES").then(|| "40G".to_owned())
+    })
+    .unwrap();
+    let other = NatsServer::start_with_file_store(&dir.path().join("nats2"), TOKEN, "2GB").await;
+    let refused = Topology::ensure_with(connect(&other).await, 16, &set)
+        .await
+        .err()
+        .expect("a size the operator set is not dropped");
+    assert!(
+        refused
+            .to_string()
+            .contains("TOKENTAP_BUS_RECORDS_MAX_BYTES"),
+        "{refused}"
+    );
+}

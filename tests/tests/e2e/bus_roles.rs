@@ -234,14 +234,28 @@ async fn heavy_the_publisher_credential_can_only_publish_records() {
         .expect("the node user opens the cluster's bus");
 
     let publisher = Raw::connect(&nats, Some("publisher")).await;
-    // What it may do: publish a record, acknowledged.
+    // What it may do: publish a record under its own name, acknowledged (its JetStream
+    // lookups go through the prefix its account imports; a publish is the import itself).
     publisher
         .js()
-        .publish("tokentap.records.0", "{}".into())
+        .publish("tokentap.records.publisher.0", "{}".into())
         .await
         .unwrap()
         .await
         .expect("a publisher publishes records");
+    // Not under another user's name: a worker attributes a record to the name its subject
+    // carries.
+    publisher
+        .client
+        .publish("tokentap.records.node.0", "{}".into())
+        .await
+        .unwrap();
+    publisher.client.flush().await.unwrap();
+    assert!(
+        publisher.violation_for("tokentap.records.node.0").await,
+        "the publisher published under the node's name: {:?}",
+        publisher.errors.lock().unwrap()
+    );
     // A record whose reply subject is the queue or a bucket: NATS checks no permission on a
     // reply subject and JetStream acknowledges to it. The publisher's account (AGENTS) has
     // no streams; its records reach the cluster's through a service import, so the
@@ -362,7 +376,11 @@ async fn plant_acks(raw: &Raw) {
         format!("$KV.{SAMPLES_BUCKET}.reply"),
     ] {
         raw.client
-            .publish_with_reply("tokentap.records.1", reply, "{\"run\":\"rm -rf /\"}".into())
+            .publish_with_reply(
+                "tokentap.records.publisher.1",
+                reply,
+                "{\"run\":\"rm -rf /\"}".into(),
+            )
             .await
             .unwrap();
     }

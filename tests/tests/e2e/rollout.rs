@@ -502,8 +502,41 @@ async fn heavy_generate_is_resumable_and_keeps_accepted_samples() {
     assert_eq!(samples.len(), 2, "both accepted samples, once each");
 }
 
-/// The Python client (`clients/python`, pip-installed) against a live node: its example GRPO
-/// loop submits two task groups per step, waits on the event streams, turns rewards into
+/// The client's whole surface in a loop (a real trainer's loop is `scripts/train_demo.py`, e2e
+/// `train_loop`): each step submits every task as a group under the current version, waits
+/// for the groups, turns rewards into group-normalized advantages, reads the trajectories as
+/// NumPy arrays, then pauses and resumes the node under the next version; one JSON line per step.
+/// argv: NODE TOKEN SAMPLES STEPS TASKS.jsonl
+const CLIENT_LOOP: &str = r#"
+import json, sys
+import numpy as np
+from tokentap_client import Node, group_advantages, groups, reward_of
+url, token, n, steps, path = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+node = Node(url, token=token)
+tasks = [json.loads(l) for l in open(path) if l.strip()]
+version = node.resume()["policy_version"] or "v0"
+for step in range(steps):
+    rollouts = [node.submit(dict(t, num_samples=n, policy_version=version)) for t in tasks]
+    samples = [s for r in rollouts for s in node.wait(r["rollout_id"], timeout=600)]
+    batch = []
+    for _, group in sorted(groups(samples).items()):
+        for sample, adv in zip(group, group_advantages([reward_of(s) for s in group])):
+            batch += [(a, adv) for a in node.trajectories(sample, numpy=True)]
+    trainable = sum(int(a["loss_mask"].sum()) for a, _ in batch)
+    weighted = float(sum(adv * float(a["loss_mask"].sum()) for a, adv in batch))
+    sampled = [a["logprobs"][a["loss_mask"][a["response_start"]:] == 1] for a, _ in batch]
+    paused = node.pause()
+    version = f"v{step + 1}"
+    node.resume(policy_version=version)
+    print(json.dumps({"step": step, "samples": len(samples),
+        "groups": {g: [reward_of(s) for s in ss] for g, ss in sorted(groups(samples).items())},
+        "traces": len(batch), "trainable_tokens": trainable, "advantage_weighted_tokens": weighted,
+        "mean_sampled_logprob": float(np.mean(np.concatenate(sampled))) if trainable else 0.0,
+        "paused_in_flight": paused["in_flight"], "next_policy_version": version}), flush=True)
+"#;
+
+/// The Python client (`clients/python`, pip-installed) against a live node: a loop over the
+/// client's API ([`CLIENT_LOOP`]) submits two task groups per step, waits on the event streams, turns rewards into
 /// group-normalized advantages, reads the trajectories as NumPy arrays, and pauses and
 /// resumes the node under a new policy version; the node's OpenAPI document validates; then
 /// the client's own pytest suite passes against the same node, and mypy --strict is clean.
@@ -567,18 +600,7 @@ async fn python_client_round_trips_against_a_live_node() {
     };
     std::fs::write(&tasks, format!("{}\n{}\n", task("alpha"), task("beta"))).unwrap();
     let out = Command::new(&python)
-        .arg(root.join("clients/python/examples/grpo_loop.py"))
-        .args([
-            "--node",
-            &base,
-            "--token",
-            TOKEN,
-            "--samples",
-            "4",
-            "--steps",
-            "2",
-        ])
-        .arg("--tasks")
+        .args(["-c", CLIENT_LOOP, &base, TOKEN, "4", "2"])
         .arg(&tasks)
         .env("PYTHONPATH", &site)
         .output()

@@ -18,7 +18,7 @@ use tokentap_e2e::ids_engines::{
     IdsEngine, IdsEngineDouble, IdsScript, DOUBLE_LOGPROB, MAX_MODEL_LEN,
 };
 use tokentap_e2e::sse;
-use tokentap_e2e::tokentap::{Tokentap, TokentapConfig};
+use tokentap_e2e::tokentap::Tokentap;
 use tokentap_e2e::CaptureRecord;
 use tokentap_schema::{TitoBranchCause, TitoContinuation, TokenSource};
 
@@ -99,8 +99,14 @@ async fn call(tokentap: &Tokentap, session: &str, messages: &[Value], stream: bo
 }
 
 /// The tool loop: a call answered with a tool call (streamed), the tool's result (whole), a
-/// thank-you (streamed). The records in order.
-async fn tool_loop(tokentap: &Tokentap, session: &str) -> Vec<CaptureRecord> {
+/// thank-you (streamed). The records in order. `after_reasoning`: the whitespace after
+/// `</think>` the engine's own parser leaves in the content (vLLM's keeps `"\n\n"`,
+/// llama.cpp's and SGLang's none), which tito's answer keeps alike.
+async fn tool_loop(
+    tokentap: &Tokentap,
+    session: &str,
+    after_reasoning: &str,
+) -> Vec<CaptureRecord> {
     let mut messages = vec![
         json!({"role": "system", "content": "You are terse."}),
         json!({"role": "user", "content": "Where am I?"}),
@@ -121,12 +127,12 @@ async fn tool_loop(tokentap: &Tokentap, session: &str) -> Vec<CaptureRecord> {
     let second = call(tokentap, session, &messages, false).await;
     assert_eq!(
         (second.reasoning.as_str(), second.content.as_str()),
-        ("Done", "All done.")
+        ("Done", format!("{after_reasoning}All done.").as_str())
     );
     messages.push(json!({"role": "assistant", "content": second.content}));
     messages.push(json!({"role": "user", "content": "Thanks."}));
     let third = call(tokentap, session, &messages, true).await;
-    assert_eq!(third.content, "You are welcome.");
+    assert_eq!(third.content, format!("{after_reasoning}You are welcome."));
     let mut records = tokentap.wait_records(3).await;
     records.sort_by_key(|r| r.seq);
     records
@@ -134,15 +140,12 @@ async fn tool_loop(tokentap: &Tokentap, session: &str) -> Vec<CaptureRecord> {
 
 async fn tito_on(engine: IdsEngine) {
     let model = Artefacts::require_think_model();
-    let double = IdsEngineDouble::start(engine, &model, "<|im_end|>", script()).await;
-    let tokentap = Tokentap::start(
-        TokentapConfig::new(double.url.clone(), engine.backend())
-            .arg("--token-mode=tito")
-            .arg("--tokenizer")
-            .arg(model.display().to_string()),
-    )
-    .await;
-    let records = tool_loop(&tokentap, "tito-engine").await;
+    let (double, tokentap) = IdsEngineDouble::behind_tito(engine, &model, script()).await;
+    let after_reasoning = match engine {
+        IdsEngine::Vllm => "\n\n",
+        IdsEngine::Sglang => "",
+    };
+    let records = tool_loop(&tokentap, "tito-engine", after_reasoning).await;
     let requests = double.requests();
     assert_eq!(requests.len(), 3, "every call went to the ids endpoint");
 
@@ -307,15 +310,8 @@ fn sdk_scenarios() -> IdsScript {
 #[tokio::test(flavor = "multi_thread")]
 async fn tito_answers_pass_the_official_sdks_types_and_stream_helpers() {
     let model = Artefacts::require_think_model();
-    let double =
-        IdsEngineDouble::start(IdsEngine::Vllm, &model, "<|im_end|>", sdk_scenarios()).await;
-    let tokentap = Tokentap::start(
-        TokentapConfig::new(double.url.clone(), "vllm")
-            .arg("--token-mode=tito")
-            .arg("--tokenizer")
-            .arg(model.display().to_string()),
-    )
-    .await;
+    let (double, tokentap) =
+        IdsEngineDouble::behind_tito(IdsEngine::Vllm, &model, sdk_scenarios()).await;
     let report =
         tokentap_e2e::sdk::validate(&tokentap.url, Some("text,reasoning,tools,length")).await;
     // The scenarios ran: reasoning, tool-call and length events were seen and validated.

@@ -11,7 +11,7 @@ use crate::backend::error::BackendError;
 use crate::canonical::ChatRequest;
 
 /// One engine's ids-in endpoint: its request and a reader of its answer.
-pub(crate) trait IdsEngine: Send + Sync + 'static {
+pub(crate) trait IdsEngine: Clone + Send + Sync + 'static {
     const KIND: BackendKind;
     /// The endpoint that takes the prompt as ids.
     const PATH: &'static str;
@@ -21,9 +21,16 @@ pub(crate) trait IdsEngine: Send + Sync + 'static {
     const NEEDS_AN_EXPLICIT_LIMIT: bool;
     /// Whether `/props` names the model's file (llama.cpp), tito's default `--tokenizer`.
     const NAMES_ITS_MODEL_FILE: bool;
+    /// Whether the engine's own reasoning parser leaves the whitespace after `</think>` in the
+    /// content (vLLM's does): tito's answer then keeps it too, so it equals the engine's
+    /// text-mode answer for the same ids.
+    const KEEPS_SPACE_AFTER_REASONING: bool;
     type Decoder: IdsDecoder + Send + 'static;
 
-    fn body(&self, call: &IdsCall<'_>) -> Value;
+    /// The engine's request body, or why the call is refused (a message for a 400: the
+    /// request goes past a bound of what tokentap builds for it, such as llama.cpp's call
+    /// grammar).
+    fn body(&self, call: &IdsCall<'_>) -> Result<Value, String>;
     fn decoder(&self) -> Self::Decoder;
 }
 
@@ -37,6 +44,21 @@ pub(crate) struct IdsCall<'a> {
     pub stream: bool,
     /// The answer's length limit, when the call or the engine needs one.
     pub max_tokens: Option<u64>,
+}
+
+/// The parts of `request` an engine's body reads (every field but the conversation and the
+/// tools, which the body takes as ids and as JSON): what a body built off the async runtime
+/// needs of it, without a copy of the whole conversation.
+pub(crate) fn body_request(request: &ChatRequest) -> ChatRequest {
+    ChatRequest {
+        model: request.model.clone(),
+        messages: Vec::new(),
+        tools: Vec::new(),
+        tool_choice: request.tool_choice.clone(),
+        sampling: request.sampling.clone(),
+        stream: request.stream,
+        extra: request.extra.clone(),
+    }
 }
 
 /// Reads one call's answer, whole or streamed, into [`IdsChunk`]s.
@@ -153,12 +175,14 @@ pub(crate) fn body_for<E: IdsEngine>(
 ) -> Value {
     let request: ChatRequest = serde_json::from_value(request).unwrap();
     let tools = tools_json(&request);
-    engine.body(&IdsCall {
-        request: &request,
-        tools: &tools,
-        family: Family::Hermes,
-        ids,
-        stream,
-        max_tokens,
-    })
+    engine
+        .body(&IdsCall {
+            request: &request,
+            tools: &tools,
+            family: Family::Hermes,
+            ids,
+            stream,
+            max_tokens,
+        })
+        .expect("a body")
 }

@@ -9,12 +9,13 @@
 
 use serde::Deserialize;
 use serde_json::{json, Value};
-use tokentap_answer_parse::call_grammar;
+use tokentap_answer_parse::{call_grammar, NoGrammar};
 use tokentap_schema::{BackendKind, FinishReason};
 
 use super::ids::{protocol_error, IdsCall, IdsChunk, IdsDecoder, IdsEnd, IdsEngine, PromptAccount};
 use crate::backend::error::BackendError;
 
+#[derive(Clone, Copy)]
 pub(crate) struct LlamaCppIds;
 
 impl IdsEngine for LlamaCppIds {
@@ -23,12 +24,17 @@ impl IdsEngine for LlamaCppIds {
     // `n_predict: -1` runs to the end of the context, as the chat endpoint does.
     const NEEDS_AN_EXPLICIT_LIMIT: bool = false;
     const NAMES_ITS_MODEL_FILE: bool = true;
+    // llama.cpp's reasoning parser consumes the whitespace after `</think>`.
+    const KEEPS_SPACE_AFTER_REASONING: bool = false;
     type Decoder = CompletionDecoder;
 
     /// The ids, every sampler explicit, token data asked for, and the grammar of the family's
     /// calls to the offered tools as llama-server's chat endpoint applies it (lazy: from the
-    /// call's opening marker on), unless the request says `tool_choice: none`.
-    fn body(&self, call: &IdsCall<'_>) -> Value {
+    /// call's opening marker on), unless the request says `tool_choice: none`. Tools past the
+    /// grammar's bounds (`GrammarBounds`: nesting, subschemas, its size) refuse the call:
+    /// sent without the grammar, the call would not be the one the chat endpoint makes, and
+    /// such schemas are hostile or broken.
+    fn body(&self, call: &IdsCall<'_>) -> Result<Value, String> {
         let s = &call.request.sampling;
         let mut body = json!({
             "prompt": call.ids,
@@ -56,15 +62,23 @@ impl IdsEngine for LlamaCppIds {
         let calls_allowed =
             call.request.tool_choice.as_ref().and_then(Value::as_str) != Some("none");
         if calls_allowed {
-            if let Some(grammar) = call_grammar(call.family, call.tools) {
-                if let (Value::Object(body), Value::Object(fields)) =
-                    (&mut body, grammar.completion_fields())
-                {
-                    body.extend(fields);
+            match call_grammar(call.family, call.tools) {
+                Ok(grammar) => {
+                    if let (Value::Object(body), Value::Object(fields)) =
+                        (&mut body, grammar.completion_fields())
+                    {
+                        body.extend(fields);
+                    }
+                }
+                Err(NoGrammar::NoTools) => {}
+                Err(refused @ NoGrammar::Refused(_)) => {
+                    return Err(format!(
+                        "tokentap refuses this call's tools: {refused} (docs/token-in.md)"
+                    ))
                 }
             }
         }
-        body
+        Ok(body)
     }
 
     fn decoder(&self) -> CompletionDecoder {
@@ -151,14 +165,16 @@ mod tests {
 
     fn body(request: &ChatRequest, ids: &[u32]) -> Value {
         let tools = tools_json(request);
-        LlamaCppIds.body(&IdsCall {
-            request,
-            tools: &tools,
-            family: Family::Hermes,
-            ids,
-            stream: false,
-            max_tokens: None,
-        })
+        LlamaCppIds
+            .body(&IdsCall {
+                request,
+                tools: &tools,
+                family: Family::Hermes,
+                ids,
+                stream: false,
+                max_tokens: None,
+            })
+            .unwrap()
     }
 
     #[test]
@@ -202,6 +218,31 @@ mod tests {
             json!([{"type": 1, "value": "<tool_call>"}])
         );
         let mut none = request(tools);
+        none.tool_choice = Some(json!("none"));
+        assert!(body(&none, &[1]).get("grammar").is_none());
+    }
+
+    #[test]
+    fn tools_past_the_grammars_bounds_refuse_the_call() {
+        let mut schema = json!({"type": "string"});
+        for _ in 0..40 {
+            schema = json!({"type": ["object", "object"], "properties": {"a": schema}});
+        }
+        let deep = request(json!([{"name": "f", "parameters": schema}]));
+        let tools = tools_json(&deep);
+        let refused = LlamaCppIds
+            .body(&IdsCall {
+                request: &deep,
+                tools: &tools,
+                family: Family::Hermes,
+                ids: &[1],
+                stream: false,
+                max_tokens: None,
+            })
+            .unwrap_err();
+        assert!(refused.contains("nest deeper than 32 levels"), "{refused}");
+        // No grammar asked for, nothing refused.
+        let mut none = deep;
         none.tool_choice = Some(json!("none"));
         assert!(body(&none, &[1]).get("grammar").is_none());
     }

@@ -32,7 +32,7 @@ use tokentap_token_mode::{Tito, TitoPrompt, TokenVerify};
 
 use super::answer_body;
 use super::error::BackendError;
-use super::interface::{Backend, CallMode, GenerationStream};
+use super::interface::{Backend, CallMode, CallScope, GenerationStream};
 use super::openai_compat::EngineClient;
 use crate::canonical::{
     ChatRequest, Delta, GenerationEvent, TokenField, TokenGap, TokenSource, ToolCallDelta,
@@ -53,7 +53,17 @@ pub(crate) struct TitoBackend<E: IdsEngine> {
     /// `--token-verify`, and the calls it has been asked about.
     verify: TokenVerify,
     calls: AtomicU64,
+    /// Prompts being built at once (each renders and tokenizes a whole request on a blocking
+    /// thread): at most one per core and one more, so concurrent large requests queue
+    /// instead of each holding its render in memory at the same time.
+    builds: Arc<tokio::sync::Semaphore>,
 }
+
+/// How long a prompt may take to build before its call is answered with an error (the work
+/// itself still holds its place in [`TitoBackend::builds`] until it ends). Rendering and
+/// tokenizing are linear in the request, which the body limit bounds: a prompt of the largest
+/// body takes well under a second.
+const PROMPT_DEADLINE: std::time::Duration = std::time::Duration::from_secs(10);
 
 impl<E: IdsEngine> TitoBackend<E> {
     pub(crate) fn new(
@@ -69,31 +79,45 @@ impl<E: IdsEngine> TitoBackend<E> {
             context: tokio::sync::OnceCell::new(),
             verify,
             calls: AtomicU64::new(0),
+            builds: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(2, |n| n.get() + 1),
+            )),
         }
     }
 
-    /// The prompt from tito, and its shadow full render when `--token-verify` picks the call:
-    /// rendering a long conversation takes milliseconds, so not on this worker thread.
+    /// The prompt from tito for a call of `session`, and its shadow full render when
+    /// `--token-verify` picks the call: rendering a long conversation takes milliseconds, so
+    /// not on this worker thread, and never more of them at once than
+    /// [`TitoBackend::builds`] allows, nor longer than [`PROMPT_DEADLINE`].
     async fn prompt(
         &self,
+        session: Option<&str>,
         request: &ChatRequest,
         verify: bool,
     ) -> Result<Result<(TitoPrompt, Option<TitoVerify>), String>, BackendError> {
         let tito = self.tito.clone();
         let owned = request.clone();
-        tokio::task::spawn_blocking(move || {
-            let prompt = tito.prompt(&owned)?;
-            let verdict = if verify {
-                tokentap_token_mode::verify(tito.model(), &owned, &prompt.ids, &prompt.origins)
-                    .map_err(|e| tracing::debug!(error = %e, "--token-verify: no full render"))
-                    .ok()
-            } else {
-                None
-            };
-            Ok((prompt, verdict))
-        })
-        .await
-        .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))
+        let session = session.map(str::to_owned);
+        let built = async {
+            let permit = self
+                .builds
+                .clone()
+                .acquire_owned()
+                .await
+                .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))?;
+            tokio::task::spawn_blocking(move || {
+                let _permit = permit;
+                build_prompt(&tito, session.as_deref(), &owned, verify)
+            })
+            .await
+            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))
+        };
+        match tokio::time::timeout(PROMPT_DEADLINE, built).await {
+            Ok(r) => r,
+            Err(_) => Ok(Err(format!(
+                "building this call's prompt took over {PROMPT_DEADLINE:?}; the request is too large for tito"
+            ))),
+        }
     }
 
     /// The call's own limit; else, for engines whose default is short, the rest of the context.
@@ -120,8 +144,8 @@ impl<E: IdsEngine> TitoBackend<E> {
             })
             .await?;
         match context.saturating_sub(prompt as u64) {
-            0 => Err(BackendError::Status {
-                status: 400,
+            // Its own kind, so each wire API answers as harnesses recognise (and compact).
+            0 => Err(BackendError::ContextLengthExceeded {
                 message: format!(
                     "This model's maximum context length is {context} tokens. However, this conversation's prompt is {prompt} tokens. Please reduce the length of the messages."
                 ),
@@ -129,6 +153,24 @@ impl<E: IdsEngine> TitoBackend<E> {
             left => Ok(Some(left)),
         }
     }
+}
+
+/// The prompt for a call of `session`, and its shadow full render when `verify`.
+fn build_prompt(
+    tito: &Tito,
+    session: Option<&str>,
+    request: &ChatRequest,
+    verify: bool,
+) -> Result<(TitoPrompt, Option<TitoVerify>), String> {
+    let prompt = tito.prompt(session, request)?;
+    let verdict = if verify {
+        tokentap_token_mode::verify(tito.model(), request, &prompt.ids, &prompt.origins)
+            .map_err(|e| tracing::debug!(error = %e, "--token-verify: no full render"))
+            .ok()
+    } else {
+        None
+    };
+    Ok((prompt, verdict))
 }
 
 /// How to read the answer to `prompt`: the model's dialect, starting inside the reasoning if
@@ -157,9 +199,16 @@ pub(crate) struct AnswerReader {
 impl AnswerReader {
     /// `dialect` as the prompt leaves it (see [`answer_dialect`]).
     /// `tools`: the request's, as JSON ([`tools_json`]).
-    pub(crate) fn new(dialect: Dialect, tools: &[Value], prompt: TitoPrompt) -> Self {
+    /// `keep_space_after_reasoning`: the engine's convention ([`IdsEngine::KEEPS_SPACE_AFTER_REASONING`]).
+    pub(crate) fn new(
+        dialect: Dialect,
+        tools: &[Value],
+        prompt: TitoPrompt,
+        keep_space_after_reasoning: bool,
+    ) -> Self {
         AnswerReader {
-            parser: AnswerParser::new(dialect, ToolSchemas::from_tools(tools)),
+            parser: AnswerParser::new(dialect, ToolSchemas::from_tools(tools))
+                .keeping_space_after_reasoning(keep_space_after_reasoning),
             prompt,
             sampled: Vec::new(),
             calls: 0,
@@ -227,6 +276,8 @@ impl AnswerReader {
                 prompt_tokens,
                 completion_tokens,
                 total_tokens: prompt_tokens + completion_tokens,
+                // The engine's own count is of its parser's split; tito's answer is parsed here.
+                reasoning_tokens: None,
             }),
         });
         events
@@ -292,14 +343,15 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
 
     // Tools and streaming together are fine: tokentap reads the calls itself.
 
-    async fn count_prompt_tokens(&self, request: &ChatRequest) -> Result<u64, BackendError> {
-        self.prompt(request, false)
+    async fn count_prompt_tokens(
+        &self,
+        request: &ChatRequest,
+        session: Option<&str>,
+    ) -> Result<u64, BackendError> {
+        self.prompt(session, request, false)
             .await?
             .map(|(p, _)| p.ids.len() as u64)
-            .map_err(|message| BackendError::Status {
-                status: 400,
-                message,
-            })
+            .map_err(BackendError::Refused)
     }
 
     async fn generate(
@@ -307,39 +359,56 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
         request: &ChatRequest,
         mode: CallMode,
     ) -> Result<GenerationStream, BackendError> {
-        self.generate_call(request, mode, "").await
+        self.generate_call(request, mode, CallScope::default())
+            .await
     }
 
-    /// The prompt from tito, the answer read back; a complete answer is left with tito (before
-    /// the harness gets its end, so its next call finds it) under `record_id`.
+    /// The prompt from tito, the answer read back; a complete answer is left with tito in the
+    /// call's session (before the harness gets its end, so its next call finds it) under its
+    /// record id.
     async fn generate_call(
         &self,
         request: &ChatRequest,
         mode: CallMode,
-        record_id: &str,
+        call: CallScope<'_>,
     ) -> Result<GenerationStream, BackendError> {
         let verify = self.verify.picks(&self.calls);
-        let (prompt, verdict) =
-            self.prompt(request, verify)
-                .await?
-                .map_err(|e| BackendError::Status {
-                    status: 400,
-                    message: format!(
-                "tokentap could not render this conversation with the model's chat template: {e}"
-            ),
-                })?;
+        let (prompt, verdict) = self
+            .prompt(call.session, request, verify)
+            .await?
+            .map_err(|e| {
+                BackendError::Refused(format!(
+                    "tokentap could not render this conversation with the model's chat template: {e}"
+                ))
+            })?;
         let stream = mode == CallMode::Streaming;
         let tools = tools_json(request);
         let max_tokens = self.max_tokens(request, prompt.ids.len()).await?;
-        let body = self.engine.body(&IdsCall {
-            request,
-            tools: &tools,
-            family: self.tito.dialect().family,
-            ids: &prompt.ids,
-            stream,
-            max_tokens,
+        // The engine's body (llama.cpp's holds the call grammar of the tools, which grows with
+        // their schemas, within bounds) off this worker thread and within a deadline, so no
+        // request stalls the runtime; tools past the grammar's bounds are refused with a 400.
+        const BODY_DEADLINE: std::time::Duration = std::time::Duration::from_secs(2);
+        let (engine, family) = (self.engine.clone(), self.tito.dialect().family);
+        let (parts, ids) = (ids::body_request(request), prompt.ids.clone());
+        let built = tokio::task::spawn_blocking(move || {
+            let call = IdsCall {
+                request: &parts,
+                tools: &tools,
+                family,
+                ids: &ids,
+                stream,
+                max_tokens,
+            };
+            let body = engine.body(&call).map(|b| serde_json::to_vec(&b));
+            (body, tools)
         });
-        let body = serde_json::to_vec(&body).map_err(|e| BackendError::Protocol(e.to_string()))?;
+        let (body, tools) = tokio::time::timeout(BODY_DEADLINE, built)
+            .await
+            .map_err(|_| BackendError::Refused(format!("tokentap refuses this call: building the engine's request (its tools' call grammar) took over {BODY_DEADLINE:?}")))?
+            .map_err(|e| BackendError::Protocol(format!("tito failed: {e}")))?;
+        let body = body
+            .map_err(BackendError::Refused)?
+            .map_err(|e| BackendError::Protocol(e.to_string()))?;
         let answer = self.client.post_answer(E::PATH, body).await?;
         if let Some(v) = verdict.as_ref().filter(|v| v.boundary_spans > 0) {
             tracing::warn!(
@@ -356,16 +425,25 @@ impl<E: IdsEngine> Backend for TitoBackend<E> {
         };
         let sent = prompt.ids.len() as u64;
         let dialect = answer_dialect(&self.tito, &prompt.ids);
-        let mut reader = AnswerReader::new(dialect, &tools, prompt);
+        let mut reader = AnswerReader::new(dialect, &tools, prompt, E::KEEPS_SPACE_AFTER_REASONING);
         let mut decoder = self.engine.decoder();
         let idle = self.client.idle_timeout();
         let tito = self.tito.clone();
         let request = request.clone();
-        let record_id = record_id.to_string();
+        let record_id = call.record_id.to_string();
+        let session = call.session.map(str::to_owned);
         let keep = move |reader: &AnswerReader| {
             if let Some((prompt, sampled, answer)) = reader.answered() {
                 let end = tito.sampled_end(sampled);
-                tito.answered(&request, prompt, sampled, end, answer, &record_id);
+                tito.answered(
+                    session.as_deref(),
+                    &request,
+                    prompt,
+                    sampled,
+                    end,
+                    answer,
+                    &record_id,
+                );
             }
         };
         Ok(Box::pin(try_stream! {
@@ -504,7 +582,7 @@ mod tests {
 
     #[test]
     fn a_streamed_answer_is_read_back_with_its_ids_and_logprobs() {
-        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 9]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 9]), false);
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(
             (acc.reasoning.as_str(), acc.content.as_str()),
@@ -527,7 +605,7 @@ mod tests {
     #[test]
     fn a_prompt_count_that_differs_from_what_was_sent_is_a_gap_not_ids() {
         // The control: 9 sent, 9 evaluated (above). Here 10 were sent.
-        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 10]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1; 10]), false);
         let acc = fold(&mut reader, think_model_stream());
         assert_eq!(acc.prompt, None);
         assert!(
@@ -549,7 +627,7 @@ mod tests {
     fn echoed_prompt_ids_must_be_the_ids_sent() {
         let ok = PromptAccount::Echoed(vec![1, 2, 3]);
         assert_eq!(ok.mismatch(&[1, 2, 3]), None);
-        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1, 2, 3]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1, 2, 3]), false);
         let acc = fold(
             &mut reader,
             vec![end(
@@ -578,8 +656,12 @@ mod tests {
             .collect();
         chunks.push(end(FinishReason::Stop, PromptAccount::Evaluated(3)));
         let tools = json!([{"name": "bash", "parameters": {"type": "object", "properties": {"command": {"type": "string"}}}}]);
-        let mut reader =
-            AnswerReader::new(qwen3(), &tools_json(&request(tools)), prompt(vec![1, 2, 3]));
+        let mut reader = AnswerReader::new(
+            qwen3(),
+            &tools_json(&request(tools)),
+            prompt(vec![1, 2, 3]),
+            false,
+        );
         let acc = fold(&mut reader, chunks);
         assert_eq!(acc.tool_calls.len(), 1);
         assert_eq!(acc.tool_calls[0].name, "bash");
@@ -591,7 +673,7 @@ mod tests {
 
     #[test]
     fn the_limit_is_a_length_finish() {
-        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1]));
+        let mut reader = AnswerReader::new(qwen3(), &[], prompt(vec![1]), false);
         let chunks = vec![
             IdsChunk {
                 text: "<think>Che".into(),

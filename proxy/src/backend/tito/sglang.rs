@@ -20,6 +20,7 @@ use super::ids::{
 };
 use crate::backend::error::BackendError;
 
+#[derive(Clone, Copy)]
 pub(crate) struct SglangIds;
 
 impl IdsEngine for SglangIds {
@@ -27,18 +28,20 @@ impl IdsEngine for SglangIds {
     const PATH: &'static str = "/generate";
     const NEEDS_AN_EXPLICIT_LIMIT: bool = true;
     const NAMES_ITS_MODEL_FILE: bool = false;
+    // As llama.cpp (SGLang's detector strips the text after `</think>`; never run here).
+    const KEEPS_SPACE_AFTER_REASONING: bool = false;
     type Decoder = GenerateDecoder;
 
     /// The ids, every sampler explicit ([`transformers_samplers`]), the sampled tokens'
     /// logprobs asked for.
-    fn body(&self, call: &IdsCall<'_>) -> Value {
+    fn body(&self, call: &IdsCall<'_>) -> Result<Value, String> {
         let mut sampling = transformers_samplers(call);
         sampling.insert("max_new_tokens".into(), json!(call.max_tokens));
         sampling.insert("no_stop_trim".into(), json!(false));
         if let Some(seed) = call.request.sampling.seed {
             sampling.insert("sampling_seed".into(), json!(seed));
         }
-        json!({
+        Ok(json!({
             "input_ids": call.ids,
             "sampling_params": sampling,
             "stream": call.stream,
@@ -46,7 +49,7 @@ impl IdsEngine for SglangIds {
             "logprob_start_len": -1,
             "top_logprobs_num": 0,
             "return_text_in_logprobs": false,
-        })
+        }))
     }
 
     fn decoder(&self) -> GenerateDecoder {

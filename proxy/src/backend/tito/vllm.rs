@@ -23,6 +23,7 @@ use super::ids::{
 use crate::backend::error::BackendError;
 use crate::backend::vllm::NO_LOGPROB;
 
+#[derive(Clone, Copy)]
 pub(crate) struct VllmIds;
 
 impl IdsEngine for VllmIds {
@@ -30,10 +31,13 @@ impl IdsEngine for VllmIds {
     const PATH: &'static str = "/v1/completions";
     const NEEDS_AN_EXPLICIT_LIMIT: bool = true;
     const NAMES_ITS_MODEL_FILE: bool = false;
+    // vLLM's qwen3 reasoning parser keeps `"\n\n"` after `</think>` in the content
+    // (seen on vLLM 0.32: `"\n\nDone."`).
+    const KEEPS_SPACE_AFTER_REASONING: bool = true;
     type Decoder = CompletionsDecoder;
 
     /// The ids, every sampler explicit ([`transformers_samplers`]), token data asked for.
-    fn body(&self, call: &IdsCall<'_>) -> Value {
+    fn body(&self, call: &IdsCall<'_>) -> Result<Value, String> {
         let mut body = json!({
             "model": call.request.model,
             "prompt": call.ids,
@@ -50,7 +54,7 @@ impl IdsEngine for VllmIds {
         if let Some(seed) = call.request.sampling.seed {
             fields.insert("seed".into(), json!(seed));
         }
-        body
+        Ok(body)
     }
 
     fn decoder(&self) -> CompletionsDecoder {
