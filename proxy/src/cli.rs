@@ -185,7 +185,10 @@ impl CaptureArgs {
         if !self.engine_weight_version {
             return Ok(backend);
         }
-        Ok(backend::with_engine_weight_version(backend, &self.backend_config()?)?)
+        Ok(backend::with_engine_weight_version(
+            backend,
+            &self.backend_config()?,
+        )?)
     }
 
     /// How the engine is reached: `--backend`, its kind, key, CA and limits.

@@ -61,7 +61,9 @@ async fn read(client: &EngineClient) -> Option<String> {
             return None;
         }
         Err(_) => {
-            tracing::warn!("--engine-weight-version: the engine's {WEIGHT_INFO} took over {READ_BOUND:?}");
+            tracing::warn!(
+                "--engine-weight-version: the engine's {WEIGHT_INFO} took over {READ_BOUND:?}"
+            );
             return None;
         }
     };
