@@ -52,7 +52,7 @@ impl CallGrammar {
 /// How far [`call_grammar`] goes before it refuses the tools.
 ///
 /// The defaults leave room for any tool list seen in practice: the four harnesses' real lists
-/// (Pi, Qwen Code, Codex, Claude Code; `proxy/testdata/harness-wire`) nest at most 5 levels,
+/// (Pi, Qwen Code, Codex, Claude Code; `wire/testdata/harness-wire`) nest at most 5 levels,
 /// have at most 66 subschemas and make grammars of 0.9–5.7 KB in 10–34 rules, and MCP servers
 /// add tools of the same kind. 32 levels is six times the deepest; 20,000 subschemas bound the
 /// walk itself (each costs a few hundred bytes of grammar at most, so the walk stops near the

@@ -1,4 +1,4 @@
-//! The calls' grammar for the harnesses' real tool lists (proxy/testdata/harness-wire): every
+//! The calls' grammar for the harnesses' real tool lists (wire/testdata/harness-wire): every
 //! rule it names is defined (llama-server refuses a grammar that names an undefined rule, which
 //! the first version did for any tool whose parameters are an empty object: Codex's and Qwen
 //! Code's lists), and each tool's call opens as the template writes it. The e2e tests
@@ -11,7 +11,7 @@ use tokentap_answer_parse::{call_grammar, Family, NoGrammar};
 
 fn tools(name: &str) -> Vec<Value> {
     let path = format!(
-        "{}/../proxy/testdata/harness-wire/{name}.json",
+        "{}/../wire/testdata/harness-wire/{name}.json",
         env!("CARGO_MANIFEST_DIR")
     );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();

@@ -2,7 +2,7 @@
 //! thread: the model's chat template rendering a whole conversation, the tokenizer encoding
 //! it, and a whole observation (render + encode + comparison with the session's last call +
 //! drift spans) of a call that appends a tool result; plus the ids held per open session.
-//! The conversation is the reference Qwen Code request (proxy/testdata/harness-wire) grown
+//! The conversation is the reference Qwen Code request (wire/testdata/harness-wire) grown
 //! with tool rounds to the size asked for; the model is a GGUF or Hugging Face directory.
 
 use std::path::PathBuf;
@@ -86,7 +86,7 @@ pub fn run(args: TokenModeBenchArgs) -> anyhow::Result<()> {
         })?;
     let model = TokenModel::open(&path, EngineDialect::LlamaCpp).map_err(anyhow::Error::msg)?;
     let body: Value =
-        serde_json::from_str(include_str!("../../proxy/testdata/harness-wire/qwen.json"))?;
+        serde_json::from_str(include_str!("../../wire/testdata/harness-wire/qwen.json"))?;
     let mut before = ChatCompletions
         .parse(&serde_json::to_vec(&body["body"])?)
         .map_err(|e| anyhow::anyhow!("the Qwen Code fixture: {e}"))?

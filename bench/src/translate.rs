@@ -1,5 +1,5 @@
 //! `tokentap bench translate`: what each wire API costs per call, on the real harness requests
-//! (`proxy/testdata/harness-wire/`): parsing the harness request into the canonical one, and
+//! (`wire/testdata/harness-wire/`): parsing the harness request into the canonical one, and
 //! rendering a realistic answer back, whole and streamed. Single-threaded, in-process, no
 //! network: the codec alone.
 
@@ -40,38 +40,36 @@ fn fixtures() -> Vec<(&'static str, &'static dyn WireCodec, Vec<u8>)> {
         (
             "Codex turn 1 (Responses)",
             &RESPONSES,
-            body(include_str!("../../proxy/testdata/harness-wire/codex.json")),
+            body(include_str!("../../wire/testdata/harness-wire/codex.json")),
         ),
         (
             "Codex turn 2 (Responses)",
             &RESPONSES,
             body(include_str!(
-                "../../proxy/testdata/harness-wire/codex-turn2.json"
+                "../../wire/testdata/harness-wire/codex-turn2.json"
             )),
         ),
         (
             "Claude turn 1 (Messages)",
             &MESSAGES,
-            body(include_str!(
-                "../../proxy/testdata/harness-wire/claude.json"
-            )),
+            body(include_str!("../../wire/testdata/harness-wire/claude.json")),
         ),
         (
             "Claude turn 2 (Messages)",
             &MESSAGES,
             body(include_str!(
-                "../../proxy/testdata/harness-wire/claude-turn2.json"
+                "../../wire/testdata/harness-wire/claude-turn2.json"
             )),
         ),
         (
             "Qwen turn 1 (Chat)",
             &CHAT,
-            body(include_str!("../../proxy/testdata/harness-wire/qwen.json")),
+            body(include_str!("../../wire/testdata/harness-wire/qwen.json")),
         ),
         (
             "Pi turn 1 (Chat)",
             &CHAT,
-            body(include_str!("../../proxy/testdata/harness-wire/pi.json")),
+            body(include_str!("../../wire/testdata/harness-wire/pi.json")),
         ),
     ]
 }

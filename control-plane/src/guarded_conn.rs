@@ -17,7 +17,7 @@ use std::pin::Pin;
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use tokentap_proxy::limits::ConnectionPermit;
+use tokentap_service_kit::limits::ConnectionPermit;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{sleep, Sleep};
 
@@ -150,7 +150,7 @@ impl AsyncWrite for GuardedConn {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tokentap_proxy::limits::ConnectionGate;
+    use tokentap_service_kit::limits::ConnectionGate;
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
     fn guarded(io: tokio::io::DuplexStream) -> GuardedConn {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::Context;
-use tokentap_proxy::limits::ConnectionGate;
+use tokentap_service_kit::limits::ConnectionGate;
 
 use guarded_conn::{Conn, Deadlines, GuardedConn};
 

@@ -20,25 +20,25 @@ use tokentap_schema::{
 };
 
 use crate::backend::{Backend, BackendError, CallMode, CallScope, GenerationStream};
-use crate::canonical::GenerationEvent;
 use crate::capture::{CallCapture, RecordSink};
-use crate::engine_options::{self, EngineOptionPolicy};
 use crate::gate::CallGate;
 use crate::harness::Harness;
-use crate::limits::{ConnectionGate, ConnectionPermit, ListenerLimits};
 use crate::metrics::Metrics;
-use crate::normalize::{
-    drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
-};
 use crate::redact;
 use crate::relay::{collect_events, relay_stream, relay_stream_holding_end, AnswerSink};
 use crate::session::{
     self, SessionCounters, SessionHints, SessionResolver, HARNESS_SESSION_HEADERS, SESSION_HEADER,
 };
-use crate::wire::chat_completions::ChatCompletions;
-use crate::wire::messages::Messages;
-use crate::wire::responses::Responses;
-use crate::wire::{CallError, ParsedCall, ResponseMeta, WireCodec, WireError};
+use tokentap_service_kit::limits::{ConnectionGate, ConnectionPermit, ListenerLimits};
+use tokentap_wire::canonical::GenerationEvent;
+use tokentap_wire::chat_completions::ChatCompletions;
+use tokentap_wire::engine_options::{self, EngineOptionPolicy};
+use tokentap_wire::messages::Messages;
+use tokentap_wire::normalize::{
+    drop_orphan_tool_choice, fold_system_messages, layout_from_probe, layout_probe, SystemLayout,
+};
+use tokentap_wire::responses::Responses;
+use tokentap_wire::{CallError, ParsedCall, ResponseMeta, WireCodec, WireError};
 
 /// Proxy behaviour that is policy, not mechanism.
 #[derive(Debug, Clone)]

@@ -14,11 +14,11 @@ use tokentap_schema::{
 use tokentap_spool::{SpoolError, SpoolWriter};
 use tokio::sync::{mpsc, oneshot};
 
-use crate::canonical::GenerationAccumulator;
 use crate::harness::Harness;
 use crate::metrics::Metrics;
 use crate::session::Session;
-use crate::wire::CallError;
+use tokentap_wire::canonical::GenerationAccumulator;
+use tokentap_wire::CallError;
 
 /// What is known about a call while it runs; becomes its [`CaptureRecord`] at the end.
 pub struct CallCapture {
@@ -30,7 +30,7 @@ pub struct CallCapture {
     pub request: HarnessRequest,
     pub backend_request: Option<ChatRequest>,
     /// `request.body` is the harness's own bytes: the record need not keep the conversation
-    /// a second time in `backend_request` (see [`crate::replay`]).
+    /// a second time in `backend_request` (see [`tokentap_wire::replay`]).
     pub body_verbatim: bool,
     pub normalizations: Vec<Normalization>,
     pub backend: BackendInfo,

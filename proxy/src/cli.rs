@@ -13,13 +13,13 @@ use tokentap_spool::{FsyncPolicy, SpoolConfig, SpoolWriter};
 
 use crate::backend::{self, BackendConfig, BackendKind};
 use crate::capture::{OnSpoolError, RecordSink};
-use crate::engine_options::{EngineOption, EngineOptionPolicy};
-use crate::limits::ListenerLimits;
 use crate::metrics::Metrics;
-use crate::normalize::SystemLayout;
 use crate::tls::CertificateAuthority;
 use crate::transparent::{InterceptList, DEFAULT_INTERCEPT};
 use crate::{CaptureService, ProxyConfig};
+use tokentap_service_kit::limits::ListenerLimits;
+use tokentap_wire::engine_options::{EngineOption, EngineOptionPolicy};
+use tokentap_wire::normalize::SystemLayout;
 
 #[derive(Clone, Copy, ValueEnum)]
 pub enum KindArg {

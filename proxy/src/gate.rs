@@ -24,7 +24,7 @@ pub trait CallGate: Send + Sync {
     /// Called once per model call, after the request is parsed and before the engine is
     /// asked; may wait (the harness just sees a slower answer). May change the request's
     /// sampling, model or passthrough fields, never its messages or tools: records rebuild
-    /// the conversation from the harness body ([`crate::replay`]).
+    /// the conversation from the harness body ([`tokentap_wire::replay`]).
     async fn admit(&self, session: Option<&str>, request: &mut ChatRequest) -> Admission;
 
     /// Called before a session's other engine requests (`count_tokens`, `/v1/models`): waits

@@ -5,23 +5,22 @@
 pub mod activity;
 pub mod app;
 pub mod backend;
-pub mod canonical;
-pub mod capped_body;
 pub mod capture;
 #[cfg(feature = "clap")]
 pub mod cli;
-pub mod engine_options;
 pub mod gate;
 pub mod harness;
-pub mod limits;
 pub mod metrics;
-pub mod normalize;
 pub mod redact;
 pub mod relay;
-pub mod replay;
 pub mod session;
 pub mod tls;
 pub mod transparent;
-pub mod wire;
 
 pub use app::{CaptureService, ProxyConfig};
+
+// The codecs and the canonical request (tokentap-wire) and the shared service pieces
+// (tokentap-service-kit) under the paths the proxy's modules always used.
+pub use tokentap_service_kit::{capped_body, limits};
+pub use tokentap_wire as wire;
+pub use tokentap_wire::{canonical, engine_options, normalize, replay};

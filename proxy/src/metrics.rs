@@ -9,6 +9,7 @@ use prometheus::{
 };
 
 use tokentap_schema::CaptureRecord;
+pub use tokentap_service_kit::metrics::{counter_in, gauge_in, registered};
 
 use crate::activity::SessionActivity;
 use crate::harness::Harness;
@@ -470,34 +471,6 @@ impl Metrics {
             .expect("encoding metrics to memory");
         buf
     }
-}
-
-/// A counter `name` registered in `registry` (each name once; the other binaries' registries
-/// use it too).
-pub fn counter_in(registry: &Registry, name: &str, help: &str) -> prometheus::IntCounter {
-    registered(
-        registry,
-        prometheus::IntCounter::new(name, help).expect("valid counter"),
-    )
-}
-
-/// A gauge `name` registered in `registry` (each name once).
-pub fn gauge_in(registry: &Registry, name: &str, help: &str) -> prometheus::IntGauge {
-    registered(
-        registry,
-        prometheus::IntGauge::new(name, help).expect("valid gauge"),
-    )
-}
-
-/// `metric`, registered in `registry` (each name once).
-pub fn registered<C: prometheus::core::Collector + Clone + 'static>(
-    registry: &Registry,
-    metric: C,
-) -> C {
-    registry
-        .register(Box::new(metric.clone()))
-        .expect("unique metric");
-    metric
 }
 
 /// Distinct model names kept as label values; later ones are `other`.

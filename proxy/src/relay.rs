@@ -16,9 +16,9 @@ use pingora::protocols::http::ServerSession;
 use tokentap_schema::ErrorKind;
 
 use crate::backend::{BackendError, GenerationStream};
-use crate::canonical::GenerationEvent;
 use crate::capture::CallCapture;
-use crate::wire::{CallError, StreamRenderer};
+use tokentap_wire::canonical::GenerationEvent;
+use tokentap_wire::{CallError, StreamRenderer};
 
 /// Where a streamed answer is written: the harness's connection (or, in tests, a recorder).
 /// Each method says whether the bytes were accepted.
@@ -279,9 +279,9 @@ mod tests {
     };
 
     use super::*;
-    use crate::canonical::Delta;
-    use crate::wire::chat_completions::ChatCompletions;
-    use crate::wire::{ResponseMeta, WireCodec};
+    use tokentap_wire::canonical::Delta;
+    use tokentap_wire::chat_completions::ChatCompletions;
+    use tokentap_wire::{ResponseMeta, WireCodec};
 
     /// Records what reaches the harness; refuses the writes `refuse` names, as a closed
     /// connection would.
@@ -587,7 +587,7 @@ mod tests {
     /// (llama.cpp).
     #[tokio::test]
     async fn message_start_carries_the_prompt_size_the_engine_told_first() {
-        use crate::wire::messages::Messages;
+        use tokentap_wire::messages::Messages;
         for told in [
             GenerationEvent::PromptTokens {
                 ids: vec![5, 6, 7],

@@ -10,7 +10,7 @@ use std::sync::Mutex;
 use sha2::{Digest, Sha256};
 use tokentap_schema::{ErrorKind, SessionSource};
 
-use crate::wire::{CallError, WireError};
+use tokentap_wire::{CallError, WireError};
 
 pub const SESSION_HEADER: &str = "x-tokentap-session";
 

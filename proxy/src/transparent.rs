@@ -24,9 +24,9 @@ use tokio_rustls::server::TlsStream;
 use tokio_rustls::TlsAcceptor;
 
 use crate::app::CaptureService;
-use crate::limits::ConnectionPermit;
 use crate::tls::sni::{peek_opening, Opening};
 use crate::tls::{server_config, CertificateAuthority};
+use tokentap_service_kit::limits::ConnectionPermit;
 
 /// LLM API hosts intercepted by default; everything else passes through untouched.
 pub const DEFAULT_INTERCEPT: &[&str] = &[

@@ -126,7 +126,7 @@ impl TipConversation {
                 wire_api,
                 normalizations,
                 answer,
-            } => match tokentap_proxy::replay::conversation(wire_api, &body, &normalizations) {
+            } => match tokentap_wire::replay::conversation(wire_api, &body, &normalizations) {
                 Ok((messages, tools)) => (
                     messages_json(&messages, answer.as_ref()),
                     tools_json(&tools),

@@ -93,7 +93,7 @@ pub fn readable(r: &CaptureRecord) -> Result<serde_json::Value, String> {
     let json = |e: serde_json::Error| e.to_string();
     let mut v =
         tokentap_schema::compact::expand_token_fields(serde_json::to_value(r).map_err(json)?);
-    if let Some(request) = tokentap_proxy::replay::backend_request(r)? {
+    if let Some(request) = tokentap_wire::replay::backend_request(r)? {
         v["backend_request"] = serde_json::to_value(request.as_ref()).map_err(json)?;
         if let Some(o) = v.as_object_mut() {
             o.remove("backend_conversation");

@@ -20,8 +20,8 @@ use tokentap_bus::partition::{GroupMetrics, WorkerContext};
 use tokentap_bus::topology::Topology;
 use tokentap_bus::BusConnect;
 use tokentap_control_plane::bearer::{self, BearerToken};
-use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, TraceSink};
+use tokentap_service_kit::metrics::{counter_in, gauge_in};
 
 /// What `tokentap worker --bus` serves besides the group's work.
 pub struct BusWorker<'a> {

@@ -25,11 +25,11 @@ use axum::{Json, Router};
 use prometheus::{Encoder, Gauge, Histogram, HistogramOpts, IntCounter, IntGauge, Registry};
 use serde_json::json;
 use tokentap_control_plane::bearer::{self, BearerToken};
-use tokentap_proxy::metrics::{counter_in, gauge_in};
 use tokentap_reconstruct::{LiveOptions, LiveReconstructor, LiveStats, RecentIds};
 use tokentap_schema::ship::{
     decode_batch, DecodedBatch, ShipAck, ShipLimits, SHIP_LIMITS_PATH, SHIP_PATH,
 };
+use tokentap_service_kit::metrics::{counter_in, gauge_in};
 use tokentap_spool::{
     FsyncPolicy, Handoff, HandoffStats, SpoolConfig, SpoolItem, SpoolReader, SpoolWriter,
 };

@@ -19,8 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use tokentap_proxy::backend::error_chain;
-use tokentap_proxy::capped_body::{self, MAX_BODY_READ};
+use tokentap_service_kit::capped_body::{self, MAX_BODY_READ};
+use tokentap_service_kit::error_chain;
 
 use anyhow::Context;
 use prometheus::IntCounter;

@@ -29,7 +29,7 @@ pub(crate) type AnswerBody = BoxStream<'static, Result<Bytes, io::Error>>;
 pub const DEFAULT_MAX_ANSWER_BYTES: usize = 256 << 20;
 
 /// The most of an error answer read, for its message.
-pub(crate) const MAX_ERROR_BODY: usize = crate::capped_body::MAX_BODY_READ;
+pub(crate) const MAX_ERROR_BODY: usize = tokentap_service_kit::capped_body::MAX_BODY_READ;
 
 /// A reqwest answer's body as an [`AnswerBody`] (its read timeout keeps its kind).
 pub(crate) fn from_reqwest(answer: reqwest::Response) -> AnswerBody {

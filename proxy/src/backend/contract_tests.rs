@@ -30,7 +30,7 @@ use super::openai_compat::TokenDialect;
 use super::sglang::SglangDialect;
 use super::vllm::VllmDialect;
 use super::{build, BackendConfig, BackendError, BackendKind, CallMode};
-use crate::canonical::{
+use tokentap_wire::canonical::{
     ChatMessage, ChatRequest, GenerationAccumulator, GenerationEvent, Role, TokenField, TokenSource,
 };
 

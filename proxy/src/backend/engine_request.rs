@@ -6,7 +6,7 @@ use serde::Serialize;
 use serde_json::Value;
 use tokentap_schema::RawJson;
 
-use crate::canonical::{ChatMessage, ChatRequest, ContentPart, ToolCall, ToolSpec};
+use tokentap_wire::canonical::{ChatMessage, ChatRequest, ContentPart, ToolCall, ToolSpec};
 
 /// A value a dialect sets to make its engine return token data.
 #[derive(Debug, Clone, Copy, PartialEq)]

@@ -1,4 +1,7 @@
 use tokentap_schema::ErrorKind;
+use tokentap_wire::CallError;
+
+pub use tokentap_service_kit::error_chain;
 
 /// What can go wrong talking to an engine.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -80,17 +83,23 @@ impl BackendError {
     }
 }
 
-/// An error with its causes, `: `-joined (reqwest and rustls say why only in the sources:
-/// "error sending request: … invalid peer certificate: UnknownIssuer").
-pub fn error_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
+/// The status the harness gets for an engine failure: the engine's 429 stays 429, its other
+/// 4xx a 400 of the harness's own request, anything else a gateway error.
+impl From<&BackendError> for CallError {
+    fn from(e: &BackendError) -> Self {
+        let status = match e {
+            BackendError::Unavailable(_) | BackendError::Protocol(_) => 502,
+            BackendError::Timeout(_) => 504,
+            BackendError::ContextLengthExceeded { .. } | BackendError::Refused(_) => 400,
+            BackendError::Status { status, .. } if *status == 429 => 429,
+            BackendError::Status { status, .. } if (400..500).contains(status) => 400,
+            BackendError::Status { .. } => 502,
+        };
+        CallError {
+            backend_status: e.backend_status(),
+            ..CallError::new(e.kind(), status, e.to_string())
+        }
     }
-    s
 }
 
 pub(crate) fn truncate(s: &str, max: usize) -> &str {

@@ -472,7 +472,7 @@ mod tests {
     async fn a_streamed_answer_read_to_its_finish_returns_its_connection() {
         use crate::backend::openai_compat::stream_events;
         use crate::backend::vllm::VllmDialect;
-        use crate::canonical::GenerationEvent;
+        use tokentap_wire::canonical::GenerationEvent;
 
         let scripts = [
             (Script::Answer(CHAT_ANSWER), 0),

@@ -8,8 +8,8 @@ use futures::stream::BoxStream;
 use tokentap_schema::BackendKind;
 
 use super::error::BackendError;
-use crate::canonical::{ChatRequest, GenerationEvent};
-use crate::normalize::ProbeOutcome;
+use tokentap_wire::canonical::{ChatRequest, GenerationEvent};
+use tokentap_wire::normalize::ProbeOutcome;
 
 /// A stream of generation events; an `Err` ends it.
 pub type GenerationStream = BoxStream<'static, Result<GenerationEvent, BackendError>>;

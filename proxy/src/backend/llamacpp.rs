@@ -17,9 +17,9 @@ use super::engine_request::{json_size_hint, to_bytes, EngineRequest, TokenParam}
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, content_logprobs, EngineClient, TokenDialect};
-use crate::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap, TokenSource};
-use crate::normalize::ProbeOutcome;
 use tokentap_schema::BackendKind;
+use tokentap_wire::canonical::{ChatRequest, GenerationEvent, TokenField, TokenGap, TokenSource};
+use tokentap_wire::normalize::ProbeOutcome;
 
 pub struct LlamaCppBackend {
     client: EngineClient,

@@ -52,7 +52,7 @@ pub mod decode {
     use super::sglang::SglangDialect;
     use super::vllm::VllmDialect;
     use super::{BackendError, BackendKind, GenerationStream};
-    use crate::canonical::{Delta, GenerationEvent, Usage};
+    use tokentap_wire::canonical::{Delta, GenerationEvent, Usage};
 
     /// The events of a whole answer body (what `CallMode::Whole` yields, minus llama.cpp's
     /// template-rendered prompt ids, which come from another endpoint).

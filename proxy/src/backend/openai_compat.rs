@@ -19,7 +19,7 @@ use super::error::truncate;
 use super::error::BackendError;
 use super::http1_engine::Http1Engine;
 use super::interface::{BackendConfig, CallMode, GenerationStream};
-use crate::canonical::{
+use tokentap_wire::canonical::{
     ChatRequest, Delta, FinishReason, GenerationEvent, TokenField, TokenGap, TokenSource,
     ToolCallDelta, Usage,
 };
@@ -517,8 +517,10 @@ mod tests {
     use crate::backend::sglang::SglangDialect;
     use crate::backend::vllm::VllmDialect;
     use crate::backend::BackendKind;
-    use crate::canonical::{ChatMessage, ContentPart, Role, SamplingParams, ToolCall, ToolSpec};
     use tokentap_schema::RawJson;
+    use tokentap_wire::canonical::{
+        ChatMessage, ContentPart, Role, SamplingParams, ToolCall, ToolSpec,
+    };
 
     /// Found by fuzz/fuzz_targets/openai_compat_chunk.rs: an id past `u32::MAX` was cast, so
     /// 15500000001954555 was recorded as token 4196569851.
@@ -1023,9 +1025,9 @@ mod tests {
     /// same tools (the fuzzer found `chat_body` panicking on one).
     #[test]
     fn a_schema_number_no_f64_holds_passes_through_to_the_engine() {
-        use crate::wire::chat_completions::ChatCompletions;
-        use crate::wire::messages::Messages;
-        use crate::wire::WireCodec;
+        use tokentap_wire::chat_completions::ChatCompletions;
+        use tokentap_wire::messages::Messages;
+        use tokentap_wire::WireCodec;
         let body = br#"{"model": "m", "max_tokens": 8, "messages": [{"role": "user", "content": "hi"}], "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {"n": {"maximum": 1e400}}}}]}"#;
         let request = Messages.parse(body).unwrap().request;
         let engine = chat_body(&request, CallMode::Whole);

@@ -18,8 +18,8 @@ use super::engine_request::TokenParam;
 use super::error::BackendError;
 use super::interface::{Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, EngineClient, TokenDialect};
-use crate::canonical::ChatRequest;
 use tokentap_schema::BackendKind;
+use tokentap_wire::canonical::ChatRequest;
 
 pub struct SglangBackend {
     client: EngineClient,

@@ -182,9 +182,10 @@ async fn a_stream_led_by_a_byte_order_mark_is_read() {
         .await;
     assert!(events.iter().all(Result::is_ok), "{events:?}");
     assert!(
-        events
-            .iter()
-            .any(|e| matches!(e, Ok(crate::canonical::GenerationEvent::Finished { .. }))),
+        events.iter().any(|e| matches!(
+            e,
+            Ok(tokentap_wire::canonical::GenerationEvent::Finished { .. })
+        )),
         "{events:?}"
     );
 }

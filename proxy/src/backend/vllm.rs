@@ -15,9 +15,9 @@ use super::engine_request::{json_size_hint, to_bytes, TokenParam, TokenizeChat};
 use super::error::BackendError;
 use super::interface::{probe_failure, Backend, CallMode, GenerationStream};
 use super::openai_compat::{self, EngineClient, TokenDialect};
-use crate::canonical::ChatRequest;
-use crate::normalize::ProbeOutcome;
 use tokentap_schema::BackendKind;
+use tokentap_wire::canonical::ChatRequest;
+use tokentap_wire::normalize::ProbeOutcome;
 
 pub struct VllmBackend {
     client: EngineClient,

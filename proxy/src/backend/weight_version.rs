@@ -18,8 +18,8 @@ use tokentap_schema::{BackendKind, EngineWeightVersion};
 use super::error::BackendError;
 use super::interface::{Backend, CallMode, CallScope, GenerationStream};
 use super::openai_compat::EngineClient;
-use crate::canonical::{ChatRequest, GenerationEvent};
-use crate::normalize::ProbeOutcome;
+use tokentap_wire::canonical::{ChatRequest, GenerationEvent};
+use tokentap_wire::normalize::ProbeOutcome;
 
 /// vLLM's RL route that names the weights it serves (`{"weight_version": …}`).
 const WEIGHT_INFO: &str = "/weight_info";

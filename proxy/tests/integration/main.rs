@@ -1,10 +1,8 @@
-//! The proxy's integration tests (golden wire traffic, replay, property tests), one module
-//! per subject in one test binary: a binary per file linked the dependency graph once each.
+//! The proxy's integration tests (replay, redaction, engine options, property tests; the wire
+//! codecs' golden traffic is tokentap-wire's), one module per subject in one test binary: a
+//! binary per file linked the dependency graph once each.
 
 mod engine_options;
 mod properties_redaction;
 mod properties_wire;
 mod replay;
-mod wire_golden;
-mod wire_messages;
-mod wire_responses;

@@ -15,7 +15,7 @@ use tokentap_schema::{
 
 fn harness_body(name: &str) -> Vec<u8> {
     let path = format!(
-        "{}/testdata/harness-wire/{name}",
+        "{}/../wire/testdata/harness-wire/{name}",
         env!("CARGO_MANIFEST_DIR")
     );
     let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();

@@ -37,7 +37,7 @@ mod rollout_cluster;
 mod rollout_token_mode;
 mod sandbox_uids;
 mod scripts_deps_cache;
-mod scripts_module_cycles;
+mod scripts_static_checks;
 mod sdk_types;
 mod secrets;
 mod sessions;

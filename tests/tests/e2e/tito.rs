@@ -494,7 +494,7 @@ async fn heavy_every_familys_call_grammar_is_accepted_and_read_back() {
     };
     let harness_tools = |name: &str| -> Vec<Value> {
         let path = format!(
-            "{}/../proxy/testdata/harness-wire/{name}.json",
+            "{}/../wire/testdata/harness-wire/{name}.json",
             env!("CARGO_MANIFEST_DIR")
         );
         let v: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();

@@ -8,7 +8,7 @@ use tokentap_answer_parse::Family;
 use tokentap_schema::{BackendKind, FinishReason};
 
 use crate::backend::error::BackendError;
-use crate::canonical::ChatRequest;
+use tokentap_wire::canonical::ChatRequest;
 
 /// One engine's ids-in endpoint: its request and a reader of its answer.
 pub(crate) trait IdsEngine: Clone + Send + Sync + 'static {

@@ -156,8 +156,8 @@ impl IdsDecoder for CompletionDecoder {
 mod tests {
     use super::super::ids::tools_json;
     use super::*;
-    use crate::canonical::ChatRequest;
     use tokentap_answer_parse::Family;
+    use tokentap_wire::canonical::ChatRequest;
 
     fn request(tools: Value) -> ChatRequest {
         serde_json::from_value(json!({"model": "m", "messages": [], "tools": tools})).unwrap()

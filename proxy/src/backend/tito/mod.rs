@@ -34,7 +34,7 @@ use super::answer_body;
 use super::error::BackendError;
 use super::interface::{Backend, CallMode, CallScope, GenerationStream};
 use super::openai_compat::EngineClient;
-use crate::canonical::{
+use tokentap_wire::canonical::{
     ChatRequest, Delta, GenerationEvent, TokenField, TokenGap, TokenSource, ToolCallDelta,
 };
 
@@ -563,8 +563,8 @@ mod tests {
     fn fold(
         reader: &mut AnswerReader,
         chunks: Vec<IdsChunk>,
-    ) -> crate::canonical::GenerationAccumulator {
-        let mut acc = crate::canonical::GenerationAccumulator::default();
+    ) -> tokentap_wire::canonical::GenerationAccumulator {
+        let mut acc = tokentap_wire::canonical::GenerationAccumulator::default();
         for c in chunks {
             for e in reader.chunk(c) {
                 acc.push(e);

@@ -1,11 +1,16 @@
-//! Provider wire APIs. Each module knows one provider's JSON and SSE shapes: it parses a
+//! Provider wire APIs. Each codec module knows one provider's JSON and SSE shapes: it parses a
 //! harness request into the canonical [`ChatRequest`] and renders generation events back in
-//! exactly the shape that provider's clients expect. None talks to a backend.
+//! exactly the shape that provider's clients expect. None talks to a backend, so what rebuilds
+//! a record's conversation offline ([`replay`]) needs no proxy.
 
+pub mod canonical;
 pub mod chat_completions;
+pub mod engine_options;
 mod error;
 mod json_body;
 pub mod messages;
+pub mod normalize;
+pub mod replay;
 pub mod responses;
 #[cfg(test)]
 mod stream_golden;

@@ -543,8 +543,8 @@ mod tests {
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.
     #[test]
     fn the_stream_is_written_byte_for_byte_as_before() {
-        let out = crate::wire::stream_golden::every_event_shape(&ChatCompletions, meta());
-        crate::wire::stream_golden::assert_golden("chat-stream.golden.sse", out);
+        let out = crate::stream_golden::every_event_shape(&ChatCompletions, meta());
+        crate::stream_golden::assert_golden("chat-stream.golden.sse", out);
     }
 
     #[test]
@@ -636,9 +636,7 @@ mod tests {
             v,
             json!({"error": {"message": "bad", "type": "invalid_request_error", "param": "messages", "code": null}})
         );
-        let overflow = CallError::from(&crate::backend::BackendError::ContextLengthExceeded {
-            message: "too long".into(),
-        });
+        let overflow = CallError::context_overflow("too long");
         let (status, body) = ChatCompletions.render_error(&overflow);
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(

@@ -1420,8 +1420,8 @@ mod tests {
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.
     #[test]
     fn the_stream_is_written_byte_for_byte_as_before() {
-        let out = crate::wire::stream_golden::every_event_shape(&Messages, meta());
-        crate::wire::stream_golden::assert_golden("messages-stream.golden.sse", out);
+        let out = crate::stream_golden::every_event_shape(&Messages, meta());
+        crate::stream_golden::assert_golden("messages-stream.golden.sse", out);
     }
 
     fn kinds(p: &ParsedCall) -> Vec<&str> {
@@ -2126,9 +2126,11 @@ mod tests {
             let (s, v) = body(&CallError::new(kind, status, "x"));
             assert_eq!((s, v["error"]["type"].as_str()), (status, Some(want)));
         }
-        let (s, v) = body(&CallError::from(&crate::backend::BackendError::Timeout(
-            "t".into(),
-        )));
+        let (s, v) = body(&CallError::new(
+            ErrorKind::BackendTimeout,
+            504,
+            "backend timed out: t",
+        ));
         assert_eq!(
             (s, v["error"]["type"].as_str()),
             (504, Some("timeout_error"))
@@ -2138,9 +2140,7 @@ mod tests {
     #[test]
     fn a_context_overflow_says_prompt_is_too_long() {
         let overflow = |m: &str| {
-            let e = CallError::from(&crate::backend::BackendError::ContextLengthExceeded {
-                message: m.into(),
-            });
+            let e = CallError::context_overflow(m);
             let (s, b) = Messages.render_error(&e);
             let v: Value = serde_json::from_slice(&b).unwrap();
             assert_eq!(s, 400);

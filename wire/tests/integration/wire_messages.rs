@@ -2,9 +2,9 @@
 //! requests Claude Code really sent, and SSE bodies it accepted).
 
 use serde_json::{json, Value};
-use tokentap_proxy::canonical::{Delta, FinishReason, Role, ToolCallDelta, Usage};
-use tokentap_proxy::wire::messages::Messages;
-use tokentap_proxy::wire::{ResponseMeta, WireCodec};
+use tokentap_wire::canonical::{Delta, FinishReason, Role, ToolCallDelta, Usage};
+use tokentap_wire::messages::Messages;
+use tokentap_wire::{ResponseMeta, WireCodec};
 
 fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!(

@@ -3,8 +3,6 @@
 
 use tokentap_schema::ErrorKind;
 
-use crate::backend::BackendError;
-
 /// A request the wire module could not accept.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error("{message}")]
@@ -68,28 +66,26 @@ impl CallError {
     }
 }
 
+#[cfg(test)]
+impl CallError {
+    /// A context overflow as the proxy makes it from its engine's answer (the codecs' tests).
+    pub(crate) fn context_overflow(message: impl std::fmt::Display) -> Self {
+        CallError {
+            backend_status: Some(400),
+            ..CallError::new(
+                ErrorKind::ContextLengthExceeded,
+                400,
+                format!("the prompt does not fit the model's context: {message}"),
+            )
+        }
+    }
+}
+
 impl From<WireError> for CallError {
     fn from(e: WireError) -> Self {
         CallError {
             param: e.param.clone(),
             ..CallError::new(ErrorKind::InvalidRequest, 400, e.message)
-        }
-    }
-}
-
-impl From<&BackendError> for CallError {
-    fn from(e: &BackendError) -> Self {
-        let status = match e {
-            BackendError::Unavailable(_) | BackendError::Protocol(_) => 502,
-            BackendError::Timeout(_) => 504,
-            BackendError::ContextLengthExceeded { .. } | BackendError::Refused(_) => 400,
-            BackendError::Status { status, .. } if *status == 429 => 429,
-            BackendError::Status { status, .. } if (400..500).contains(status) => 400,
-            BackendError::Status { .. } => 502,
-        };
-        CallError {
-            backend_status: e.backend_status(),
-            ..CallError::new(e.kind(), status, e.to_string())
         }
     }
 }

@@ -1623,7 +1623,7 @@ impl StreamRenderer for EventRenderer {
 mod tests {
     use super::*;
     use crate::canonical::GenerationEvent;
-    use crate::wire::stream_golden::call_delta;
+    use crate::stream_golden::call_delta;
 
     fn parse(v: Value) -> Result<ParsedCall, WireError> {
         Responses.parse(&serde_json::to_vec(&v).unwrap())
@@ -1645,8 +1645,8 @@ mod tests {
     /// The stream is written byte for byte as the `Value`-built renderer wrote it.
     #[test]
     fn the_stream_is_written_byte_for_byte_as_before() {
-        let out = crate::wire::stream_golden::every_event_shape(&Responses, meta());
-        crate::wire::stream_golden::assert_golden("responses-stream.golden.sse", out);
+        let out = crate::stream_golden::every_event_shape(&Responses, meta());
+        crate::stream_golden::assert_golden("responses-stream.golden.sse", out);
     }
 
     fn kinds(notes: &[Normalization], kind: &str) -> Vec<String> {
@@ -1902,9 +1902,7 @@ mod tests {
             v,
             json!({"error": {"message": "bad", "type": "invalid_request_error", "param": "input", "code": null}})
         );
-        let overflow = CallError::from(&crate::backend::BackendError::ContextLengthExceeded {
-            message: "too long".into(),
-        });
+        let overflow = CallError::context_overflow("too long");
         let v: Value = serde_json::from_slice(&Responses.render_error(&overflow).1).unwrap();
         assert_eq!(v["error"]["code"], "context_length_exceeded");
     }
@@ -2254,9 +2252,7 @@ mod tests {
             },
             &mut out,
         );
-        let overflow = CallError::from(&crate::backend::BackendError::ContextLengthExceeded {
-            message: "too long".into(),
-        });
+        let overflow = CallError::context_overflow("too long");
         r.error(&overflow, &mut out);
         r.finish(FinishReason::Stop, None, &mut out);
         let f = frames(&out);

@@ -6,7 +6,7 @@
 //! the same wire codec, with the system messages folded when the record lists
 //! `single_system_message`. That is exactly what the proxy sent, because parsing is a pure
 //! function of the body, and nothing after it changes the conversation but that fold (the
-//! admission gate may change sampling only: [`crate::gate::CallGate`]).
+//! admission gate may change sampling only: the proxy's `gate::CallGate`).
 
 use std::borrow::Cow;
 
@@ -15,11 +15,11 @@ use tokentap_schema::{
     WireApi,
 };
 
+use crate::chat_completions::ChatCompletions;
+use crate::messages::Messages;
 use crate::normalize::{fold_system_messages, SINGLE_SYSTEM_MESSAGE};
-use crate::wire::chat_completions::ChatCompletions;
-use crate::wire::messages::Messages;
-use crate::wire::responses::Responses;
-use crate::wire::WireCodec;
+use crate::responses::Responses;
+use crate::WireCodec;
 
 /// The codec of a wire API (none for `unparsed`).
 pub fn codec(api: WireApi) -> Option<&'static dyn WireCodec> {

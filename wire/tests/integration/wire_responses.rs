@@ -2,9 +2,9 @@
 //! (testdata/harness-wire/codex*: requests Codex CLI really sent and SSE bodies it accepted).
 
 use serde_json::Value;
-use tokentap_proxy::canonical::{Delta, FinishReason, Role, ToolCallDelta, Usage};
-use tokentap_proxy::wire::responses::Responses;
-use tokentap_proxy::wire::{ResponseMeta, WireCodec};
+use tokentap_wire::canonical::{Delta, FinishReason, Role, ToolCallDelta, Usage};
+use tokentap_wire::responses::Responses;
+use tokentap_wire::{ResponseMeta, WireCodec};
 
 fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!(
@@ -190,14 +190,14 @@ fn real_codex_requests_parse() {
 #[test]
 fn a_whole_answer_is_the_completed_response_of_the_stream() {
     // render_whole and the stream's response.completed describe the same answer.
-    let mut g = tokentap_proxy::canonical::GenerationAccumulator::default();
+    let mut g = tokentap_wire::canonical::GenerationAccumulator::default();
     for piece in ["Hello ", "from ", "mock. "] {
-        g.push(tokentap_proxy::canonical::GenerationEvent::Delta(Delta {
+        g.push(tokentap_wire::canonical::GenerationEvent::Delta(Delta {
             content: Some(piece.into()),
             ..Default::default()
         }));
     }
-    g.push(tokentap_proxy::canonical::GenerationEvent::Finished {
+    g.push(tokentap_wire::canonical::GenerationEvent::Finished {
         finish_reason: FinishReason::Stop,
         usage: usage(),
     });

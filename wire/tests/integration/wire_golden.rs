@@ -2,9 +2,9 @@
 //! harnesses really sent and SSE bodies they accepted).
 
 use serde_json::Value;
-use tokentap_proxy::canonical::{Delta, FinishReason, Role, Usage};
-use tokentap_proxy::wire::chat_completions::ChatCompletions;
-use tokentap_proxy::wire::{ResponseMeta, WireCodec};
+use tokentap_wire::canonical::{Delta, FinishReason, Role, Usage};
+use tokentap_wire::chat_completions::ChatCompletions;
+use tokentap_wire::{ResponseMeta, WireCodec};
 
 fn fixture(name: &str) -> String {
     std::fs::read_to_string(format!(
