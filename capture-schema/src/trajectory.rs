@@ -93,7 +93,8 @@ pub struct TraceCall {
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub engine_weight_version: Option<String>,
     /// The engine's weights changed while the call ran: its tokens may come from two policies.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// Always written (Parquet's columns are the same in every row).
+    #[serde(default)]
     pub straddles_weight_update: bool,
 }
 
@@ -129,8 +130,9 @@ pub struct Trace {
     /// True when the calls were served by more than one policy version.
     pub spans_policy_versions: bool,
     /// True when the engine reported more than one weight version for the calls, or a call
-    /// straddled a weight update (`TraceCall::straddles_weight_update`).
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    /// straddled a weight update (`TraceCall::straddles_weight_update`). Always written, as
+    /// `spans_policy_versions` is.
+    #[serde(default)]
     pub spans_engine_weight_versions: bool,
     /// The last call's conversation plus its answer, as JSON text, for reference.
     pub messages_json: String,

@@ -174,6 +174,10 @@ class TraceCall(_TraceCallBase, total=False):
 
     finish_reason: Optional[str]
     policy_version: Optional[str]
+    # `--engine-weight-version`: the engine's weight version when the call ended, and whether
+    # it changed while the call ran.
+    engine_weight_version: Optional[str]
+    straddles_weight_update: bool
 
 
 class _TraceBase(TypedDict):
@@ -204,6 +208,9 @@ class Trace(_TraceBase, total=False):
     # `--token-mode tito`: why tito rendered the trace's first call whole (`first`, `edited`,
     # `compacted`, ...); None when it extended an earlier call or was not built in tito.
     tito_branch: Optional[str]
+    # The engine reported more than one weight version for the calls, or a call straddled an
+    # update.
+    spans_engine_weight_versions: bool
 
 
 class TraceArrays(TypedDict):

