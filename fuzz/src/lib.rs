@@ -109,6 +109,11 @@ pub fn check_events(events: &[GenerationEvent], ended_ok: bool, input: &[u8]) {
             GenerationEvent::Gap(_) => {}
             GenerationEvent::TokenIn(_) => assert_eq!(finished, 0, "token_in after Finished"),
             GenerationEvent::Finished { .. } => finished += 1,
+            // Only the `--engine-weight-version` decorator adds it, after the engine's answer;
+            // a decoder that made one would be inventing engine state.
+            GenerationEvent::EngineWeightVersion(_) => {
+                panic!("a decoder yielded an engine weight version")
+            }
         }
     }
     assert!(prompts <= 1, "prompt ids {prompts} times");

@@ -869,3 +869,123 @@ fn the_engine_url_is_shown_without_its_password() {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// (c) `--engine-weight-version`: vLLM's `GET /weight_info` read around each call.
+
+/// The vLLM double with vLLM's `/weight_info` beside it (`{"weight_version": …}`, as vLLM 0.32
+/// answers in dev mode). With `updates_during_call`, the chat route moves the version on
+/// before it answers: a trainer's update landing while the call runs. Without
+/// `serves_weight_info`, the route is absent (an engine not in dev mode: 404).
+async fn weight_versioned_double(
+    version: Arc<std::sync::atomic::AtomicU64>,
+    updates_during_call: bool,
+    serves_weight_info: bool,
+) -> String {
+    use std::sync::atomic::Ordering;
+    type ChatState = (
+        VllmContractDouble,
+        Recorded,
+        Arc<std::sync::atomic::AtomicU64>,
+        bool,
+    );
+    async fn chat(
+        State((double, recorded, version, updates)): State<ChatState>,
+        req: Json<Value>,
+    ) -> Response {
+        if updates {
+            version.fetch_add(1, Ordering::SeqCst);
+        }
+        vllm_chat(State((double, recorded)), req).await
+    }
+    async fn weight_info(State(version): State<Arc<std::sync::atomic::AtomicU64>>) -> Response {
+        json_response(
+            StatusCode::OK,
+            json!({"weight_version": version.load(Ordering::SeqCst).to_string()}),
+        )
+    }
+    let mut app = Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .with_state((
+            VllmContractDouble::CURRENT,
+            Recorded::default(),
+            version.clone(),
+            updates_during_call,
+        ));
+    if serves_weight_info {
+        app = app.merge(
+            Router::new()
+                .route("/weight_info", axum::routing::get(weight_info))
+                .with_state(version),
+        );
+    }
+    serve(app).await
+}
+
+async fn versioned_generate(url: &str, mode: CallMode) -> Vec<GenerationEvent> {
+    let cfg = config(BackendKind::Vllm, url);
+    let inner: Arc<dyn super::Backend> = Arc::from(build(cfg.clone()).unwrap());
+    let backend = super::with_engine_weight_version(inner, &cfg).unwrap();
+    let events = backend.generate(&chat_request(), mode).await.unwrap();
+    events
+        .collect::<Vec<_>>()
+        .await
+        .into_iter()
+        .collect::<Result<_, _>>()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn the_engine_weight_version_is_read_before_and_after_each_call() {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    for mode in MODES {
+        // Steady weights: the same version on both sides, no straddle; the answer whole.
+        let version = Arc::new(AtomicU64::new(7));
+        let url = weight_versioned_double(version.clone(), false, true).await;
+        let acc = fold(&versioned_generate(&url, mode).await);
+        let v = acc.engine_weight_version.clone().expect("versions read");
+        assert_eq!(
+            (v.at_start.as_deref(), v.at_end.as_deref()),
+            (Some("7"), Some("7")),
+            "{mode:?}"
+        );
+        assert!(!v.straddles_update(), "{mode:?}");
+        assert_eq!(acc.completion_ids, SAMPLED_IDS, "{mode:?}");
+
+        // The positive control: an update lands while the call runs, and the call says so.
+        let url = weight_versioned_double(version.clone(), true, true).await;
+        let v = fold(&versioned_generate(&url, mode).await)
+            .engine_weight_version
+            .expect("versions read");
+        assert_eq!(
+            (v.at_start.as_deref(), v.at_end.as_deref()),
+            (Some("7"), Some("8")),
+            "{mode:?}"
+        );
+        assert!(v.straddles_update(), "{mode:?}");
+        assert_eq!(version.load(Ordering::SeqCst), 8);
+    }
+}
+
+#[tokio::test]
+async fn an_engine_that_names_no_weight_version_leaves_it_unknown_and_answers_whole() {
+    let version = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let url = weight_versioned_double(version, false, false).await;
+    for mode in MODES {
+        let acc = fold(&versioned_generate(&url, mode).await);
+        let v = acc
+            .engine_weight_version
+            .clone()
+            .expect("the event is there");
+        assert_eq!((v.at_start, v.at_end), (None, None), "{mode:?}");
+        assert_eq!(acc.completion_ids, SAMPLED_IDS, "{mode:?}");
+        assert!(acc.gaps.is_empty(), "{mode:?}");
+    }
+    // Only vLLM names its weights: the flag on another engine is refused at start.
+    let cfg = config(BackendKind::Llamacpp, "http://127.0.0.1:9");
+    let inner: Arc<dyn super::Backend> = Arc::from(build(cfg.clone()).unwrap());
+    let err = super::with_engine_weight_version(inner, &cfg)
+        .err()
+        .expect("refused");
+    assert!(err.to_string().contains("/weight_info"), "{err}");
+}
