@@ -1,7 +1,8 @@
 //! The task a trainer submits (POST /v1/rollouts): rollout/src/task.rs's `TaskSpec` parsed
 //! from the body, then the node's `over_ceilings` check, as rollout/src/api.rs `submit` does.
-//! task.rs is compiled in here (#[path]) rather than through the rollout crate, whose other
-//! dependencies (eBPF loader, redb, …) do not parse tasks.
+//! task.rs (and runner.rs, which it checks commands with) is compiled in here (#[path]) rather
+//! than through the rollout crate, whose other dependencies (eBPF loader, redb, …) do not parse
+//! tasks.
 //! Invariants: a parsed task is stored as JSON and reads back equal; a task the node admits
 //! asks for 1..=max samples, budgets within the ceiling, and limits within the node's.
 #![no_main]
@@ -9,6 +10,10 @@
 #[allow(dead_code)]
 #[path = "../../rollout/src/task.rs"]
 mod task;
+// task.rs checks a task's commands with the node's runner (what runs, resolved by the node).
+#[allow(dead_code)]
+#[path = "../../rollout/src/runner.rs"]
+mod runner;
 
 use libfuzzer_sys::fuzz_target;
 use task::{NodeCeilings, TaskSpec};
