@@ -275,7 +275,7 @@ def main() -> None:
             output_dir=os.path.join(work, "trainer"),
             use_cpu=True, bf16=False, fp16=False,
             learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0,
-            weight_decay=0.0, max_grad_norm=None if args.lr == 0 else 1.0,
+            weight_decay=0.0, max_grad_norm=0.0 if args.lr == 0 else 1.0,  # 0: no clipping (None crashes transformers 5)
             per_device_train_batch_size=args.groups * args.generations,
             gradient_accumulation_steps=1, num_generations=args.generations,
             max_steps=args.steps, num_iterations=1, beta=0.0, temperature=1.0,
